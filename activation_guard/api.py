@@ -1,0 +1,377 @@
+"""The plain Python API: record, compare, compare_models. Everything else is glue over these."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import env as envmod
+from .capture import Leaf, check_model, flatten, hooked, normalize_inputs, normalize_patterns, run_forward, selected
+from .compare import LayerResult, LeafResult, compare_tensors, dtype_name, leaf_from_stats
+from .errors import ActivationGuardError, GoldenFormatError
+from .report import Report
+from .store import CallEntry, GoldenReader, GoldenWriter, LeafEntry
+from .tolerances import DTYPE_DEFAULTS, Tolerance, ToleranceResolver
+
+# precision rank for allow_dtype_change: the lower precision's tolerance applies
+_PRECISION = {"float64": 4, "float32": 3, "float16": 2, "bfloat16": 1}
+
+
+@dataclass
+class RecordSummary:
+    """What :func:`record` wrote."""
+
+    path: str
+    layer_calls: int
+    leaves: int
+    nbytes: int  # raw bytes of all stored tensors
+    file_bytes: int
+    names: list[str] = field(default_factory=list)
+    output: Any = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "layer_calls": self.layer_calls, "leaves": self.leaves, "nbytes": self.nbytes, "file_bytes": self.file_bytes}
+
+    def __str__(self) -> str:
+        return (f"activation_guard: recorded {self.layer_calls} layer calls ({self.leaves} outputs, "
+                f"{self.nbytes / 1e6:.3g} MB of values) to {self.path} ({self.file_bytes / 1e6:.3g} MB)")
+
+
+class _StopForward(Exception):
+    """Raised from a hook to end the forward early (fail_fast)."""
+
+
+# --------------------------------------------------------------------------- record
+
+
+def _plain(leaves: list[Leaf]) -> list[Leaf]:
+    return leaves
+
+
+def _build_meta(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], include: Any, exclude: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    dev = envmod.model_device(model, args, kwargs)
+    m = type(model)
+    meta: dict[str, Any] = {
+        "versions": envmod.versions(),
+        "device": envmod.device_info(dev),
+        "model_class": f"{m.__module__}.{m.__qualname__}",
+        "training": bool(model.training),
+        "inputs": envmod.input_fingerprint(args, kwargs),
+        "numerics": envmod.numerics_flags(),
+        "include": include,
+        "exclude": exclude,
+    }
+    if extra:
+        meta.update(extra)
+    return meta
+
+
+def record(
+    model: torch.nn.Module,
+    args: Any = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    path: str | os.PathLike[str],
+    include: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
+    compression: str | None = None,
+) -> RecordSummary:
+    """Run ``model(*args, **kwargs)`` once and write every layer's outputs to a golden.
+
+    The write is atomic: the golden at ``path`` is replaced only after the new one is complete,
+    so an error or a kill mid-forward leaves the previous golden as it was.
+    """
+    model = check_model(model)
+    a, kw = normalize_inputs(args, kwargs)
+    inc = normalize_patterns(include, "include")
+    exc = normalize_patterns(exclude, "exclude")
+    meta = _build_meta(model, a, kw, inc, exc)  # fingerprint inputs before the forward can mutate them
+    writer = GoldenWriter(path, compression=compression)
+    names: list[str] = []
+
+    def on_output(name: str, call: int, module: torch.nn.Module, output: Any) -> None:
+        try:
+            writer.add_call(name, call, type(module).__name__, flatten(output))
+        except ActivationGuardError:
+            raise
+        except Exception as e:
+            raise ActivationGuardError(f"recording layer {name or '<root>'!r} call {call} failed: {e}") from e
+        if call == 0:
+            names.append(name)
+
+    try:
+        with hooked(model, on_output, inc, exc) as state:
+            out = run_forward(model, a, kw, state)
+        meta["layer_calls"] = len(writer.calls)
+        writer.commit(meta)
+    except BaseException:
+        writer.abort()
+        raise
+    return RecordSummary(
+        path=writer.path, layer_calls=len(writer.calls), leaves=writer.nleaves, nbytes=writer.nbytes,
+        file_bytes=os.path.getsize(writer.path), names=names, output=out,
+    )
+
+
+# --------------------------------------------------------------------------- rename
+
+
+def _compile_rename(rename: Mapping[str, str] | None) -> list[tuple[re.Pattern[str], str]]:
+    rules = []
+    for src, dst in (rename or {}).items():
+        if not isinstance(src, str) or not isinstance(dst, str):
+            raise TypeError(f"rename maps golden names to live names (str -> str), got {src!r}: {dst!r}")
+        if any(c in src for c in "*?"):
+            rx = "".join("(.*)" if c == "*" else "(.)" if c == "?" else re.escape(c) for c in src)
+            nstar = src.count("*") + src.count("?")
+            if dst.count("*") + dst.count("?") not in (0, nstar):
+                raise ValueError(f"rename[{src!r}]: the target {dst!r} must use as many wildcards as the pattern")
+            k = iter(range(1, nstar + 1))
+            repl = "".join(f"\\g<{next(k)}>" if c in "*?" else c.replace("\\", "\\\\") for c in dst)
+            rules.append((re.compile(rx + r"\Z"), repl))
+        else:  # prefix rule on whole dotted components
+            rules.append((re.compile(re.escape(src) + r"(?=\.|\Z)"), dst.replace("\\", "\\\\")))
+    return rules
+
+
+def apply_rename(name: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
+    for rx, repl in rules:
+        m = rx.match(name)
+        if m:
+            new = m.expand(repl) + name[m.end():]
+            return new.strip(".") if new.startswith(".") or new.endswith(".") else new
+    return name
+
+
+# --------------------------------------------------------------------------- compare
+
+
+class _Comparator:
+    """Compares each live layer call against its golden as soon as the layer returns."""
+
+    def __init__(self, reader: GoldenReader, resolver: ToleranceResolver, rules: list[tuple[re.Pattern[str], str]],
+                 include: list[str] | None, exclude: list[str] | None, fail_fast: bool, allow_dtype_change: bool):
+        self.reader = reader
+        self.resolver = resolver
+        self.fail_fast = fail_fast
+        self.allow_dtype_change = allow_dtype_change
+        self.results: list[LayerResult] = []
+        self.seen: set[tuple[str, int]] = set()
+        self.live_to_golden: dict[str, str] = {}
+        self.golden_calls: dict[str, int] = {}
+        for c in reader.calls:
+            live = apply_rename(c.name, rules)
+            prev = self.live_to_golden.get(live)
+            if prev is not None and prev != c.name:
+                raise ValueError(f"rename maps golden layers {prev!r} and {c.name!r} both to {live!r}")
+            self.live_to_golden[live] = c.name
+            self.golden_calls[c.name] = max(self.golden_calls.get(c.name, 0), c.call + 1)
+        self.golden_selected = [c for c in reader.calls if selected(apply_rename(c.name, rules), include, exclude)]
+        self.golden_to_live = {g: live for live, g in self.live_to_golden.items()}
+
+    def on_output(self, name: str, call: int, module: torch.nn.Module, output: Any) -> None:
+        pos = len(self.results)
+        gname = self.live_to_golden.get(name, name)
+        entry = self.reader.by_key.get((gname, call))
+        tname = type(module).__name__
+        if entry is None:
+            known = self.golden_calls.get(gname)
+            detail = (f"the golden has {known} call(s) of this layer; this is call {call}" if known
+                      else "this layer is not in the golden (new layer, or renamed: see `rename=`)")
+            res = LayerResult(name, call, "unexpected", tname, position=pos, detail=detail)
+        else:
+            self.seen.add((gname, call))
+            leaves = self._compare_call(entry, flatten(output), name)
+            res = LayerResult.from_leaves(name, call, tname, leaves, position=pos, golden_position=entry.position,
+                                          golden_name=gname if gname != name else None)
+            if entry.type_name and entry.type_name != tname and res.ok:
+                res.detail = f"module type changed {entry.type_name} -> {tname} (values still match)"
+        self.results.append(res)
+        if self.fail_fast and not res.ok:
+            raise _StopForward
+
+    def _tolerance(self, name: str, gdt: str, ldt: str) -> Tolerance:
+        kind = "float"
+        from .dtypes import BY_NAME
+        info = BY_NAME.get(gdt)
+        if info is not None:
+            kind = info.kind
+        if gdt != ldt and self.allow_dtype_change and _PRECISION.get(gdt) and _PRECISION.get(ldt):
+            low = gdt if _PRECISION[gdt] < _PRECISION[ldt] else ldt
+            tol = self.resolver.resolve(name, low, "float")
+            return Tolerance(tol.rtol, tol.atol, tol.source + f" (dtype change {gdt}->{ldt})")
+        return self.resolver.resolve(name, gdt, kind)
+
+    def _compare_call(self, entry: CallEntry, leaves: list[Leaf], name: str) -> list[LeafResult]:
+        live = {leaf.path: leaf for leaf in leaves}
+        results: list[LeafResult] = []
+        gpaths = {g.path for g in entry.leaves}
+        for g in entry.leaves:
+            lv = live.get(g.path)
+            if lv is None:
+                results.append(LeafResult(g.path, "structure", f"output {g.path or '(output)'} ({_kind(g)}) is missing from the live output"))
+                continue
+            results.append(self._compare_leaf(g, lv, name, entry.call))
+        for leaf in leaves:
+            if leaf.path not in gpaths:
+                results.append(LeafResult(leaf.path, "structure", f"output {leaf.path or '(output)'} ({leaf.type_name}) is new in the live output"))
+        return results
+
+    def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, call: int) -> LeafResult:
+        p = g.path
+        if g.kind != lv.kind:
+            return LeafResult(p, "structure", f"output {p or '(output)'} was {_kind(g)}, is now {lv.type_name}")
+        if g.kind == "none":
+            return LeafResult(p, "match")
+        if g.kind == "object":
+            if g.type_name != lv.type_name:
+                return LeafResult(p, "structure", f"output {p or '(output)'} type changed {g.type_name} -> {lv.type_name}")
+            return LeafResult(p, "match", f"{g.type_name} object: recorded by type only")
+        if g.kind == "str":
+            if g.value != lv.value:
+                return LeafResult(p, "diverged", f"output {p or '(output)'} {g.value!r} -> {lv.value!r}")
+            return LeafResult(p, "match")
+        t = lv.tensor
+        assert t is not None and g.dtype is not None
+        ldt = dtype_name(t)
+        lshape = tuple(int(s) for s in t.shape)
+        if lshape != g.shape:
+            return LeafResult(p, "shape", f"output {p or '(output)'} shape {list(g.shape)} -> {list(lshape)}",
+                              dtype=g.dtype, live_dtype=ldt, shape=g.shape, live_shape=lshape, numel=g.numel)
+        if ldt != g.dtype and not (self.allow_dtype_change and _PRECISION.get(ldt) and _PRECISION.get(g.dtype)):
+            return LeafResult(p, "dtype", f"output {p or '(output)'} dtype {g.dtype} -> {ldt}",
+                              dtype=g.dtype, live_dtype=ldt, shape=g.shape, live_shape=lshape, numel=g.numel)
+        tol = self._tolerance(name, g.dtype, ldt)
+        golden = self.reader.load(g, f"layer {name!r} call {call} output {p!r}")
+        if ldt != g.dtype:
+            golden, t = golden.float(), t.float()
+        exact = tol.rtol == 0 and tol.atol == 0 and g.dtype not in DTYPE_DEFAULTS
+        st = compare_tensors(golden, t, tol.rtol, tol.atol, exact=exact)
+        res = leaf_from_stats(p, g.dtype, ldt, g.shape, st, tol.rtol, tol.atol, tol.source)
+        if ldt != g.dtype:
+            res.detail = (res.detail + "; " if res.detail else "") + f"dtype {g.dtype} -> {ldt} allowed (compared in float32)"
+        return res
+
+    def finish(self) -> tuple[list[LayerResult], dict[int, tuple[float, int]]]:
+        results = list(self.results)
+        order: dict[int, tuple[float, int]] = {}
+        # place each missing call where the live run passed its spot in the golden order
+        live_gpos = [(r.golden_position, r.position) for r in results if r.golden_position is not None]
+        for c in self.golden_selected:
+            if (c.name, c.call) in self.seen:
+                continue
+            later = [lp for gp, lp in live_gpos if gp is not None and gp > c.position]
+            at = float(min(later)) - 0.5 if later else math.inf
+            ran = self.golden_calls.get(c.name, 0)
+            live_name = self.golden_to_live.get(c.name, c.name)
+            made = sum(1 for r in results if r.name == live_name)
+            detail = (f"the live run made {made} call(s) of this layer; the golden has {ran}" if made
+                      else "this layer did not run (removed, renamed, or skipped by control flow)")
+            lr = LayerResult(live_name, c.call, "missing", c.type_name, golden_position=c.position, detail=detail,
+                             golden_name=c.name if c.name != live_name else None)
+            order[len(results)] = (at, c.position)
+            results.append(lr)
+        return results, order
+
+
+def _kind(g: LeafEntry) -> str:
+    if g.kind == "tensor":
+        return f"a {g.dtype} tensor"
+    return g.type_name or g.kind
+
+
+def compare(
+    model: torch.nn.Module,
+    args: Any = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    path: str | os.PathLike[str],
+    rtol: float | None = None,
+    atol: float | None = None,
+    tolerances: Mapping[str, Any] | None = None,
+    include: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
+    fail_fast: bool = False,
+    rename: Mapping[str, str] | None = None,
+    allow_dtype_change: bool = False,
+) -> Report:
+    """Run the model with hooks and compare every layer call against the golden at ``path``.
+
+    Comparison streams: each layer's golden is read when that layer returns, and compared while
+    its output is still as the layer produced it. Memory stays near one layer's worth of data.
+    """
+    model = check_model(model)
+    a, kw = normalize_inputs(args, kwargs)
+    inc = normalize_patterns(include, "include")
+    exc = normalize_patterns(exclude, "exclude")
+    live_inputs = envmod.input_fingerprint(a, kw)
+    dev = envmod.model_device(model, a, kw)
+    reader = GoldenReader(path)
+    try:
+        gmeta = reader.meta
+        gdev = gmeta.get("device", {}).get("device") if isinstance(gmeta.get("device"), dict) else None
+        resolver = ToleranceResolver(rtol, atol, tolerances, golden_device=gdev, live_device=str(dev))
+        comp = _Comparator(reader, resolver, _compile_rename(rename), inc, exc, fail_fast, allow_dtype_change)
+        stopped = False
+        out = None
+        with hooked(model, comp.on_output, inc, exc) as state:
+            try:
+                out = run_forward(model, a, kw, state)
+            except _StopForward:
+                stopped = True
+        layers, order = comp.finish()
+        if stopped:  # golden-only calls after the stop were never reached: not "missing"
+            keep = [i for i, layer in enumerate(layers) if layer.status != "missing"]
+            layers = [layers[i] for i in keep]
+            order = {}
+    finally:
+        reader.close()
+    env_changes = envmod.describe_env_change(gmeta.get("numerics"), envmod.numerics_flags())
+    gv = gmeta.get("versions") if isinstance(gmeta.get("versions"), dict) else {}
+    for k in ("torch", "cuda"):
+        lv = envmod.versions().get(k)
+        if gv.get(k) and lv and gv.get(k) != lv:
+            env_changes.append(f"{k}: golden {gv.get(k)}, live {lv}")
+    inputs_raw = gmeta.get("inputs")
+    report = Report(
+        path=os.fspath(path), layers=layers, golden_meta=gmeta, live_device=str(dev),
+        input_changes=envmod.describe_input_change(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs),
+        env_changes=env_changes, stopped_early=stopped, output=out, _order=order,
+    )
+    if resolver.cross_device:
+        report.notes.append(f"golden recorded on {gdev}, live run on {dev}: {resolver.device_pair} default tolerances apply")
+    return report
+
+
+def compare_models(
+    reference: torch.nn.Module,
+    candidate: torch.nn.Module,
+    args: Any = (),
+    kwargs: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Report:
+    """Refactor verification without files on disk: where does ``candidate`` depart from
+    ``reference`` on the same inputs? The reference is recorded to a temporary golden (bounded
+    memory, same code path as a stored golden) and the candidate compared against it."""
+    include, exclude = options.get("include"), options.get("exclude")
+    with tempfile.TemporaryDirectory(prefix="activation_guard-") as d:
+        p = os.path.join(d, "reference.h5")
+        record(reference, args, kwargs, path=p, include=include, exclude=exclude)
+        report = compare(candidate, args, kwargs, path=p, **options)
+    report.path = f"<reference {type(reference).__name__}>"
+    return report
+
+
+def read_golden(path: str | os.PathLike[str]) -> GoldenReader:
+    """Open a golden for reading (validated; use as a context manager)."""
+    r = GoldenReader(path)
+    if not isinstance(r.meta, dict):
+        raise GoldenFormatError(path, "has no metadata")
+    return r

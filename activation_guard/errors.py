@@ -1,0 +1,49 @@
+"""Exception types. Every error about a golden names the file and says how to fix it."""
+
+from __future__ import annotations
+
+import os
+
+UPDATE_HINT = "re-record it (`pytest --ag-update`, or `activation_guard.record(...)`)"
+
+
+class ActivationGuardError(Exception):
+    """Base class for all activation_guard errors."""
+
+
+class UnsupportedModelError(ActivationGuardError, TypeError):
+    """The model cannot be hooked faithfully (torch.compile, TorchScript, DataParallel...)."""
+
+
+class GoldenError(ActivationGuardError):
+    """A golden file could not be used. ``path`` is the file at fault."""
+
+    def __init__(self, path: str | os.PathLike[str], problem: str, fix: str | None = UPDATE_HINT):
+        self.path = os.fspath(path)
+        self.problem = problem
+        self.fix = fix
+        msg = f"golden {self.path}: {problem}"
+        if fix:
+            msg += f"; to fix: {fix}"
+        super().__init__(msg)
+
+
+class GoldenNotFoundError(GoldenError, FileNotFoundError):
+    pass
+
+
+class GoldenFormatError(GoldenError):
+    """Not a golden, a golden of an unknown/newer format version, or inconsistent contents."""
+
+
+class GoldenCorruptError(GoldenError):
+    """Stored bytes fail their checksum: the file was damaged after it was written."""
+
+
+class GoldenSecurityError(GoldenError):
+    """The file uses HDF5 features a golden never uses and that could read other files
+    (external links, external storage, virtual datasets) or load code (filter plugins)."""
+
+
+class GoldenWriteError(GoldenError, OSError):
+    """Writing failed; the previous golden (if any) is untouched."""

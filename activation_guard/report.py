@@ -1,0 +1,206 @@
+"""The comparison report: what failed first, by how much, under which tolerances.
+
+The text leads with one line that answers "where and why", then the numbers a person needs to
+act (mismatch count, worst element with golden and live values, tolerances in force), then a
+little context and totals. A passing report is one line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from .compare import STATUS_ORDER, LayerResult
+
+CONTEXT_BEFORE = 3
+CONTEXT_AFTER = 4
+
+WHY = {
+    "diverged": "values outside tolerance",
+    "nonfinite": "new NaN/Inf values",
+    "shape": "output shape changed",
+    "dtype": "output dtype changed",
+    "structure": "output structure changed",
+    "missing": "layer call did not run",
+    "unexpected": "layer call not in the golden",
+}
+
+
+def fmt(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, complex):
+        return f"{x.real:.7g}{x.imag:+.7g}j"
+    if isinstance(x, float):
+        if math.isnan(x) or math.isinf(x):
+            return str(x)
+        if x == 0:
+            return "0"
+        return f"{x:.7g}" if 1e-3 <= abs(x) < 1e6 else f"{x:.3e}"
+    return str(x)
+
+
+def fmt_diff(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    return "0" if x == 0 else f"{x:.2e}"
+
+
+@dataclass
+class Report:
+    """Result of :func:`activation_guard.compare`.
+
+    ``layers`` lists live layer calls in execution order, then golden-only (``missing``) calls.
+    ``first_divergence`` is the earliest divergence in execution order; a missing call counts at
+    the point where the live run passed its place in the golden's order.
+    """
+
+    path: str
+    layers: list[LayerResult]
+    golden_meta: dict[str, Any] = field(default_factory=dict)
+    live_device: str = "cpu"
+    input_changes: list[str] = field(default_factory=list)
+    env_changes: list[str] = field(default_factory=list)
+    stopped_early: bool = False
+    mode: str = "strict"
+    notes: list[str] = field(default_factory=list)
+    output: Any = field(default=None, repr=False, compare=False)
+    _order: dict[int, tuple[float, int]] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return all(layer.ok for layer in self.layers)
+
+    @property
+    def live_count(self) -> int:
+        return sum(1 for layer in self.layers if layer.position is not None)
+
+    def _key(self, i: int, layer: LayerResult) -> tuple[float, int]:
+        if i in self._order:
+            return self._order[i]
+        return (float(layer.position) if layer.position is not None else math.inf, 0)
+
+    @property
+    def divergences(self) -> list[LayerResult]:
+        bad = [(self._key(i, layer), layer) for i, layer in enumerate(self.layers) if not layer.ok]
+        bad.sort(key=lambda kv: kv[0])
+        return [layer for _, layer in bad]
+
+    @property
+    def first_divergence(self) -> LayerResult | None:
+        d = self.divergences
+        return d[0] if d else None
+
+    def counts(self) -> dict[str, int]:
+        c = Counter(layer.status for layer in self.layers)
+        return {s: c.get(s, 0) for s in STATUS_ORDER if c.get(s, 0)}
+
+    def to_dict(self) -> dict[str, Any]:
+        fd = self.first_divergence
+        return {
+            "ok": self.ok,
+            "golden": self.path,
+            "mode": self.mode,
+            "live_device": self.live_device,
+            "golden_device": self.golden_meta.get("device", {}).get("device") if isinstance(self.golden_meta.get("device"), dict) else None,
+            "first_divergence": None if fd is None else {"name": fd.name, "call": fd.call, "status": fd.status, "position": fd.position},
+            "counts": self.counts(),
+            "stopped_early": self.stopped_early,
+            "input_changes": list(self.input_changes),
+            "env_changes": list(self.env_changes),
+            "notes": list(self.notes),
+            "layers": [layer.to_dict() for layer in self.layers],
+        }
+
+    # ------------------------------------------------------------------ text
+    def headline(self) -> str:
+        fd = self.first_divergence
+        n = self.live_count
+        if fd is None:
+            worst = max((layer.max_abs_diff or 0.0 for layer in self.layers), default=0.0)
+            return f"activation_guard: OK, {n} layer calls match {self.path} (largest abs diff {fmt_diff(worst)})"
+        where = f"#{fd.position + 1} of {n}" if fd.position is not None else f"golden #{(fd.golden_position or 0) + 1}, did not run"
+        return (
+            f"activation_guard: first divergence at layer {fd.name or '<root>'!r} ({fd.type_name or '?'}) "
+            f"call {fd.call}, {where} in execution order: {WHY.get(fd.status, fd.status)}"
+        )
+
+    def __str__(self) -> str:
+        fd = self.first_divergence
+        if fd is None and not self.input_changes and not self.env_changes:
+            return self.headline()
+        lines = [self.headline()]
+        if self.input_changes:
+            lines.append("  NOTE inputs differ from the recording, so every layer may differ for that reason:")
+            lines += [f"    - {m}" for m in self.input_changes[:8]]
+        if self.env_changes:
+            lines.append("  NOTE environment differs from the recording:")
+            lines += [f"    - {m}" for m in self.env_changes[:12]]
+        lines += [f"  note: {m}" for m in self.notes]
+        meta = self.golden_meta
+        dev = meta.get("device", {}).get("device", "?") if isinstance(meta.get("device"), dict) else "?"
+        tv = meta.get("versions", {}).get("torch", "?") if isinstance(meta.get("versions"), dict) else "?"
+        lines.append(f"  golden        : {self.path} (recorded on {dev}, torch {tv}; live run on {self.live_device})")
+        if fd is None:
+            return "\n".join(lines)
+        lines += self._detail(fd)
+        lines += self._context(fd)
+        lines.append(self._totals())
+        if self.stopped_early:
+            lines.append("  (stopped at the first divergence: fail_fast)")
+        return "\n".join(lines)
+
+    def _detail(self, fd: LayerResult) -> list[str]:
+        out = []
+        if fd.golden_name is not None and fd.golden_name != fd.name:
+            out.append(f"  golden layer  : {fd.golden_name!r} (renamed)")
+        if fd.path is not None:
+            out.append(f"  output path   : {fd.path or '(the output itself)'}")
+        if fd.detail:
+            out.append(f"  what          : {fd.detail}")
+        if fd.status in ("diverged", "nonfinite", "match") or fd.mismatched:
+            pct = 100.0 * fd.mismatched / fd.numel if fd.numel else 0.0
+            out.append(f"  mismatched    : {fd.mismatched} / {fd.numel} elements ({pct:.3g}%)")
+            idx = "" if fd.index is None else f" at index {tuple(fd.index)}"
+            out.append(f"  max abs diff  : {fmt_diff(fd.max_abs_diff)}{idx}: golden {fmt(fd.golden_value)}, live {fmt(fd.live_value)}")
+            out.append(f"  max rel diff  : {fmt_diff(fd.max_rel_diff)}")
+            if fd.rtol is not None:
+                out.append(f"  tolerance     : rtol={fd.rtol:g}, atol={fd.atol:g} ({fd.tolerance_source})")
+            if fd.error_multiple is not None:
+                out.append(f"  error / noise : {fd.error_multiple:.3g}x the calibrated noise floor (fails above 1)")
+        bad_leaves = [leaf for leaf in fd.leaves if leaf.status != "match"]
+        if len(bad_leaves) > 1:
+            out.append(f"  other outputs : " + ", ".join(f"{leaf.path or '(output)'}: {leaf.status}" for leaf in bad_leaves[1:6]))
+        return out
+
+    def _context(self, fd: LayerResult) -> list[str]:
+        live = [layer for layer in self.layers if layer.position is not None]
+        if not live:
+            return []
+        if fd.position is not None:
+            i = fd.position
+        else:
+            k = self._order.get(self.layers.index(fd), (math.inf, 0))[0]
+            i = int(min(k, len(live) - 1)) if math.isfinite(k) else len(live) - 1
+        lo, hi = max(0, i - CONTEXT_BEFORE), min(len(live), i + CONTEXT_AFTER + 1)
+        width = max(12, *(len(layer.name or "<root>") for layer in live[lo:hi]))
+        width = min(width, 60)
+        out = ["", "  context (execution order):", f"    {'#':>5}  {'layer':<{width}} {'call':>4}  {'status':<10} {'max abs':>9} {'max rel':>9}"]
+        for layer in live[lo:hi]:
+            mark = ">" if layer is fd else " "
+            nm = (layer.name or "<root>")[-width:]
+            out.append(f"  {mark} {layer.position + 1:>5}  {nm:<{width}} {layer.call:>4}  {layer.status:<10} {fmt_diff(layer.max_abs_diff):>9} {fmt_diff(layer.max_rel_diff):>9}")
+        if fd.position is None:
+            out.append(f"  > {'':>5}  {(fd.name or '<root>')[-width:]:<{width}} {fd.call:>4}  missing (expected around here)")
+        return out
+
+    def _totals(self) -> str:
+        c = self.counts()
+        parts = ", ".join(f"{v} {k}" for k, v in c.items())
+        return f"\n  totals: {self.live_count} live layer calls; {parts}"

@@ -1,0 +1,532 @@
+"""The HDF5 golden format: atomic, byte-reproducible writes and defensive, streaming reads.
+
+Layout (version 1, documented in docs/format.md)::
+
+    /            attrs: ag_format="activation_guard.golden", ag_format_version=1,
+                        index_crc32, meta_crc32
+    /meta        uint8[]  UTF-8 JSON: versions, device, model class, input fingerprint, environment
+    /index       uint8[]  UTF-8 JSON: layer calls in execution order, each with its leaves
+    /packs/NNNN  uint8[]  small leaves' raw bytes packed back to back (<= PACK_BYTES each)
+    /data/NNNNNN one dataset per large leaf, in its numpy dtype (or an unsigned view of the
+                 same width for bfloat16/float8/complex32), shape as the tensor
+
+Small leaves are packed because HDF5 costs ~60-80 us per dataset; large ones get their own
+dataset so plain h5py users can slice them. Every stored leaf carries a CRC32 of its bytes in the
+index, so a flipped bit in the file is reported as a corrupt golden, never as a model divergence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from . import dtypes
+from .capture import Leaf
+from .errors import (
+    GoldenCorruptError,
+    GoldenError,
+    GoldenFormatError,
+    GoldenNotFoundError,
+    GoldenSecurityError,
+    GoldenWriteError,
+)
+
+FORMAT_NAME = "activation_guard.golden"
+FORMAT_VERSION = 1
+PACK_BYTES = 8 * 1024 * 1024  # small leaves are packed into datasets of at most this size
+SMALL_LEAF_BYTES = 64 * 1024  # leaves up to this size go into packs
+MAX_JSON_BYTES = 256 * 1024 * 1024
+TMP_MARK = ".ag-tmp."
+LFS_SIGNATURE = b"version https://git-lfs"
+# HDF5 filter ids a golden may use: deflate, shuffle, fletcher32, lzf. Anything else would make
+# libhdf5 look for a filter plugin on disk and run its code.
+ALLOWED_FILTERS = {1, 2, 3, 32000}
+COMPRESSIONS = {None, "gzip", "lzf"}
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _tmp_name_re(base: str) -> re.Pattern[str]:
+    return re.compile(re.escape(f".{base}.") + r".*" + re.escape(TMP_MARK) + r"(\d+)$")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_stale_temps(path: str) -> list[str]:
+    """Remove temporary files left by interrupted writes of ``path`` (their writer is dead)."""
+    d = os.path.dirname(os.path.abspath(path))
+    base = os.path.basename(path)
+    pat = _tmp_name_re(base)
+    removed = []
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return removed
+    for n in names:
+        m = pat.match(n)
+        if m and not _pid_alive(int(m.group(1))):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(d, n))
+                removed.append(n)
+    return removed
+
+
+def _default_mode(path: str) -> int:
+    try:
+        return os.stat(path).st_mode & 0o777
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
+class GoldenWriter:
+    """Writes one golden into a temporary file next to the target, then atomically replaces it.
+
+    Leaves are written as they are captured (inside the forward hook), so the bytes on disk are
+    the snapshot: later in-place ops on the live tensors cannot change them, and nothing needs
+    to be cloned.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, compression: str | None = None):
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {sorted(map(str, COMPRESSIONS))}, got {compression!r}")
+        self.path = os.path.abspath(os.fspath(path))
+        self.compression = compression
+        d = os.path.dirname(self.path)
+        base = os.path.basename(self.path)
+        try:
+            os.makedirs(d, exist_ok=True)
+            cleanup_stale_temps(self.path)
+            fd, self.tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=f"{TMP_MARK}{os.getpid()}", dir=d)
+            os.close(fd)
+            self.f = h5py.File(self.tmp, "w")
+        except OSError as e:
+            with contextlib.suppress(Exception):
+                os.unlink(self.tmp)
+            raise GoldenWriteError(self.path, f"cannot create a temporary file in {d}: {e}", fix="check the folder exists and is writable") from e
+        self.calls: list[dict[str, Any]] = []
+        self._pack: list[bytes] = []
+        self._pack_len = 0
+        self._pack_id = 0
+        self._data_id = 0
+        self._packs_group: h5py.Group | None = None
+        self._data_group: h5py.Group | None = None
+        self.nbytes = 0
+        self.nleaves = 0
+        self._closed = False
+
+    # -- leaves
+    def _flush_pack(self) -> None:
+        if not self._pack:
+            return
+        if self._packs_group is None:
+            self._packs_group = self.f.create_group("packs")
+        buf = np.frombuffer(b"".join(self._pack), dtype=np.uint8)
+        self._packs_group.create_dataset(f"{self._pack_id:04d}", data=buf, track_times=False)
+        self._pack_id += 1
+        self._pack = []
+        self._pack_len = 0
+
+    def _write_tensor(self, t: torch.Tensor) -> dict[str, Any]:
+        info = dtypes.info_for(t.dtype)
+        raw = dtypes.tensor_bytes(t)
+        nbytes = int(raw.size)
+        crc = zlib.crc32(raw) if nbytes else 0
+        entry: dict[str, Any] = {
+            "kind": "tensor",
+            "dtype": info.name,
+            "shape": [int(s) for s in t.shape],
+            "nbytes": nbytes,
+            "crc32": crc,
+        }
+        if nbytes <= SMALL_LEAF_BYTES:
+            if self._pack_len + nbytes > PACK_BYTES:
+                self._flush_pack()
+            entry["pack"] = self._pack_id
+            entry["offset"] = self._pack_len
+            self._pack.append(raw.tobytes())  # copy: the snapshot
+            self._pack_len += nbytes
+        else:
+            if self._data_group is None:
+                self._data_group = self.f.create_group("data")
+            name = f"{self._data_id:06d}"
+            self._data_id += 1
+            arr = raw.view(info.storage).reshape(tuple(t.shape))
+            kw: dict[str, Any] = {"track_times": False}
+            if self.compression is not None:
+                kw["compression"] = self.compression
+                kw["shuffle"] = True
+            self._data_group.create_dataset(name, data=arr, **kw)
+            entry["dataset"] = f"data/{name}"
+        self.nbytes += nbytes
+        return entry
+
+    def add_call(self, name: str, call: int, module_type: str, leaves: list[Leaf]) -> None:
+        out = []
+        for leaf in leaves:
+            if leaf.kind == "tensor":
+                assert leaf.tensor is not None
+                e = self._write_tensor(leaf.tensor)
+                if leaf.type_name != "Tensor":
+                    e["py"] = leaf.type_name
+            elif leaf.kind == "str":
+                e = {"kind": "str", "value": leaf.value, "py": leaf.type_name}
+            else:
+                e = {"kind": leaf.kind, "type": leaf.type_name}
+            e["path"] = leaf.path
+            out.append(e)
+            self.nleaves += 1
+        self.calls.append({"name": name, "call": call, "type": module_type, "leaves": out})
+
+    # -- finishing
+    def commit(self, meta: dict[str, Any]) -> None:
+        try:
+            self._flush_pack()
+            index = {"calls": self.calls}
+            ib = _json_bytes(index)
+            mb = _json_bytes(meta)
+            self.f.create_dataset("index", data=np.frombuffer(ib, dtype=np.uint8), track_times=False)
+            self.f.create_dataset("meta", data=np.frombuffer(mb, dtype=np.uint8), track_times=False)
+            self.f.attrs["ag_format"] = FORMAT_NAME
+            self.f.attrs["ag_format_version"] = np.int64(FORMAT_VERSION)
+            self.f.attrs["index_crc32"] = np.int64(zlib.crc32(ib))
+            self.f.attrs["meta_crc32"] = np.int64(zlib.crc32(mb))
+            self.f.close()
+            self._closed = True
+            os.chmod(self.tmp, _default_mode(self.path))
+            with open(self.tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            self.abort()
+            raise GoldenWriteError(self.path, f"could not write the golden ({e}); the previous golden, if any, is unchanged", fix="free disk space or fix permissions, then re-record") from e
+        except BaseException:
+            self.abort()
+            raise
+        try:
+            dfd = os.open(os.path.dirname(self.path), os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass
+
+    def abort(self) -> None:
+        if not self._closed:
+            with contextlib.suppress(Exception):
+                self.f.close()
+            self._closed = True
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class LeafEntry:
+    path: str
+    kind: str  # tensor | none | str | object
+    dtype: str | None = None
+    shape: tuple[int, ...] = ()
+    nbytes: int = 0
+    crc32: int = 0
+    pack: int | None = None
+    offset: int = 0
+    dataset: str | None = None
+    type_name: str = ""
+    value: str | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class CallEntry:
+    name: str
+    call: int
+    type_name: str
+    leaves: list[LeafEntry]
+    position: int  # 0-based position in the golden's execution order
+
+
+def is_lfs_pointer(path: str) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(LFS_SIGNATURE)) == LFS_SIGNATURE
+    except OSError:
+        return False
+
+
+def _check_dataset(path: str, ds: h5py.Dataset, what: str) -> None:
+    dcpl = ds.id.get_create_plist()
+    if dcpl.get_layout() == h5py.h5d.VIRTUAL:
+        raise GoldenSecurityError(path, f"{what} is a virtual dataset (it would read other files); goldens never use them", fix="delete this file and re-record the golden")
+    if dcpl.get_external_count() > 0:
+        raise GoldenSecurityError(path, f"{what} uses external raw storage (it would read other files); goldens never use it", fix="delete this file and re-record the golden")
+    for i in range(dcpl.get_nfilters()):
+        fid = dcpl.get_filter(i)[0]
+        if fid not in ALLOWED_FILTERS:
+            raise GoldenSecurityError(path, f"{what} uses HDF5 filter id {fid}, which goldens never use (it would load a plugin from disk)", fix="delete this file and re-record the golden")
+
+
+def _hard_member(path: str, group: h5py.Group, key: str, where: str) -> Any:
+    link = group.get(key, getlink=True)
+    if link is None:
+        return None
+    if not isinstance(link, h5py.HardLink):
+        raise GoldenSecurityError(path, f"{where}{key} is a {type(link).__name__}; goldens contain only plain datasets and groups", fix="delete this file and re-record the golden")
+    return group[key]
+
+
+class GoldenReader:
+    """Opens a golden defensively and serves leaves one at a time (streaming compare).
+
+    Every object is reached through hard links only (checked at every level), datasets are
+    checked for external storage, virtual layout and unexpected filters before any data is
+    read, and nothing is allocated beyond the size the index declares and the caller asked for.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        p = self.path
+        if not os.path.exists(p):
+            raise GoldenNotFoundError(p, "file does not exist")
+        if os.path.isdir(p):
+            raise GoldenFormatError(p, "is a directory, not a golden file", fix="pass the path of a .h5 golden")
+        if is_lfs_pointer(p):
+            raise GoldenFormatError(p, "is a Git LFS pointer, not the golden itself", fix="run `git lfs pull` to fetch the real file")
+        size = os.path.getsize(p)
+        if size == 0:
+            raise GoldenFormatError(p, "is empty (0 bytes)")
+        self.file_size = size
+        try:
+            self.f = h5py.File(p, "r", locking=False)
+        except OSError as e:
+            msg = str(e)
+            if "truncated" in msg:
+                raise GoldenCorruptError(p, f"is truncated ({msg})") from None
+            raise GoldenFormatError(p, f"is not a readable HDF5 file ({msg})") from None
+        try:
+            self._open()
+        except GoldenError:
+            self.f.close()
+            raise
+        except Exception as e:
+            self.f.close()
+            raise GoldenCorruptError(p, f"is damaged or inconsistent ({type(e).__name__}: {e})") from None
+        self._pack_cache: tuple[int, np.ndarray] | None = None
+
+    # -- validation
+    def _open(self) -> None:
+        p, f = self.path, self.f
+        fmt = f.attrs.get("ag_format")
+        if isinstance(fmt, bytes):
+            fmt = fmt.decode(errors="replace")
+        if fmt != FORMAT_NAME:
+            raise GoldenFormatError(p, "is an HDF5 file but not an activation_guard golden (no ag_format attribute)", fix="point at a golden written by activation_guard, or re-record it")
+        ver = f.attrs.get("ag_format_version")
+        if not isinstance(ver, (int, np.integer)):
+            raise GoldenFormatError(p, f"has a malformed ag_format_version attribute ({ver!r})")
+        if int(ver) > FORMAT_VERSION:
+            raise GoldenFormatError(p, f"was written in golden format version {int(ver)}, newer than this activation_guard understands ({FORMAT_VERSION})", fix="upgrade activation_guard (pip install -U activation_guard)")
+        if int(ver) < 1:
+            raise GoldenFormatError(p, f"has an invalid format version {int(ver)}")
+        for key in f:
+            if key not in ("index", "meta", "packs", "data"):
+                raise GoldenFormatError(p, f"contains an unexpected object /{key}")
+            _hard_member(p, f, key, "/")
+        for grp_name in ("packs", "data"):
+            g = _hard_member(p, f, grp_name, "/")
+            if g is None:
+                continue
+            if not isinstance(g, h5py.Group):
+                raise GoldenFormatError(p, f"/{grp_name} should be a group")
+            for key in g:
+                obj = _hard_member(p, g, key, f"/{grp_name}/")
+                if not isinstance(obj, h5py.Dataset):
+                    raise GoldenFormatError(p, f"/{grp_name}/{key} should be a dataset")
+        self.meta = self._read_json("meta")
+        index = self._read_json("index")
+        if not isinstance(self.meta, dict) or not isinstance(index, dict) or not isinstance(index.get("calls"), list):
+            raise GoldenFormatError(p, "has a malformed index or meta record")
+        self.calls = [self._parse_call(c, i) for i, c in enumerate(index["calls"])]
+        self.by_key: dict[tuple[str, int], CallEntry] = {}
+        for c in self.calls:
+            if (c.name, c.call) in self.by_key:
+                raise GoldenFormatError(p, f"lists layer {c.name!r} call {c.call} twice")
+            self.by_key[(c.name, c.call)] = c
+
+    def _read_json(self, key: str) -> Any:
+        p = self.path
+        ds = _hard_member(p, self.f, key, "/")
+        if ds is None:
+            raise GoldenFormatError(p, f"has no /{key} record (incomplete or not written by activation_guard)")
+        if not isinstance(ds, h5py.Dataset) or ds.dtype != np.uint8 or ds.ndim != 1:
+            raise GoldenFormatError(p, f"/{key} has the wrong type")
+        _check_dataset(p, ds, f"/{key}")
+        if ds.size > min(MAX_JSON_BYTES, self.file_size) or ds.id.get_storage_size() != ds.size:
+            raise GoldenCorruptError(p, f"/{key} declares {ds.size} bytes but stores {ds.id.get_storage_size()}")
+        raw = ds[()].tobytes()
+        want = self.f.attrs.get(f"{key}_crc32")
+        if not isinstance(want, (int, np.integer)):
+            raise GoldenFormatError(p, f"has a malformed {key}_crc32 attribute ({want!r})")
+        if zlib.crc32(raw) != int(want):
+            raise GoldenCorruptError(p, f"/{key} fails its checksum (the file was modified or damaged)")
+        try:
+            return json.loads(raw.decode())
+        except (UnicodeDecodeError, ValueError) as e:
+            raise GoldenCorruptError(p, f"/{key} is not valid JSON ({e})") from None
+
+    def _parse_call(self, c: Any, position: int) -> CallEntry:
+        p = self.path
+        bad = GoldenFormatError(p, f"index entry #{position} is malformed")
+        if not isinstance(c, dict):
+            raise bad
+        name, call, tname, leaves = c.get("name"), c.get("call"), c.get("type", ""), c.get("leaves")
+        if not isinstance(name, str) or not isinstance(call, int) or isinstance(call, bool) or call < 0 or not isinstance(leaves, list) or not isinstance(tname, str):
+            raise bad
+        return CallEntry(name, call, tname, [self._parse_leaf(leaf, name, call) for leaf in leaves], position)
+
+    def _parse_leaf(self, e: Any, lname: str, call: int) -> LeafEntry:
+        p = self.path
+        where = f"layer {lname!r} call {call}"
+        if not isinstance(e, dict) or not isinstance(e.get("path"), str) or e.get("kind") not in ("tensor", "none", "str", "object"):
+            raise GoldenFormatError(p, f"index entry for {where} has a malformed leaf")
+        kind = e["kind"]
+        if kind == "none":
+            return LeafEntry(e["path"], kind, type_name="None")
+        if kind == "object":
+            return LeafEntry(e["path"], kind, type_name=str(e.get("type", "")))
+        if kind == "str":
+            v = e.get("value")
+            if not isinstance(v, str):
+                raise GoldenFormatError(p, f"index entry for {where} has a malformed string leaf")
+            return LeafEntry(e["path"], kind, type_name=str(e.get("py", "str")), value=v)
+        dt, shape, nbytes, crc = e.get("dtype"), e.get("shape"), e.get("nbytes"), e.get("crc32")
+        if dt not in dtypes.BY_NAME:
+            raise GoldenFormatError(p, f"{where} path {e['path']!r} has unknown dtype {dt!r}")
+        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape) or len(shape) > 64:
+            raise GoldenFormatError(p, f"{where} path {e['path']!r} has a malformed shape {shape!r}")
+        info = dtypes.BY_NAME[dt]
+        n = 1
+        for s in shape:
+            n *= s
+        if not isinstance(nbytes, int) or nbytes != n * info.storage.itemsize or not isinstance(crc, int):
+            raise GoldenFormatError(p, f"{where} path {e['path']!r} has an inconsistent size or checksum record")
+        entry = LeafEntry(e["path"], kind, dt, tuple(shape), nbytes, crc, type_name=str(e.get("py", "Tensor")))
+        if "pack" in e:
+            pk, off = e.get("pack"), e.get("offset")
+            if not isinstance(pk, int) or not isinstance(off, int) or pk < 0 or off < 0:
+                raise GoldenFormatError(p, f"{where} path {e['path']!r} has a malformed pack location")
+            entry.pack, entry.offset = pk, off
+        elif isinstance(e.get("dataset"), str) and re.fullmatch(r"data/\d{6}", e["dataset"]):
+            entry.dataset = e["dataset"]
+        else:
+            raise GoldenFormatError(p, f"{where} path {e['path']!r} has no valid storage location")
+        return entry
+
+    # -- data
+    def _pack_bytes(self, pack: int) -> np.ndarray:
+        if self._pack_cache is not None and self._pack_cache[0] == pack:
+            return self._pack_cache[1]
+        p = self.path
+        g = self.f.get("packs")
+        key = f"{pack:04d}"
+        if g is None or key not in g:
+            raise GoldenCorruptError(p, f"pack /packs/{key} referenced by the index is missing")
+        ds = g[key]
+        if ds.dtype != np.uint8 or ds.ndim != 1 or ds.size > PACK_BYTES * 4:
+            raise GoldenFormatError(p, f"/packs/{key} has the wrong type or size")
+        _check_dataset(p, ds, f"/packs/{key}")
+        if ds.compression is None and ds.id.get_storage_size() != ds.size:
+            raise GoldenCorruptError(p, f"/packs/{key} declares {ds.size} bytes but stores {ds.id.get_storage_size()}")
+        arr = ds[()]
+        self._pack_cache = (pack, arr)
+        return arr
+
+    def load(self, entry: LeafEntry, where: str = "") -> torch.Tensor:
+        """Read one leaf, verify its checksum, return a CPU tensor of its recorded dtype."""
+        p = self.path
+        assert entry.kind == "tensor" and entry.dtype is not None
+        info = dtypes.BY_NAME[entry.dtype]
+        label = where or entry.path
+        try:
+            if entry.pack is not None:
+                buf = self._pack_bytes(entry.pack)
+                if entry.offset + entry.nbytes > buf.size:
+                    raise GoldenCorruptError(p, f"{label}: pack /packs/{entry.pack:04d} is shorter than the index says")
+                raw = buf[entry.offset : entry.offset + entry.nbytes]
+                if entry.nbytes and zlib.crc32(raw) != entry.crc32:
+                    raise GoldenCorruptError(p, f"{label}: stored values fail their checksum (the file was modified or damaged after recording)")
+                return dtypes.tensor_from_bytes(raw.copy(), info, entry.shape)
+            assert entry.dataset is not None
+            g = self.f.get("data")
+            key = entry.dataset.split("/", 1)[1]
+            if g is None or key not in g:
+                raise GoldenCorruptError(p, f"{label}: dataset /{entry.dataset} is missing")
+            ds = g[key]
+            _check_dataset(p, ds, f"/{entry.dataset}")
+            if ds.shape != entry.shape or ds.dtype != info.storage:
+                raise GoldenCorruptError(p, f"{label}: /{entry.dataset} has shape {ds.shape} dtype {ds.dtype}, index says {entry.shape} {info.storage}")
+            if ds.compression is None and ds.id.get_storage_size() != entry.nbytes:
+                raise GoldenCorruptError(p, f"{label}: /{entry.dataset} stores {ds.id.get_storage_size()} bytes, expected {entry.nbytes}")
+            arr = np.empty(entry.shape, dtype=info.storage)
+            if arr.size:
+                ds.read_direct(arr)
+            if entry.nbytes and zlib.crc32(arr.reshape(-1).view(np.uint8)) != entry.crc32:
+                raise GoldenCorruptError(p, f"{label}: stored values fail their checksum (the file was modified or damaged after recording)")
+            return dtypes.tensor_from_storage(arr, info)
+        except GoldenError:
+            raise
+        except Exception as e:
+            raise GoldenCorruptError(p, f"{label}: could not read stored values ({type(e).__name__}: {e})") from None
+
+    def iter_tensors(self) -> Iterator[tuple[CallEntry, LeafEntry, torch.Tensor]]:
+        for c in self.calls:
+            for leaf in c.leaves:
+                if leaf.kind == "tensor":
+                    yield c, leaf, self.load(leaf, f"layer {c.name!r} call {c.call} path {leaf.path!r}")
+
+    def close(self) -> None:
+        self._pack_cache = None
+        with contextlib.suppress(Exception):
+            self.f.close()
+
+    def __enter__(self) -> GoldenReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

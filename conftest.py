@@ -1,0 +1,24 @@
+"""Root conftest: hypothesis profiles and the pytester fixture.
+
+`default` is fast for local runs; `ci` (chosen automatically when CI is set, or with
+HYPOTHESIS_PROFILE=ci) runs more examples, derandomized so a CI failure reproduces.
+"""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+pytest_plugins = ["pytester"]
+
+settings.register_profile(
+    "default", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "ci",
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
