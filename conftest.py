@@ -6,7 +6,12 @@ HYPOTHESIS_PROFILE=ci) runs more examples, derandomized so a CI failure reproduc
 
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
+
+# The suite runs under `pytest -n 2` on 2-core machines: two workers each spinning two OpenMP
+# threads turn a 0.2 ms tiny forward into 0.2 s. One intra-op thread per worker.
+torch.set_num_threads(1)
 
 pytest_plugins = ["pytester"]
 

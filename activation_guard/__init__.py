@@ -8,6 +8,7 @@ Record every module's outputs once (``record``), then check later runs layer by 
 from ._version import __version__
 from .api import RecordSummary, compare, compare_models, read_golden, record
 from .compare import LayerResult, LeafResult
+from .determinism import check_determinism, deterministic
 from .errors import (
     ActivationGuardError,
     GoldenCorruptError,
@@ -38,8 +39,10 @@ __all__ = [
     "Tolerance",
     "UnsupportedModelError",
     "__version__",
+    "check_determinism",
     "compare",
     "compare_models",
+    "deterministic",
     "read_golden",
     "record",
 ]

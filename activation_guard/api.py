@@ -8,13 +8,24 @@ import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from . import calibrate as calmod
 from . import env as envmod
-from .capture import Leaf, check_model, flatten, hooked, normalize_inputs, normalize_patterns, run_forward, selected
+from .capture import (
+    Leaf,
+    check_model,
+    flatten,
+    hooked,
+    normalize_inputs,
+    normalize_patterns,
+    run_forward,
+    selected,
+)
 from .compare import LayerResult, LeafResult, compare_tensors, dtype_name, leaf_from_stats
+from .dtypes import BY_NAME
 from .errors import ActivationGuardError, GoldenFormatError
 from .report import Report
 from .store import CallEntry, GoldenReader, GoldenWriter, LeafEntry
@@ -82,8 +93,13 @@ def record(
     include: str | Sequence[str] | None = None,
     exclude: str | Sequence[str] | None = None,
     compression: str | None = None,
+    calibrate: bool = False,
 ) -> RecordSummary:
     """Run ``model(*args, **kwargs)`` once and write every layer's outputs to a golden.
+
+    ``calibrate=True`` also runs a float64 copy of the model and stores each output's noise
+    floor (its error against float64) in the meta under ``"calibration"``, which
+    ``compare(..., tolerance="calibrated")`` needs. See docs/cross-device.md.
 
     The write is atomic: the golden at ``path`` is replaced only after the new one is complete,
     so an error or a kill mid-forward leaves the previous golden as it was.
@@ -93,12 +109,22 @@ def record(
     inc = normalize_patterns(include, "include")
     exc = normalize_patterns(exclude, "exclude")
     meta = _build_meta(model, a, kw, inc, exc)  # fingerprint inputs before the forward can mutate them
-    writer = GoldenWriter(path, compression=compression)
+    shadow = calmod.ShadowRun(model, a, kw, inc, exc, envmod.model_device(model, a, kw)) if calibrate else None
+    floors = calmod.FloorTable()
+    try:
+        writer = GoldenWriter(path, compression=compression)
+    except BaseException:
+        if shadow is not None:
+            shadow.close()
+        raise
     names: list[str] = []
 
     def on_output(name: str, call: int, module: torch.nn.Module, output: Any) -> None:
         try:
-            writer.add_call(name, call, type(module).__name__, flatten(output))
+            leaves = flatten(output)
+            writer.add_call(name, call, type(module).__name__, leaves)
+            if shadow is not None:
+                shadow.measure(name, call, leaves, floors)
         except ActivationGuardError:
             raise
         except Exception as e:
@@ -110,10 +136,16 @@ def record(
         with hooked(model, on_output, inc, exc) as state:
             out = run_forward(model, a, kw, state)
         meta["layer_calls"] = len(writer.calls)
+        if shadow is not None:
+            floors.info = {"reference_device": str(shadow.device)}
+            meta[calmod.META_KEY] = floors.to_meta()
         writer.commit(meta)
     except BaseException:
         writer.abort()
         raise
+    finally:
+        if shadow is not None:
+            shadow.close()
     return RecordSummary(
         path=writer.path, layer_calls=len(writer.calls), leaves=writer.nleaves, nbytes=writer.nbytes,
         file_bytes=os.path.getsize(writer.path), names=names, output=out,
@@ -156,6 +188,8 @@ def apply_rename(name: str, rules: list[tuple[re.Pattern[str], str]]) -> str:
 class _Comparator:
     """Compares each live layer call against its golden as soon as the layer returns."""
 
+    calib: Any = None  # a calibrate.Calibrator in tolerance="calibrated" mode
+
     def __init__(self, reader: GoldenReader, resolver: ToleranceResolver, rules: list[tuple[re.Pattern[str], str]],
                  include: list[str] | None, exclude: list[str] | None, fail_fast: bool, allow_dtype_change: bool):
         self.reader = reader
@@ -177,10 +211,15 @@ class _Comparator:
         self.golden_to_live = {g: live for live, g in self.live_to_golden.items()}
 
     def on_output(self, name: str, call: int, module: torch.nn.Module, output: Any) -> None:
+        self.on_leaves(name, call, type(module).__name__, lambda: flatten(output))
+
+    def on_leaves(self, name: str, call: int, tname: str, get_leaves: Callable[[], list[Leaf]]) -> None:
+        """Compare one layer call given its flattened outputs. Shared by the live hooks and by
+        ``activation_guard.diff`` (two recordings), so both produce the same verdicts; ``get_leaves``
+        runs only when the golden has this call."""
         pos = len(self.results)
         gname = self.live_to_golden.get(name, name)
         entry = self.reader.by_key.get((gname, call))
-        tname = type(module).__name__
         if entry is None:
             known = self.golden_calls.get(gname)
             detail = (f"the golden has {known} call(s) of this layer; this is call {call}" if known
@@ -188,7 +227,7 @@ class _Comparator:
             res = LayerResult(name, call, "unexpected", tname, position=pos, detail=detail)
         else:
             self.seen.add((gname, call))
-            leaves = self._compare_call(entry, flatten(output), name)
+            leaves = self._compare_call(entry, get_leaves(), name)
             res = LayerResult.from_leaves(name, call, tname, leaves, position=pos, golden_position=entry.position,
                                           golden_name=gname if gname != name else None)
             if entry.type_name and entry.type_name != tname and res.ok:
@@ -199,8 +238,7 @@ class _Comparator:
 
     def _tolerance(self, name: str, gdt: str, ldt: str) -> Tolerance:
         kind = "float"
-        from .dtypes import BY_NAME
-        info = BY_NAME.get(gdt)
+        info = BY_NAME.get(gdt)  # (a function-level import here cost ~2 us per layer call)
         if info is not None:
             kind = info.kind
         if gdt != ldt and self.allow_dtype_change and _PRECISION.get(gdt) and _PRECISION.get(ldt):
@@ -248,8 +286,12 @@ class _Comparator:
         if ldt != g.dtype and not (self.allow_dtype_change and _PRECISION.get(ldt) and _PRECISION.get(g.dtype)):
             return LeafResult(p, "dtype", f"output {p or '(output)'} dtype {g.dtype} -> {ldt}",
                               dtype=g.dtype, live_dtype=ldt, shape=g.shape, live_shape=lshape, numel=g.numel)
-        tol = self._tolerance(name, g.dtype, ldt)
         golden = self.reader.load(g, f"layer {name!r} call {call} output {p!r}")
+        if self.calib is not None:
+            cres = self.calib.judge(self.live_to_golden.get(name, name), name, call, p, golden, t, g.dtype, ldt)
+            if cres is not None:
+                return cres
+        tol = self._tolerance(name, g.dtype, ldt)
         if ldt != g.dtype:
             golden, t = golden.float(), t.float()
         exact = tol.rtol == 0 and tol.atol == 0 and g.dtype not in DTYPE_DEFAULTS
@@ -281,6 +323,13 @@ class _Comparator:
         return results, order
 
 
+def _recorded_patterns(value: Any) -> list[str] | None:
+    """include/exclude patterns stored in a golden's meta (ignored unless a list of strings)."""
+    if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+        return list(value)
+    return None
+
+
 def _kind(g: LeafEntry) -> str:
     if g.kind == "tensor":
         return f"a {g.dtype} tensor"
@@ -301,8 +350,13 @@ def compare(
     fail_fast: bool = False,
     rename: Mapping[str, str] | None = None,
     allow_dtype_change: bool = False,
+    tolerance: str = "strict",
 ) -> Report:
     """Run the model with hooks and compare every layer call against the golden at ``path``.
+
+    ``tolerance="calibrated"`` judges each float output against both runs' noise floors
+    (measured with float64 shadow forwards) instead of fixed rtol/atol; the golden must have
+    been recorded with ``calibrate=True``. See docs/cross-device.md.
 
     Comparison streams: each layer's golden is read when that layer returns, and compared while
     its output is still as the layer produced it. Memory stays near one layer's worth of data.
@@ -313,12 +367,22 @@ def compare(
     exc = normalize_patterns(exclude, "exclude")
     live_inputs = envmod.input_fingerprint(a, kw)
     dev = envmod.model_device(model, a, kw)
+    if tolerance not in ("strict", "calibrated"):
+        raise ValueError(f"tolerance must be 'strict' or 'calibrated', got {tolerance!r}")
+    calib: Any = None
     reader = GoldenReader(path)
     try:
         gmeta = reader.meta
+        if inc is None and exc is None and not rename:
+            # default to the selection the golden was recorded with: layers it never stored are
+            # not "unexpected" (its patterns name golden layers, hence not under `rename`)
+            inc, exc = _recorded_patterns(gmeta.get("include")), _recorded_patterns(gmeta.get("exclude"))
         gdev = gmeta.get("device", {}).get("device") if isinstance(gmeta.get("device"), dict) else None
         resolver = ToleranceResolver(rtol, atol, tolerances, golden_device=gdev, live_device=str(dev))
         comp = _Comparator(reader, resolver, _compile_rename(rename), inc, exc, fail_fast, allow_dtype_change)
+        if tolerance == "calibrated":
+            calib = calmod.Calibrator(calmod.FloorTable.from_meta(gmeta, path), calmod.ShadowRun(model, a, kw, inc, exc, dev))
+            comp.calib = calib
         stopped = False
         out = None
         with hooked(model, comp.on_output, inc, exc) as state:
@@ -333,7 +397,10 @@ def compare(
             order = {}
     finally:
         reader.close()
+        if calib is not None:
+            calib.close()
     env_changes = envmod.describe_env_change(gmeta.get("numerics"), envmod.numerics_flags())
+    env_changes += envmod.describe_device_change(gmeta.get("device"), envmod.device_info(dev))
     gv = gmeta.get("versions") if isinstance(gmeta.get("versions"), dict) else {}
     for k in ("torch", "cuda"):
         lv = envmod.versions().get(k)
@@ -347,6 +414,9 @@ def compare(
     )
     if resolver.cross_device:
         report.notes.append(f"golden recorded on {gdev}, live run on {dev}: {resolver.device_pair} default tolerances apply")
+    report.mode = tolerance
+    if calib is not None:
+        report.notes += calib.notes()
     return report
 
 
@@ -363,7 +433,8 @@ def compare_models(
     include, exclude = options.get("include"), options.get("exclude")
     with tempfile.TemporaryDirectory(prefix="activation_guard-") as d:
         p = os.path.join(d, "reference.h5")
-        record(reference, args, kwargs, path=p, include=include, exclude=exclude)
+        record(reference, args, kwargs, path=p, include=include, exclude=exclude,
+               calibrate=options.get("tolerance") == "calibrated")
         report = compare(candidate, args, kwargs, path=p, **options)
     report.path = f"<reference {type(reference).__name__}>"
     return report

@@ -33,6 +33,10 @@ class TensorStats:
     live_value: Any = None
 
 
+# dtypes torch.equal supports on CPU (it raises for float8 and complex32)
+_EQUAL_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128}
+
+
 def _compute_dtype(dt: torch.dtype) -> torch.dtype:
     if dt.is_complex:
         return torch.complex128 if dt == torch.complex128 else torch.complex64
@@ -66,10 +70,18 @@ def compare_tensors(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol:
         return st
     if exact or not (g.dtype.is_floating_point or g.dtype.is_complex):
         return _compare_exact(g, lv, st)
+    if g.dtype == lv.dtype and g.dtype in _EQUAL_DTYPES and torch.equal(g, lv):
+        # the usual case (same code, same inputs): one pass, stopping at the first difference
+        # otherwise. NaN != NaN here, so goldens holding NaN take the chunked path below.
+        st.worst_flat = 0
+        st.golden_value = _py(g[0])
+        st.live_value = _py(lv[0])
+        return st
     cdt = _compute_dtype(g.dtype if g.dtype.itemsize >= lv.dtype.itemsize else lv.dtype)
     worst_d = -1.0
     max_abs = 0.0
     max_rel = 0.0
+    best_m, best_i = -1.0, 0  # the chunk holding the largest difference, if nothing mismatches
     for i in range(0, n, CHUNK):
         gc = g[i : i + CHUNK].to(cdt)
         lc = lv[i : i + CHUNK].to(cdt)
@@ -77,23 +89,28 @@ def compare_tensors(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol:
         m = float(d.max())
         if m <= atol:  # False for NaN: falls through to the exact rule
             max_abs = max(max_abs, m)
+            if m > best_m:
+                best_m, best_i = m, i
             if m > 0:
-                ga = gc.abs()
-                r = d / ga
-                r = torch.where(d == 0, torch.zeros_like(r), r)
-                max_rel = max(max_rel, float(r.max()))
+                r = gc.abs()
+                torch.div(d, r, out=r)  # 0/0 -> NaN -> 0 below; d/0 -> inf is kept
+                max_rel = max(max_rel, float(r.nan_to_num_(nan=0.0, posinf=math.inf).max()))
             continue
         ga = gc.abs()
         eq = (gc == lc) | (torch.isnan(gc) & torch.isnan(lc))
-        ok = (d <= atol + rtol * ga) | eq
+        # an infinite golden is only matched by the same infinity (rtol * inf would accept anything)
+        ok = ((d <= atol + rtol * ga) & torch.isfinite(gc)) | eq
         bad = ~ok
         nb = int(bad.sum())
         fin_d = torch.where(eq, torch.zeros_like(d), d)
-        fin_d = torch.nan_to_num(fin_d, nan=math.inf)
-        max_abs = max(max_abs, float(fin_d.max()))
+        fin_d = torch.nan_to_num(fin_d, nan=math.inf, posinf=math.inf)  # keep inf, not float max
+        cm = float(fin_d.max())
+        max_abs = max(max_abs, cm)
+        if cm > best_m:
+            best_m, best_i = cm, i
         r = fin_d / ga
         r = torch.where(fin_d == 0, torch.zeros_like(r), r)
-        max_rel = max(max_rel, float(torch.nan_to_num(r, nan=math.inf).max()))
+        max_rel = max(max_rel, float(torch.nan_to_num(r, nan=math.inf, posinf=math.inf).max()))
         if nb:
             st.mismatched += nb
             newnf = ~torch.isfinite(lc) & torch.isfinite(gc)
@@ -107,8 +124,11 @@ def compare_tensors(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol:
     st.max_abs_diff = max_abs
     st.max_rel_diff = max_rel
     if st.worst_flat is None:
-        # no mismatch: still point at the largest difference, it is what a reader wants to see
-        st.worst_flat = _argmax_abs(g, lv, cdt)
+        # no mismatch: still point at the largest difference, it is what a reader wants to see;
+        # searched only inside the chunk known to hold it (no second pass over the tensor)
+        st.worst_flat = best_i
+        if best_m > 0:
+            st.worst_flat += _argmax_abs(g[best_i : best_i + CHUNK], lv[best_i : best_i + CHUNK], cdt)
     st.golden_value = _py(g[st.worst_flat])
     st.live_value = _py(lv[st.worst_flat])
     return st
@@ -138,8 +158,8 @@ def _compare_exact(g: torch.Tensor, lv: torch.Tensor, st: TensorStats) -> Tensor
         lc = lv[i : i + CHUNK]
         if g.dtype.is_floating_point or g.dtype.is_complex:  # exact float (bit) comparison
             ne = ~((gc == lc) | (torch.isnan(gc) & torch.isnan(lc)))
-        else:
-            ne = gc.to(cdt) != lc.to(cdt)
+        else:  # same-dtype integers compare natively: float64 cannot tell 2**60 from 2**60 + 1
+            ne = (gc != lc) if gc.dtype == lc.dtype else (gc.to(cdt) != lc.to(cdt))
         nb = int(ne.sum())
         if not nb:
             continue
@@ -152,6 +172,9 @@ def _compare_exact(g: torch.Tensor, lv: torch.Tensor, st: TensorStats) -> Tensor
             worst_d, st.worst_flat = float(d[j]), i + j
     if st.worst_flat is None:
         st.worst_flat = 0
+    if st.mismatched and not st.max_abs_diff and not (g.dtype.is_floating_point or g.dtype.is_complex):
+        # float64 rounding hid the difference of two huge integers: take it from Python ints
+        st.max_abs_diff = float(abs(int(lv[st.worst_flat].item()) - int(g[st.worst_flat].item())))
     gv, lvv = g[st.worst_flat].to(cdt), lv[st.worst_flat].to(cdt)
     denom = abs(complex(gv.item()))
     st.max_rel_diff = (st.max_abs_diff / denom) if denom else (math.inf if st.max_abs_diff else 0.0)
@@ -208,10 +231,11 @@ class LeafResult:
     rtol: float | None = None
     atol: float | None = None
     tolerance_source: str | None = None
+    error_multiple: float | None = None  # calibrated mode: error / allowed noise
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value"):
+        for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple"):
             d[k] = json_number(d[k])
         for k in ("shape", "live_shape", "index"):
             if d[k] is not None:
@@ -284,6 +308,9 @@ class LayerResult:
         if numeric:
             lr.max_abs_diff = max(leaf.max_abs_diff for leaf in numeric)  # type: ignore[type-var]
             lr.max_rel_diff = max(leaf.max_rel_diff or 0.0 for leaf in numeric)
+        multiples = [leaf.error_multiple for leaf in leaves if leaf.error_multiple is not None]
+        if multiples:
+            lr.error_multiple = max(multiples)
         # the leaf to show: first leaf with the worst status, largest excess within it
         focus = [leaf for leaf in leaves if leaf.status == status] or leaves
         if focus:

@@ -28,18 +28,49 @@ def _safe(fn: Any, default: Any = None) -> Any:
         return default
 
 
+def _autocast_cpu() -> bool:
+    """Ask the device-generic API first: the old ``is_autocast_cpu_enabled`` warns (deprecated)."""
+    v = _safe(lambda: torch.is_autocast_enabled("cpu"))
+    return bool(v if v is not None else _safe(torch.is_autocast_cpu_enabled, False))
+
+
+def _fp32_precision() -> dict[str, str]:
+    """torch >= 2.9 per-backend float32 precision ("ieee", "tf32", "bf16", "none" = inherit).
+
+    Recorded as well as the legacy TF32 switches because torch refuses to read the legacy ones
+    once a program has mixed both APIs, and oneDNN's setting changes CPU float32 math."""
+    out: dict[str, str] = {}
+    for key, path in (("fp32_precision", ()), ("fp32_precision.cuda.matmul", ("cuda", "matmul")),
+                      ("fp32_precision.cudnn.conv", ("cudnn", "conv")), ("fp32_precision.cudnn.rnn", ("cudnn", "rnn")),
+                      ("fp32_precision.mkldnn.matmul", ("mkldnn", "matmul")), ("fp32_precision.mkldnn.conv", ("mkldnn", "conv")),
+                      ("fp32_precision.mkldnn.rnn", ("mkldnn", "rnn"))):
+        obj: Any = torch.backends
+        for part in path:
+            obj = getattr(obj, part, None)
+        v = _safe(lambda obj=obj: obj.fp32_precision) if obj is not None else None
+        if isinstance(v, str):
+            out[key] = v
+    return out
+
+
 def numerics_flags() -> dict[str, Any]:
-    """Flags that change what a float32 forward computes."""
+    """Flags that change what a float32 forward computes.
+
+    A legacy TF32 flag that torch refuses to read (mixed legacy/new APIs) is recorded as None;
+    the ``fp32_precision.*`` keys then carry the information."""
     cuda_ok = torch.cuda.is_available()
+    tf32_mm = _safe(lambda: torch.backends.cuda.matmul.allow_tf32)
+    tf32_cudnn = _safe(lambda: torch.backends.cudnn.allow_tf32)
     return {
-        "cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_allow_tf32": None if tf32_mm is None else bool(tf32_mm),
+        "cudnn_allow_tf32": None if tf32_cudnn is None else bool(tf32_cudnn),
+        "float32_matmul_precision": _safe(torch.get_float32_matmul_precision),
+        **_fp32_precision(),
         "deterministic_algorithms": bool(torch.are_deterministic_algorithms_enabled()),
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
         "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
         "default_dtype": str(torch.get_default_dtype()).replace("torch.", ""),
-        "autocast_cpu": bool(_safe(lambda: torch.is_autocast_enabled("cpu"), _safe(torch.is_autocast_cpu_enabled, False))),
+        "autocast_cpu": _autocast_cpu(),
         "autocast_cuda": bool(_safe(lambda: torch.is_autocast_enabled("cuda"), False)) if cuda_ok else False,
         "num_threads": int(torch.get_num_threads()),
     }
@@ -52,6 +83,8 @@ def device_info(device: torch.device | None) -> dict[str, Any]:
         d["device_name"] = _safe(lambda: torch.cuda.get_device_name(dev), "unknown")
         d["cuda"] = torch.version.cuda
         d["cudnn"] = _safe(torch.backends.cudnn.version)
+        cap = _safe(lambda: torch.cuda.get_device_capability(dev))
+        d["capability"] = f"sm_{cap[0]}{cap[1]}" if cap else None
     else:
         d["device_name"] = platform.processor() or platform.machine()
     return d
@@ -61,6 +94,7 @@ def versions() -> dict[str, str]:
     return {
         "activation_guard": __version__,
         "torch": torch.__version__,
+        "cuda": torch.version.cuda,  # the CUDA torch was built with; None for CPU-only builds
         "numpy": np.__version__,
         "h5py": h5py.__version__,
         "hdf5": h5py.version.hdf5_version,
@@ -122,11 +156,60 @@ def describe_input_change(golden: list[dict[str, Any]] | None, live: list[dict[s
     return msgs
 
 
+def _on(v: Any) -> str:
+    return "on" if v else "off"
+
+
+_PRECISION_RANK = {"highest": "full float32", "high": "TF32 (or bf16x3)", "medium": "bf16"}
+
+# why a changed flag matters, phrased for the report header
+_EXPLAIN: dict[str, Any] = {
+    "cuda_matmul_allow_tf32": lambda g, v: f"live run has TF32 matmuls {_on(v)}, golden had them {_on(g)}",
+    "cudnn_allow_tf32": lambda g, v: f"live run has TF32 cuDNN convolutions {_on(v)}, golden had them {_on(g)}",
+    "float32_matmul_precision": lambda g, v: (f"live float32 matmuls may use {_PRECISION_RANK.get(v, v)}, "
+                                              f"golden used {_PRECISION_RANK.get(g, g)}"),
+    "deterministic_algorithms": lambda g, v: f"live run has deterministic algorithms {_on(v)}, golden had them {_on(g)}",
+    "cudnn_benchmark": lambda g, v: f"live run has cudnn.benchmark {_on(v)} (algorithm choice may vary), golden had it {_on(g)}",
+    "cudnn_deterministic": lambda g, v: f"live run has cudnn.deterministic {_on(v)}, golden had it {_on(g)}",
+    "autocast_cpu": lambda g, v: f"live run has CPU autocast (mixed precision) {_on(v)}, golden had it {_on(g)}",
+    "autocast_cuda": lambda g, v: f"live run has CUDA autocast (mixed precision) {_on(v)}, golden had it {_on(g)}",
+    "num_threads": lambda g, v: "a different CPU thread count can change reduction order and so float rounding",
+    "default_dtype": lambda g, v: "the default dtype changed: new tensors and parameters get a different precision",
+}
+
+
 def describe_env_change(golden: dict[str, Any] | None, live: dict[str, Any]) -> list[str]:
+    """One line per numerics flag that differs, with why it matters when that is known."""
     if not isinstance(golden, dict):
         return []
     msgs = []
+    legacy = ("cuda_matmul_allow_tf32", "cudnn_allow_tf32", "float32_matmul_precision")
+    # the fp32_precision.* keys mirror the legacy switches: list them only when those say nothing
+    legacy_told = any(golden.get(k) is not None and live.get(k) is not None and golden[k] != live[k] for k in legacy)
     for k in sorted(live):
+        if legacy_told and k.startswith("fp32_precision"):
+            continue
         if k in golden and golden[k] != live[k]:
-            msgs.append(f"{k}: golden {golden[k]!r}, live {live[k]!r}")
+            msg = f"{k}: golden {golden[k]!r}, live {live[k]!r}"
+            why = _EXPLAIN.get(k)
+            if why is None and k.startswith("fp32_precision"):
+                why = lambda g, v: "float32 math of this backend uses a different precision"  # noqa: E731
+            if why is not None and golden[k] is not None and live[k] is not None:
+                msg += f" ({_safe(lambda why=why, k=k: why(golden[k], live[k]), '')})"
+            msgs.append(msg)
+    return msgs
+
+
+def describe_device_change(golden: dict[str, Any] | None, live: dict[str, Any]) -> list[str]:
+    """Device, device name, compute capability, CUDA and cuDNN versions that differ."""
+    if not isinstance(golden, dict):
+        return []
+    msgs = []
+    gt, lt = golden.get("device_type"), live.get("device_type")
+    if gt is not None and gt != lt:
+        msgs.append(f"device: golden {golden.get('device')} ({golden.get('device_name')}), live {live.get('device')} ({live.get('device_name')})")
+        return msgs
+    for k, label in (("device_name", "device name"), ("capability", "compute capability"), ("cuda", "CUDA"), ("cudnn", "cuDNN")):
+        if golden.get(k) is not None and live.get(k) is not None and golden[k] != live[k]:
+            msgs.append(f"{label}: golden {golden[k]}, live {live[k]}")
     return msgs

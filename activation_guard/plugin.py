@@ -1,1 +1,292 @@
-"""pytest plugin glue (see issue: pytest plugin). Placeholder until the plugin lands."""
+"""pytest plugin glue: options, ini keys, the marker, fixtures and hooks.
+
+Everything with logic lives in :mod:`activation_guard.session` (settings, option precedence,
+bookkeeping, summary, unused goldens) and :mod:`activation_guard.paths` (node id -> golden file);
+this module only wires them to pytest. Registered through the ``pytest11`` entry point.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import paths
+from .session import (
+    DEVICE_FIXTURE,
+    RECORD_DEVICE,
+    GoldenCheck,
+    GuardSession,
+    OptionError,
+    Settings,
+    marker_options,
+)
+
+SESSION_KEY = pytest.StashKey[GuardSession]()
+WORKER_KEY = "activation_guard"
+
+MARKER_DOC = (
+    "activation_guard(**options): per-test options for activation_guard checks (rtol=, atol=, "
+    "tolerances={glob: dict(rtol=, atol=)}, include=, exclude=, fail_fast=, rename=, "
+    "allow_dtype_change=, and any other activation_guard.compare/record option); "
+    "check() keyword arguments override them"
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("activation_guard", "activation_guard: layer-by-layer activation goldens")
+    g.addoption("--ag-update", action="store_const", const="all", dest="ag_update", default=None,
+                help="(re)write the goldens of the tests that run; those tests pass and the summary lists what was written.")
+    g.addoption("--ag-update=missing", action="store_const", const="missing", dest="ag_update",
+                help="only create goldens that do not exist yet; existing ones are compared as usual.")
+    g.addoption("--ag-golden-dir", dest="ag_golden_dir", default=None, metavar="DIR",
+                help="golden directory (relative to the invocation directory); overrides ini ag_golden_dir.")
+    g.addoption("--ag-rtol", dest="ag_rtol", type=float, default=None, metavar="RTOL",
+                help="relative tolerance for every float layer; overrides ini ag_rtol, overridden by markers and check() arguments.")
+    g.addoption("--ag-atol", dest="ag_atol", type=float, default=None, metavar="ATOL",
+                help="absolute tolerance for every float layer; overrides ini ag_atol, overridden by markers and check() arguments.")
+    g.addoption("--ag-fail-fast", dest="ag_fail_fast", action="store_true", default=False,
+                help="stop each comparison at its first diverging layer (faster, less context).")
+    g.addoption("--ag-report", dest="ag_report", default=None, metavar="PATH",
+                help="write a JSON report of every check (per-layer results) to PATH, e.g. for CI artefacts.")
+    g.addoption("--ag-unused", action="store_const", const="fail", dest="ag_unused", default=None,
+                help="list golden files that no test that ran used, and fail the run if there are any. "
+                     "Deselected, skipped and failed tests never make a golden unused.")
+    g.addoption("--ag-unused=list", action="store_const", const="list", dest="ag_unused",
+                help="like --ag-unused but only list them; the exit status is unchanged.")
+    parser.addini("ag_golden_dir", "activation_guard golden directory, relative to the rootdir", default="golden")
+    parser.addini("ag_rtol", "activation_guard default rtol for float layers (default: per-dtype, as torch.testing)", default="")
+    parser.addini("ag_atol", "activation_guard default atol for float layers (default: per-dtype, as torch.testing)", default="")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", MARKER_DOC)
+    o = config.option
+    try:
+        settings = Settings.build(
+            rootdir=Path(config.rootpath),
+            invocation_dir=Path(config.invocation_params.dir),
+            ini_golden_dir=str(config.getini("ag_golden_dir")),
+            ini_rtol=str(config.getini("ag_rtol")),
+            ini_atol=str(config.getini("ag_atol")),
+            cli_golden_dir=o.ag_golden_dir,
+            cli_rtol=o.ag_rtol,
+            cli_atol=o.ag_atol,
+            cli_fail_fast=o.ag_fail_fast,
+            update=o.ag_update,
+            report_path=o.ag_report,
+            unused=o.ag_unused,
+        )
+    except OptionError as e:
+        raise pytest.UsageError(f"activation_guard: {e}") from None
+    gs = GuardSession(settings, is_worker=hasattr(config, "workerinput"))
+    config.stash[SESSION_KEY] = gs
+    if settings.unused is not None and not gs.is_worker:
+        config.pluginmanager.register(_OutcomeTracker(gs), "activation_guard-outcomes")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    tracker = config.pluginmanager.get_plugin("activation_guard-outcomes")
+    if tracker is not None:
+        config.pluginmanager.unregister(tracker)
+
+
+def _session(config: pytest.Config) -> GuardSession:
+    return config.stash[SESSION_KEY]
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    s = _session(config).settings
+    if not (s.update or config.option.verbose > 0):
+        return None
+    return f"activation_guard: goldens in {s.display(s.golden_dir)}, update: {s.update or 'off'}"
+
+
+# --------------------------------------------------------------------------- ag_device
+
+
+def _device_already_parametrized(metafunc: pytest.Metafunc) -> bool:
+    for m in metafunc.definition.iter_markers("parametrize"):
+        names = m.args[0] if m.args else m.kwargs.get("argnames", ())
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",")]
+        if DEVICE_FIXTURE in names:
+            return True
+    defs = list(getattr(metafunc, "_arg2fixturedefs", {}).get(DEVICE_FIXTURE) or ())
+    return bool(defs) and getattr(defs[-1], "params", None) is not None  # a user's params= override
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrise ``ag_device`` over cpu and cuda. Runs first, so the device id is the first
+    part of the test id (``test_x[cpu-...]``), and it is left out of the golden path."""
+    if DEVICE_FIXTURE not in metafunc.fixturenames or _device_already_parametrized(metafunc):
+        return
+    import torch
+
+    skip = pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="ag_device=cuda: CUDA is not available here (torch.cuda.is_available() is False)",
+    )
+    # module scope: a module-scoped fixture (a model built once per device) may use ag_device
+    metafunc.parametrize(DEVICE_FIXTURE, [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=skip)],
+                         scope="module")
+
+
+@pytest.fixture
+def ag_device(request: pytest.FixtureRequest) -> str:
+    """The device to run on: "cpu" or "cuda" (the test runs once per device; cuda is skipped
+    when unavailable). Goldens are shared across devices and recorded by the cpu variant."""
+    return str(getattr(request, "param", RECORD_DEVICE))
+
+
+def item_key(item: pytest.Item) -> tuple[paths.NodeKey, str | None, str]:
+    """(golden key without the ag_device id, device type or None, node id that records).
+
+    The device's id is found in the callspec's id list (one entry per parametrize call); if
+    pytest ever drops that private list, the bracket text is parsed instead.
+    """
+    key = paths.NodeKey.parse(item.nodeid)
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or DEVICE_FIXTURE not in callspec.params:
+        return key, None, item.nodeid
+    dev = callspec.params[DEVICE_FIXTURE]
+    dev_s = str(dev)
+    dev_type = dev_s.split(":")[0]
+    base = getattr(item, "originalname", None) or item.name.split("[", 1)[0]
+    ids = getattr(callspec, "_idlist", None)
+    if ids is None:
+        inner = item.name[len(base) + 1 : -1] if item.name.startswith(base + "[") else ""
+        ids = [inner] if inner else []
+        if inner == dev_s or inner.startswith(dev_s + "-"):
+            ids = [dev_s, *([inner[len(dev_s) + 1 :]] if inner != dev_s else [])]
+    ids = [str(i) for i in ids]
+    candidates = [dev_s, f"{DEVICE_FIXTURE}{callspec.indices.get(DEVICE_FIXTURE, -1)}"]
+    pos = next((i for i, s in enumerate(ids) if s in candidates), None)
+    if pos is None:  # cannot tell which id is the device: keep it (separate goldens per device)
+        return key, dev_type, item.nodeid
+    rest = ids[:pos] + ids[pos + 1 :]
+    last = base + (f"[{'-'.join(rest)}]" if rest else "")
+    stripped = paths.NodeKey(key.module, (*key.parts[:-1], last))
+    rec_ids = [*ids[:pos], RECORD_DEVICE, *ids[pos + 1 :]] if ids[pos] == dev_s else ids
+    record_nodeid = item.nodeid[: len(item.nodeid) - len(item.name)] + f"{base}[{'-'.join(rec_ids)}]"
+    return stripped, dev_type, record_nodeid
+
+
+# --------------------------------------------------------------------------- the check fixture
+
+
+@pytest.fixture
+def activation_guard(request: pytest.FixtureRequest) -> GoldenCheck:
+    """Check a model's layer outputs against this test's golden: ``activation_guard.check(model,
+    args, kwargs=None, *, name=None, **options)`` returns the model output, records with
+    ``--ag-update`` and otherwise fails the test at the first diverging layer."""
+    item = request.node
+    key, device, record_nodeid = item_key(item)
+    problem: str | None = None
+    marker: dict[str, Any] = {}
+    try:
+        marker = marker_options(item.iter_markers("activation_guard"), item.nodeid)
+    except OptionError as e:
+        problem = str(e)
+    if problem is not None:
+        pytest.fail(f"activation_guard: {problem}", pytrace=False)
+    return GoldenCheck(_session(request.config), item.nodeid, key, marker=marker, device=device,
+                       record_nodeid=record_nodeid)
+
+
+# --------------------------------------------------------------------------- bookkeeping hooks
+
+
+def _keys(items: list[pytest.Item]) -> list[tuple[str, paths.NodeKey]]:
+    out = []
+    for it in items:
+        if "::" in it.nodeid:
+            try:
+                out.append((it.nodeid, item_key(it)[0]))
+            except ValueError:
+                continue
+    return out
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    if not items:
+        return
+    s = _session(items[0].config)
+    if s.settings.unused is not None:
+        s.note_items(_keys(items))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    s = _session(session.config)
+    if s.settings.unused is not None:
+        s.note_items(_keys(session.items))
+
+
+class _OutcomeTracker:
+    """Per-config plugin object: pytest_runtest_logreport gets no config, so bind it here.
+    Outcomes arrive in the controller for xdist runs too, so unused detection sees them all."""
+
+    def __init__(self, session: GuardSession):
+        self.session = session
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.session.note_outcome(report.nodeid, report.when, report.outcome, xfail=hasattr(report, "wasxfail"))
+
+
+def _partial_modules(config: pytest.Config) -> set[str]:
+    """Modules narrowed to single tests on the command line (``file.py::test``)."""
+    out = set()
+    root = Path(config.rootpath)
+    for arg in config.args:
+        if "::" not in arg:
+            continue
+        f = Path(config.invocation_params.dir, arg.split("::", 1)[0])
+        try:
+            out.add(Path(os.path.abspath(f)).relative_to(root).as_posix())
+        except ValueError:
+            out.add(arg.split("::", 1)[0])
+    return out
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist controller: merge a finished worker's checks (JSON) into the session."""
+    s = _session(node.config)
+    out = getattr(node, "workeroutput", None) or {}
+    s.merge_worker_output(out.get(WORKER_KEY), str(getattr(node, "gateway", None) and node.gateway.id))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    s = _session(config)
+    if s.is_worker:
+        config.workeroutput[WORKER_KEY] = s.to_worker_output()  # type: ignore[attr-defined]
+        return
+    if s.settings.unused is not None:
+        unused = s.find_unused(_partial_modules(config))
+        if unused and s.settings.unused == "fail" and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    try:
+        s.write_report()
+    except OSError as e:
+        s.report_error = f"could not write --ag-report {s.settings.report_path}: {e}"
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    s = _session(config)
+    if s.is_worker:
+        return
+    lines = s.summary_lines(verbose=config.option.verbose)
+    if not lines and not s.report_error:
+        return
+    terminalreporter.section("activation_guard")
+    for line in lines:
+        markup = {"red": True} if line.startswith(("DIVERGED", "MISSING", "ERROR", "UNUSED")) else {}
+        terminalreporter.line(line, **markup)
+    if s.report_error:
+        terminalreporter.line(s.report_error, red=True)
+    elif s.settings.report_path is not None:
+        terminalreporter.line(f"report written to {s.settings.display(s.settings.report_path)}")

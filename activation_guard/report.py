@@ -124,16 +124,21 @@ class Report:
         n = self.live_count
         if fd is None:
             worst = max((layer.max_abs_diff or 0.0 for layer in self.layers), default=0.0)
-            return f"activation_guard: OK, {n} layer calls match {self.path} (largest abs diff {fmt_diff(worst)})"
-        where = f"#{fd.position + 1} of {n}" if fd.position is not None else f"golden #{(fd.golden_position or 0) + 1}, did not run"
-        return (
-            f"activation_guard: first divergence at layer {fd.name or '<root>'!r} ({fd.type_name or '?'}) "
-            f"call {fd.call}, {where} in execution order: {WHY.get(fd.status, fd.status)}"
-        )
+            mults = [layer.error_multiple for layer in self.layers if layer.error_multiple is not None]
+            if mults:  # calibrated mode: how close the worst layer came to its noise allowance
+                return (f"activation_guard: OK, {n} layer calls match {self.path} (largest abs diff {fmt_diff(worst)}, "
+                        f"largest error {max(mults):.3g}x the calibrated allowance)")
+            note = "; NOTE inputs differ from the recording" if self.input_changes else ""
+            return f"activation_guard: OK, {n} layer calls match {self.path} (largest abs diff {fmt_diff(worst)}){note}"
+        head = f"activation_guard: first divergence at layer {fd.name or '<root>'!r} ({fd.type_name or '?'}) call {fd.call}"
+        if fd.position is None:
+            return (f"{head}, #{(fd.golden_position or 0) + 1} in the golden's execution order: "
+                    f"{WHY.get(fd.status, fd.status)} in the live run")
+        return f"{head}, #{fd.position + 1} of {n} in execution order: {WHY.get(fd.status, fd.status)}"
 
     def __str__(self) -> str:
         fd = self.first_divergence
-        if fd is None and not self.input_changes and not self.env_changes:
+        if fd is None:  # a pass is one line; environment notes matter only when explaining a failure
             return self.headline()
         lines = [self.headline()]
         if self.input_changes:
@@ -162,7 +167,7 @@ class Report:
             out.append(f"  golden layer  : {fd.golden_name!r} (renamed)")
         if fd.path is not None:
             out.append(f"  output path   : {fd.path or '(the output itself)'}")
-        if fd.detail:
+        if fd.detail and not (fd.status in ("diverged", "nonfinite") and fd.detail.endswith("outside tolerance") and "NaN" not in fd.detail):
             out.append(f"  what          : {fd.detail}")
         if fd.status in ("diverged", "nonfinite", "match") or fd.mismatched:
             pct = 100.0 * fd.mismatched / fd.numel if fd.numel else 0.0
@@ -176,7 +181,7 @@ class Report:
                 out.append(f"  error / noise : {fd.error_multiple:.3g}x the calibrated noise floor (fails above 1)")
         bad_leaves = [leaf for leaf in fd.leaves if leaf.status != "match"]
         if len(bad_leaves) > 1:
-            out.append(f"  other outputs : " + ", ".join(f"{leaf.path or '(output)'}: {leaf.status}" for leaf in bad_leaves[1:6]))
+            out.append("  other outputs : " + ", ".join(f"{leaf.path or '(output)'}: {leaf.status}" for leaf in bad_leaves[1:6]))
         return out
 
     def _context(self, fd: LayerResult) -> list[str]:
@@ -191,11 +196,16 @@ class Report:
         lo, hi = max(0, i - CONTEXT_BEFORE), min(len(live), i + CONTEXT_AFTER + 1)
         width = max(12, *(len(layer.name or "<root>") for layer in live[lo:hi]))
         width = min(width, 60)
-        out = ["", "  context (execution order):", f"    {'#':>5}  {'layer':<{width}} {'call':>4}  {'status':<10} {'max abs':>9} {'max rel':>9}"]
+        calibrated = any(layer.error_multiple is not None for layer in live[lo:hi])
+        head = f"    {'#':>5}  {'layer':<{width}} {'call':>4}  {'status':<10} {'max abs':>9} {'max rel':>9}"
+        out = ["", "  context (execution order):", head + (f" {'x allowed':>10}" if calibrated else "")]
         for layer in live[lo:hi]:
             mark = ">" if layer is fd else " "
             nm = (layer.name or "<root>")[-width:]
-            out.append(f"  {mark} {layer.position + 1:>5}  {nm:<{width}} {layer.call:>4}  {layer.status:<10} {fmt_diff(layer.max_abs_diff):>9} {fmt_diff(layer.max_rel_diff):>9}")
+            row = f"  {mark} {layer.position + 1:>5}  {nm:<{width}} {layer.call:>4}  {layer.status:<10} {fmt_diff(layer.max_abs_diff):>9} {fmt_diff(layer.max_rel_diff):>9}"
+            if calibrated:  # error as a multiple of the calibrated noise allowance (fails above 1)
+                row += f" {'-' if layer.error_multiple is None else f'{layer.error_multiple:.3g}':>10}"
+            out.append(row)
         if fd.position is None:
             out.append(f"  > {'':>5}  {(fd.name or '<root>')[-width:]:<{width}} {fd.call:>4}  missing (expected around here)")
         return out

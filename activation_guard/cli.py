@@ -1,0 +1,290 @@
+"""``activation-guard``: the command line (also ``python -m activation_guard``).
+
+Commands::
+
+    activation-guard demo [--out DIR] [--bug NAME]      record, break, compare: see it work
+    activation-guard inspect GOLDEN.h5 [--layer GLOB] [--json]
+    activation-guard diff A.h5 B.h5 [--rtol R] [--atol A] [--tolerances FILE.json]
+                                    [--json] [--plot FILE.png] [--html FILE.html]
+    activation-guard textconv GOLDEN.h5                 for git's diff driver
+
+Exit status: 0 success (``diff``: the recordings match), 1 ``diff`` found a divergence (or
+``inspect --layer`` matched nothing), 2 usage error or an unusable file. File errors are one
+line on stderr, never a traceback: the golden errors already name the file and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from ._version import __version__
+from .errors import GoldenError
+
+PROG = "activation-guard"
+
+
+class CliError(Exception):
+    """A problem with what the user asked for; printed as one line, exit status 2."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def _dump_json(obj: Any) -> None:
+    _out(json.dumps(obj, indent=2, sort_keys=False, allow_nan=False, default=str))
+
+
+def load_tolerances(path: str) -> dict[str, Any]:
+    """Read a ``--tolerances`` file: a JSON object of layer glob -> {"rtol": .., "atol": ..}
+    (or an [rtol, atol] pair), exactly what ``compare(tolerances=...)`` takes."""
+    where = f"tolerances file {path}"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise CliError(f"{where}: does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"{where}: cannot be read ({e})") from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise CliError(f"{where}: is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CliError(f'{where}: must hold a JSON object like {{"encoder.*": {{"rtol": 1e-4, "atol": 1e-5}}}}, '
+                       f"got a {type(data).__name__}")
+    from .tolerances import ToleranceResolver
+
+    try:
+        ToleranceResolver(tolerances=data)
+    except (TypeError, ValueError) as e:
+        raise CliError(f"{where}: {e}") from None
+    return data
+
+
+def _check_writable(path: str | None, option: str) -> None:
+    if path is None:
+        return
+    d = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(d):
+        raise CliError(f"{option} {path}: folder {d} does not exist")
+    if os.path.isdir(path):
+        raise CliError(f"{option} {path}: is a folder; give a file name")
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _output_change(ref: Any, new: Any) -> tuple[float | None, bool]:
+    """How far the demo's final output moved, and whether a loose end-to-end check notices."""
+    import torch
+
+    if not isinstance(ref, torch.Tensor) or not isinstance(new, torch.Tensor) or ref.shape != new.shape:
+        return None, False
+    return float((new - ref).abs().max()), bool(torch.allclose(new, ref, rtol=1e-3, atol=1e-3))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import BUGS, run_demo
+
+    keep = args.out is not None
+    if keep and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise CliError(f"--out {args.out}: is a file; give a folder (it is created if needed)")
+    out_dir = args.out if keep else tempfile.mkdtemp(prefix="activation_guard-demo-")
+    try:
+        bug = BUGS[args.bug]
+        _out(f"activation_guard demo: a tiny transformer ({PROG} demo --bug {bug.name})")
+        try:
+            res = run_demo(out_dir, bug.name, seed=args.seed)
+        except OSError as e:
+            raise CliError(f"--out {out_dir}: cannot write there ({e.strerror or e})") from None
+        n = res.baseline.live_count
+        _out(f"  1. recorded the reference model's {n} layer calls to {res.golden}")
+        _out(f"  2. re-ran the unchanged model against it: {'OK' if res.baseline.ok else 'NOT OK (unexpected)'}")
+        _out(f"  3. refactor bug injected: {bug.description}")
+        moved, loose_ok = _output_change(res.baseline.output, res.report.output)
+        if moved is not None:
+            verdict = "passes" if loose_ok else "fails"
+            _out(f"     the final output moved by at most {moved:.2e}; an end-to-end "
+                 f"torch.allclose(rtol=1e-3, atol=1e-3) {verdict}")
+        _out("  4. compared the refactored model layer by layer against the golden:")
+        _out("")
+        _out(str(res.report))
+        _out("")
+        if not res.worked:
+            fd = res.report.first_divergence
+            got = "no divergence" if fd is None else f"the first divergence at {fd.label}"
+            _out(f"demo FAILED: expected the first divergence at {bug.layer!r}, got {got}")
+            return 1
+        _out(f"demo OK: the injected bug was found at {bug.layer!r}.")
+        if keep:
+            _out(f"The goldens are in {out_dir}; try:\n"
+                 f"  {PROG} inspect {res.golden} --layer 'blocks.1.*'\n"
+                 f"  {PROG} diff {res.golden} {res.refactored} --html report.html")
+        else:
+            _out(f"(pass --out DIR to keep golden.h5 and refactored.h5 and try `{PROG} inspect` / `{PROG} diff` on them)")
+        return 0
+    finally:
+        if not keep:
+            shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .inspect import format_inspect, inspect_golden
+
+    layer = args.layer or None
+    gi = inspect_golden(args.golden, layer)
+    if args.json:
+        _dump_json(gi.to_dict())
+    else:
+        shown = layer[0] if layer and len(layer) == 1 else layer
+        _out(format_inspect(gi, shown))
+    return 1 if layer and not gi.leaves else 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from .diff import diff_recordings
+
+    tolerances = load_tolerances(args.tolerances) if args.tolerances else None
+    for name in ("rtol", "atol"):
+        v = getattr(args, name)
+        if v is not None and not (v >= 0 and v != float("inf")):
+            raise CliError(f"--{name} must be a finite number >= 0, got {v}")
+    _check_writable(args.plot, "--plot")
+    _check_writable(args.html, "--html")
+    if args.plot:
+        from .visual import _matplotlib
+
+        _matplotlib()  # fail before the work, with the install hint
+    report = diff_recordings(args.a, args.b, rtol=args.rtol, atol=args.atol, tolerances=tolerances,
+                             include=args.include or None, exclude=args.exclude or None,
+                             allow_dtype_change=args.allow_dtype_change)
+    if args.json:
+        d = report.to_dict()
+        d["other"] = args.b
+        _dump_json(d)
+    else:
+        _out(str(report))
+    if args.plot or args.html:
+        from .visual import plot_available, write_html, write_plot
+
+        msgs = []
+        try:
+            if args.plot:
+                write_plot(report, args.plot)
+                msgs.append(f"plot written to {args.plot}")
+            if args.html:
+                write_html([(f"{args.b} vs golden {args.a}", report)], args.html,
+                           title=f"activation_guard diff: {os.path.basename(args.b)} vs {os.path.basename(args.a)}")
+                msgs.append(f"HTML report written to {args.html}" + ("" if plot_available() else " (without plot: matplotlib is not installed)"))
+        except OSError as e:
+            raise CliError(f"cannot write {e.filename or 'the output file'}: {e.strerror or e}") from None
+        for m in msgs:
+            print(m, file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def cmd_textconv(args: argparse.Namespace) -> int:
+    from .inspect import textconv_lines
+
+    for line in textconv_lines(args.golden):
+        sys.stdout.write(line + "\n")
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .demo import BUGS
+
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Layer-by-layer activation goldens for PyTorch models: demo, inspect, diff, textconv.",
+        epilog="Exit status: 0 ok, 1 diff found a divergence, 2 usage error or unusable file.",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    d = sub.add_parser("demo", help="record a built-in model, inject a refactor bug, and find it",
+                       description="Record goldens from a tiny transformer, inject a realistic refactor bug, "
+                                   "compare, and print the first-divergence report. Exit 0 when the bug is found.")
+    d.add_argument("--out", metavar="DIR", help="keep golden.h5 and refactored.h5 in DIR (default: a temporary folder)")
+    d.add_argument("--bug", choices=sorted(BUGS), default="layernorm-eps", help="which bug to inject (default: %(default)s)")
+    d.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    d.set_defaults(func=cmd_demo)
+
+    i = sub.add_parser("inspect", help="show a golden's metadata and per-output statistics",
+                       description="Metadata (versions, device, model class, input fingerprint, numerics flags) and "
+                                   "a table in execution order: layer, call, output path, dtype, shape, min, max, "
+                                   "mean, std and non-finite count.")
+    i.add_argument("golden", metavar="GOLDEN.h5")
+    i.add_argument("--layer", metavar="GLOB", action="append", help="only layers whose name matches (repeatable)")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.set_defaults(func=cmd_inspect)
+
+    f = sub.add_parser("diff", help="compare two recordings with the compare engine (exit 1 if they diverge)",
+                       description="Compare recording B against golden A layer by layer, exactly as a live compare "
+                                   "would (same tolerances, including cross-device defaults; same report).")
+    f.add_argument("a", metavar="A.h5", help="the golden (reference)")
+    f.add_argument("b", metavar="B.h5", help="the recording checked against it")
+    f.add_argument("--rtol", type=float, help="relative tolerance for every float layer")
+    f.add_argument("--atol", type=float, help="absolute tolerance for every float layer")
+    f.add_argument("--tolerances", metavar="FILE.json",
+                   help='per-layer tolerances: {"glob": {"rtol": .., "atol": ..}}, the most specific glob wins')
+    f.add_argument("--include", metavar="GLOB", action="append", help="compare only these layers (repeatable)")
+    f.add_argument("--exclude", metavar="GLOB", action="append", help="skip these layers (repeatable)")
+    f.add_argument("--allow-dtype-change", action="store_true", help="compare float dtypes that differ, in float32")
+    f.add_argument("--json", action="store_true", help="machine-readable report")
+    f.add_argument("--plot", metavar="FILE.png", help="write the error-by-layer plot (needs matplotlib)")
+    f.add_argument("--html", metavar="FILE.html", help="write a self-contained HTML report")
+    f.set_defaults(func=cmd_diff)
+
+    t = sub.add_parser("textconv", help="stable line-per-output text of a golden, for git diff",
+                       description="One line per output: layer[call], path, dtype, shape, sha256 prefix of the bytes, "
+                                   "min/max/mean/std, non-finite count. Use as git's textconv diff driver.")
+    t.add_argument("golden", metavar="GOLDEN.h5")
+    t.set_defaults(func=cmd_textconv)
+    return p
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    from .visual import PlotUnavailableError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (GoldenError, CliError, PlotUnavailableError) as e:
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `activation-guard textconv x.h5 | head`
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

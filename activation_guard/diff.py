@@ -1,0 +1,95 @@
+"""Compare two recordings (for example a CPU golden and a CUDA recording) without a model.
+
+The second recording plays the part of the live run: its layer calls are fed, in its own
+execution order, to the same comparator that :func:`activation_guard.compare` drives from
+forward hooks. Tolerances (including the cross-device defaults when the two were recorded on
+different device types), renames, verdicts and the first-divergence report are therefore exactly
+those of a live compare, and one layer's values are in memory at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import env as envmod
+from .api import _Comparator, _compile_rename
+from .capture import Leaf, normalize_patterns, selected
+from .report import Report
+from .store import CallEntry, GoldenReader
+from .tolerances import ToleranceResolver
+
+
+def _device(meta: dict[str, Any]) -> str | None:
+    d = meta.get("device")
+    return d.get("device") if isinstance(d, dict) else None
+
+
+def _leaves(reader: GoldenReader, c: CallEntry) -> list[Leaf]:
+    """Rebuild the flattened live output of one recorded call from its stored leaves."""
+    out = []
+    for e in c.leaves:
+        if e.kind == "tensor":
+            t = reader.load(e, f"layer {c.name!r} call {c.call} output {e.path!r}")
+            out.append(Leaf(e.path, "tensor", tensor=t, type_name=e.type_name or "Tensor"))
+        elif e.kind == "str":
+            out.append(Leaf(e.path, "str", type_name=e.type_name or "str", value=e.value))
+        else:
+            out.append(Leaf(e.path, e.kind, type_name=e.type_name))
+    return out
+
+
+def diff_recordings(
+    golden: str | os.PathLike[str],
+    other: str | os.PathLike[str],
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    tolerances: Mapping[str, Any] | None = None,
+    include: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
+    rename: Mapping[str, str] | None = None,
+    allow_dtype_change: bool = False,
+) -> Report:
+    """Compare recording ``other`` against ``golden`` as if ``other`` were a live run.
+
+    Options mean what they mean for :func:`activation_guard.compare`; ``include``/``exclude``
+    select layers by the names in ``other``.
+    """
+    inc = normalize_patterns(include, "include")
+    exc = normalize_patterns(exclude, "exclude")
+    with GoldenReader(golden) as ga, GoldenReader(other) as gb:
+        gmeta, bmeta = ga.meta, gb.meta
+        gdev, bdev = _device(gmeta), _device(bmeta)
+        resolver = ToleranceResolver(rtol, atol, tolerances, golden_device=gdev, live_device=bdev or gdev)
+        comp = _Comparator(ga, resolver, _compile_rename(rename), inc, exc, False, allow_dtype_change)
+        for c in gb.calls:
+            if not selected(c.name, inc, exc):
+                continue
+            comp.on_leaves(c.name, c.call, c.type_name, functools.partial(_leaves, gb, c))
+        layers, order = comp.finish()
+    env_changes = envmod.describe_env_change(gmeta.get("numerics"), bmeta.get("numerics") if isinstance(bmeta.get("numerics"), dict) else {})
+    gv = gmeta.get("versions") if isinstance(gmeta.get("versions"), dict) else {}
+    bv = bmeta.get("versions") if isinstance(bmeta.get("versions"), dict) else {}
+    for k in ("torch", "cuda"):
+        if gv.get(k) and bv.get(k) and gv[k] != bv[k]:
+            env_changes.append(f"{k}: golden {gv[k]}, other {bv[k]}")
+    gin, bin_ = gmeta.get("inputs"), bmeta.get("inputs")
+    bin_ = [e for e in bin_ if isinstance(e, dict) and isinstance(e.get("path"), str)] if isinstance(bin_, list) else []
+    input_changes = envmod.describe_input_change(gin if isinstance(gin, list) else None, bin_)
+    report = Report(
+        path=os.fspath(golden), layers=layers, golden_meta=gmeta, live_device=bdev or "?",
+        input_changes=input_changes, env_changes=env_changes, _order=order,
+    )
+    report.notes.append(f"live values read from the recording {os.fspath(other)}")
+    gcls, bcls = gmeta.get("model_class"), bmeta.get("model_class")
+    if gcls and bcls and gcls != bcls:
+        report.notes.append(f"model class differs: golden {gcls}, other {bcls}")
+    if resolver.cross_device:
+        report.notes.append(f"golden recorded on {gdev}, other on {bdev}: {resolver.device_pair} default tolerances apply")
+    return report
+
+
+diff = diff_recordings  # short name; the package may export it as ``diff_recordings`` (``activation_guard.diff`` is this module)

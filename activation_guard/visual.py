@@ -1,0 +1,315 @@
+"""Pictures of a report: error by layer in execution order, and a self-contained HTML page.
+
+A 300-row table hides what a plot shows at once: where error starts, whether it grows through
+depth (a real bug propagating) or stays flat near the tolerance (noise), and which layer first
+crossed the line. The plot draws, per layer call in execution order, the largest absolute and
+relative difference on a log axis with the tolerances in force, failing calls marked, and the
+first divergence labelled.
+
+matplotlib is an optional extra (``pip install 'activation_guard[plot]'``); it is imported only
+here, lazily, with the non-interactive Agg canvas (no pyplot, no global backend switch), so
+importing activation_guard never needs it. Without it, :func:`write_plot` raises
+:class:`PlotUnavailableError` and :func:`write_html` still writes the page, minus the picture.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Union
+
+from .compare import LayerResult
+from .errors import ActivationGuardError
+from .report import WHY, Report, fmt, fmt_diff
+
+INSTALL_HINT = "pip install 'activation_guard[plot]' (or: pip install matplotlib)"
+
+
+class PlotUnavailableError(ActivationGuardError, ImportError):
+    """matplotlib (the optional ``plot`` extra) is not installed."""
+
+
+def _matplotlib() -> tuple[Any, Any]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise PlotUnavailableError(f"plots need matplotlib, which is not installed: {INSTALL_HINT}") from e
+    return Figure, FigureCanvasAgg
+
+
+def plot_available() -> bool:
+    try:
+        _matplotlib()
+    except PlotUnavailableError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def _live_layers(report: Report) -> list[LayerResult]:
+    live = [x for x in report.layers if x.position is not None]
+    live.sort(key=lambda x: x.position if x.position is not None else 0)
+    return live
+
+
+def _finite_pos(v: float | None) -> bool:
+    return v is not None and math.isfinite(v) and v > 0
+
+
+def _pos_or_nan(v: float | None) -> float:
+    return v if v is not None and _finite_pos(v) else math.nan
+
+
+def _first_x(report: Report, fd: LayerResult, n: int) -> float:
+    """Where the first divergence sits on the execution-order axis (1-based)."""
+    if fd.position is not None:
+        return fd.position + 1.0
+    key = report._order.get(report.layers.index(fd), (math.inf, 0))[0]
+    return min(key + 1.0, n + 0.5) if math.isfinite(key) else n + 0.5
+
+
+def render_png(report: Report, *, title: str | None = None, dpi: int = 110) -> bytes:
+    """The error-by-layer plot of ``report`` as PNG bytes."""
+    figure_cls, canvas_cls = _matplotlib()
+    live = _live_layers(report)
+    n = len(live)
+    xs = list(range(1, n + 1))
+    absd = [x.max_abs_diff for x in live]
+    reld = [x.max_rel_diff for x in live]
+    positives = [v for v in absd + reld + [x.atol for x in live] + [x.rtol for x in live] if v is not None and _finite_pos(v)]
+    lo = min(positives) if positives else 1e-8
+    hi = max(positives) if positives else 1.0
+    floor, ceil = lo / 10.0, hi * 100.0
+
+    def on_axis(v: float | None) -> float:
+        if v is None:
+            return math.nan
+        if math.isnan(v) or v == math.inf:
+            return ceil
+        return v if v > 0 else floor
+
+    names = [x.label for x in live]
+    show_names = 0 < n <= 60
+    width = max(8.0, min(22.0, 0.22 * n + 3.0))
+    height = 5.2 + (min(2.4, 0.075 * max(len(s) for s in names)) if show_names and names else 0.0)
+    fig = figure_cls(figsize=(width, height), dpi=dpi)
+    canvas_cls(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.set_yscale("log")
+    c_abs, c_rel, c_bad = "#1f77b4", "#ff7f0e", "#d62728"
+    if n:
+        ax.plot(xs, [on_axis(v) for v in absd], "o-", color=c_abs, ms=3.5, lw=1.2, label="max abs diff")
+        ax.plot(xs, [on_axis(v) for v in reld], "s-", color=c_rel, ms=3.0, lw=1.0, alpha=0.85, label="max rel diff")
+        atol = [_pos_or_nan(x.atol) for x in live]
+        rtol = [_pos_or_nan(x.rtol) for x in live]
+        if any(not math.isnan(v) for v in atol):
+            ax.step(xs, atol, where="mid", ls="--", color=c_abs, lw=1.0, alpha=0.7, label="atol (abs tolerance)")
+        if any(not math.isnan(v) for v in rtol):
+            ax.step(xs, rtol, where="mid", ls=":", color=c_rel, lw=1.3, alpha=0.9, label="rtol (rel tolerance)")
+        bad = [(i + 1, x) for i, x in enumerate(live) if not x.ok]
+        numeric_bad = [(i, x) for i, x in bad if x.max_abs_diff is not None]
+        if numeric_bad:
+            ax.scatter([i for i, _ in numeric_bad], [on_axis(x.max_abs_diff) for _, x in numeric_bad], s=60,
+                       facecolors="none", edgecolors=c_bad, linewidths=1.3, zorder=5, label="outside tolerance")
+        for i, x in bad:
+            if x.max_abs_diff is None:  # shape/dtype/structure/unexpected: no numbers to draw
+                ax.axvline(i, color=c_bad, alpha=0.25, lw=3)
+        missing = [(_first_x(report, x, n), x) for x in report.layers if x.position is None]
+        if missing:  # golden calls that did not run: marked where the live run passed their place
+            ax.scatter([m for m, _ in missing], [floor] * len(missing), marker="x", s=50, color=c_bad, zorder=6,
+                       clip_on=False, label="golden call that did not run")
+            for mx, x in missing[:8]:
+                ax.annotate(x.label, xy=(mx, floor), xytext=(0, 8), textcoords="offset points", rotation=90,
+                            ha="center", va="bottom", fontsize=7, color=c_bad)
+        if any(v is not None and v == 0 for v in absd + reld):
+            ax.axhline(floor, color="0.6", lw=0.8)
+            ax.text(0.01, floor, "0 (exact match) drawn on this line", va="bottom", ha="left", fontsize=7, color="0.4",
+                    transform=ax.get_yaxis_transform())
+        if any(v is not None and not math.isfinite(v) for v in absd + reld):
+            ax.axhline(ceil, color=c_bad, lw=0.8, alpha=0.6)
+            ax.text(0.01, ceil, "inf / NaN drawn on this line", va="bottom", ha="left", fontsize=7, color=c_bad,
+                    transform=ax.get_yaxis_transform())
+    fd = report.first_divergence
+    if fd is not None:
+        fx = _first_x(report, fd, n)
+        left = fx <= max(n, 1) * 0.6
+        ax.axvline(fx, color=c_bad, ls="-.", lw=1.2)
+        ax.annotate(f"first divergence: {fd.label} ({WHY.get(fd.status, fd.status)})", xy=(fx, 0.91),
+                    xycoords=("data", "axes fraction"), xytext=(6 if left else -6, 0), textcoords="offset points",
+                    ha="left" if left else "right", va="top", fontsize=9, color=c_bad,
+                    bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": c_bad, "alpha": 0.9})
+    has_nonfinite = any(v is not None and not math.isfinite(v) for v in absd + reld)
+    ax.set_ylim(floor / 2, ceil * 4 if has_nonfinite else hi * 20)
+    ax.set_xlim(0.5, max(n, 1) + 0.5)
+    if show_names:
+        ax.set_xticks(xs)
+        ax.set_xticklabels(names, rotation=90, fontsize=7)
+        ax.set_xlabel("layer call, in execution order")
+    else:
+        ax.set_xlabel("layer call # (execution order)")
+    ax.set_ylabel("difference (log scale)")
+    ax.grid(True, which="major", axis="y", alpha=0.3)
+    if title is None:
+        status = "OK" if report.ok else f"first divergence at {fd.label}" if fd else "diverged"
+        title = f"error by layer: {os.path.basename(report.path) or report.path} ({status})"
+    ax.set_title(title, fontsize=10)
+    if n:
+        ax.legend(loc="best", fontsize=8, framealpha=0.9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})
+    return buf.getvalue()
+
+
+def write_plot(report: Report, path: str | os.PathLike[str], *, title: str | None = None) -> str:
+    """Write the error-by-layer plot of ``report`` to ``path`` (PNG). Returns the path."""
+    data = render_png(report, title=title)
+    p = os.fspath(path)
+    with open(p, "wb") as fh:
+        fh.write(data)
+    return p
+
+
+# --------------------------------------------------------------------------- HTML
+
+ReportsArg = Union[Report, Sequence[Report], Mapping[str, Report], Sequence[tuple[str, Report]]]
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1600px}
+h1{font-size:20px;margin:0 0 8px} h2{font-size:16px;margin:28px 0 6px}
+.ok{color:#17692b} .bad{color:#b3261e}
+pre{background:#f6f8fa;padding:10px;border-radius:4px;overflow-x:auto;font-size:12px}
+table{border-collapse:collapse;font-size:12px;margin:8px 0}
+th,td{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top}
+th{background:#f0f0f0;position:sticky;top:0}
+td.num{text-align:right;font-variant-numeric:tabular-nums;font-family:ui-monospace,monospace}
+tr.fail td{background:#fdecea}
+tr.first td{background:#f8c9c4;font-weight:600}
+tr.first td:first-child{border-left:4px solid #b3261e}
+img{max-width:100%;border:1px solid #eee}
+.note{color:#555;font-style:italic}
+"""
+
+COLUMNS = ("#", "layer", "call", "type", "status", "max abs diff", "max rel diff", "mismatched",
+           "rtol", "atol", "worst element: golden / live", "detail")
+
+
+def _normalize(reports: ReportsArg) -> list[tuple[str, Report]]:
+    if isinstance(reports, Report):
+        return [(reports.path, reports)]
+    if isinstance(reports, Mapping):
+        items: Iterable[Any] = reports.items()
+    else:
+        items = reports
+    out = []
+    for item in items:
+        if isinstance(item, Report):
+            out.append((item.path, item))
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Report):
+            out.append((str(item[0]), item[1]))
+        else:
+            raise TypeError(f"write_html needs a Report, a list of Reports, or (label, Report) pairs; got {type(item).__name__}")
+    return out
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _layer_rows(report: Report) -> list[str]:
+    fd = report.first_divergence
+    ordered = _live_layers(report) + [x for x in report.layers if x.position is None]
+    rows = []
+    for x in ordered:
+        cls = "first" if x is fd else ("fail" if not x.ok else "")
+        pos = str(x.position + 1) if x.position is not None else "-"
+        worst = ""
+        if (x.golden_value is not None or x.live_value is not None) and (x.max_abs_diff or not x.ok):
+            idx = "" if x.index is None else f"{tuple(x.index)}: "
+            worst = f"{idx}{fmt(x.golden_value)} / {fmt(x.live_value)}"
+        mism = f"{x.mismatched} / {x.numel}" if x.numel else "-"
+        cells = [
+            (pos, "num"), (x.name or "<root>", ""), (str(x.call), "num"), (x.type_name, ""),
+            (("FIRST: " if x is fd else "") + x.status, ""), (fmt_diff(x.max_abs_diff), "num"),
+            (fmt_diff(x.max_rel_diff), "num"), (mism, "num"),
+            ("-" if x.rtol is None else f"{x.rtol:g}", "num"), ("-" if x.atol is None else f"{x.atol:g}", "num"),
+            (worst, "num"), (x.detail, ""),
+        ]
+        tds = "".join(f'<td class="{c}">{_e(v)}</td>' if c else f"<td>{_e(v)}</td>" for v, c in cells)
+        anchor = ' id="first-divergence"' if x is fd else ""
+        rows.append(f'<tr class="{cls}"{anchor}>{tds}</tr>' if cls else f"<tr>{tds}</tr>")
+    return rows
+
+
+def _section(i: int, label: str, report: Report, with_plot: bool) -> list[str]:
+    state = "ok" if report.ok else "bad"
+    out = [f'<section id="report-{i}">', f"<h2>{_e(label)}</h2>",
+           f'<p class="{state}"><b>{_e(report.headline())}</b></p>']
+    text = str(report)
+    if text != report.headline():
+        out.append(f"<pre>{_e(text)}</pre>")
+    if with_plot:
+        try:
+            png = render_png(report)
+            b64 = base64.b64encode(png).decode("ascii")
+            out.append(f'<img alt="error by layer for {_e(label)}" src="data:image/png;base64,{b64}">')
+        except PlotUnavailableError:
+            out.append(f'<p class="note">(no plot: matplotlib is not installed; {_e(INSTALL_HINT)})</p>')
+    head = "".join(f"<th>{_e(c)}</th>" for c in COLUMNS)
+    table = [f"<table class=\"layers\"><thead><tr>{head}</tr></thead><tbody>", *_layer_rows(report), "</tbody></table>"]
+    n = len(report.layers)
+    if report.ok:  # a passing check's table is rarely read: fold it
+        out += [f"<details><summary>{n} layer calls</summary>", *table, "</details>"]
+    else:
+        out += [f"<p>{n} layer calls; the first divergence is highlighted.</p>", *table]
+    out.append("</section>")
+    return out
+
+
+def html_page(reports: ReportsArg, *, title: str = "activation_guard report", plots: str = "auto") -> str:
+    """One self-contained HTML page (inline CSS, plots as base64 PNG, no network assets).
+
+    ``plots``: ``"auto"`` plots a single report, or the failing ones among several (a plot costs
+    a fraction of a second); ``"all"``; ``"none"``.
+    """
+    if plots not in ("auto", "all", "none"):
+        raise ValueError(f"plots must be 'auto', 'all' or 'none', got {plots!r}")
+    items = _normalize(reports)
+    nbad = sum(1 for _, r in items if not r.ok)
+    out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
+           '<meta name="viewport" content="width=device-width, initial-scale=1">',
+           f"<title>{_e(title)}</title>", f"<style>{CSS}</style>", "</head>", "<body>", f"<h1>{_e(title)}</h1>"]
+    state = "ok" if nbad == 0 else "bad"
+    out.append(f'<p class="{state}">{len(items)} check(s): {len(items) - nbad} passed, {nbad} diverged</p>')
+    if len(items) > 1:
+        out.append("<table><thead><tr><th>check</th><th>result</th><th>first divergence</th></tr></thead><tbody>")
+        for i, (label, r) in enumerate(items):
+            fd = r.first_divergence
+            where = "-" if fd is None else f"{fd.label} ({WHY.get(fd.status, fd.status)})"
+            cls = "ok" if r.ok else "bad"
+            out.append(f'<tr><td><a href="#report-{i}">{_e(label)}</a></td><td class="{cls}">{"OK" if r.ok else "DIVERGED"}</td>'
+                       f"<td>{_e(where)}</td></tr>")
+        out.append("</tbody></table>")
+    for i, (label, r) in enumerate(items):
+        with_plot = plots == "all" or (plots == "auto" and (len(items) == 1 or not r.ok))
+        out += _section(i, label, r, with_plot)
+    out += ["</body>", "</html>", ""]
+    return "\n".join(out)
+
+
+def write_html(report_or_reports: ReportsArg, path: str | os.PathLike[str], *, title: str = "activation_guard report",
+               plots: str = "auto") -> str:
+    """Write :func:`html_page` to ``path`` (UTF-8). Accepts one Report, a list of Reports, a
+    mapping label -> Report, or (label, Report) pairs (the pytest plugin passes test ids)."""
+    page = html_page(report_or_reports, title=title, plots=plots)
+    p = os.fspath(path)
+    with open(p, "w", encoding="utf-8") as fh:
+        fh.write(page)
+    return p

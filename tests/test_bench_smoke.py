@@ -1,0 +1,74 @@
+"""Smoke run of the benchmark (benchmarks/run.py --quick): it runs and prints every figure.
+
+No timing is asserted here (the suite runs on shared machines); the real figures come from the
+full benchmark and are quoted in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "run.py"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    d = tmp_path_factory.mktemp("bench")
+    out_json = d / "figures.json"
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    cp = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--json", str(out_json), "--workdir", str(d)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env, check=False,
+    )
+    assert cp.returncode == 0, f"benchmark failed:\n{cp.stdout}\n{cp.stderr}"
+    with open(out_json) as f:
+        return cp.stdout, json.load(f)
+
+
+def test_quick_benchmark_prints_every_figure(quick_run):
+    stdout, _ = quick_run
+    for needle in (
+        "== wide:", "== deep:", "== llama: skipped with --quick",
+        "forward", "limit record", "limit compare", "peer record", "peer check",
+        "x limit", "x activation_guard's record", "x activation_guard's compare",
+        "per layer call above the forward", "x raw bytes", "compression=gzip", "compression=lzf",
+        "== scaling with layers", "== scaling with bytes", "== peak memory", "above the forward",
+        "== targets",
+    ):
+        assert needle in stdout, f"{needle!r} missing from the benchmark output:\n{stdout}"
+
+
+def test_quick_benchmark_json_has_consistent_figures(quick_run):
+    _, data = quick_run
+    res = data["results"]
+    assert data["output"] and data["output"][0].startswith("activation_guard")
+    assert res["quick"] is True and res["threads"] == 1
+    for name in ("wide", "deep"):
+        r = res[name]
+        for k in ("forward", "limit record", "record", "limit compare", "compare"):
+            assert r[k] > 0, (name, k)
+        for k in ("forward", "record", "compare", "peer record", "peer check", "file_bytes"):
+            assert r["peer"][k] > 0, (name, k)
+        assert r["layer_calls"] > 0 and r["nbytes"] > 0
+        assert r["file_bytes"] >= r["nbytes"]  # uncompressed: at least the raw bytes
+    assert res["deep"]["layer_calls"] == 61  # 60 Linear + the Sequential
+    wide = res["wide"]
+    assert set(wide["compression"]["file_bytes"]) == {"gzip", "lzf"}
+    assert wide["compression"]["record gzip"] > 0 and wide["compression"]["compare lzf"] > 0
+    assert wide["largest_leaf_bytes"] == 64 * 64 * 4
+    assert "compression" not in res["deep"]
+    mem = res["memory"]
+    assert mem["record"]["op_peak"] > 0 and mem["compare"]["op_peak"] > 0
+    assert mem["total_bytes"] > mem["largest_leaf_bytes"] > 0
+    names = [t["target"] for t in res["targets"]]
+    assert any("fixed cost" in n for n in names)
+    assert any("peak above forward" in n for n in names)
+    assert sum("linear in" in n for n in names) == 4
+

@@ -1,0 +1,507 @@
+"""Calibrated tolerances (issue 7): float64 noise floors, TF32 emulation, mixed precision.
+
+The central claim, tested on CPU: a float32 golden checked against a run whose float32 matmuls
+behave like TF32 fails with strict tolerances and passes with calibrated ones, while the same
+TF32 run with a real injected bug fails at exactly the layer that has the bug.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from models import build_cnn, cnn_input
+from torch import nn
+
+import activation_guard as ag
+from activation_guard import calibrate as cal
+from activation_guard.errors import ActivationGuardError, GoldenFormatError
+
+# --------------------------------------------------------------------------- models
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class TinyTransformer(nn.Module):
+    """Pre-norm residual MLP blocks: LayerNorm, GELU and Linear layers with distinct names.
+    Outputs have 1024+ elements, so the float32 multiplier (2) is the one exercised."""
+
+    def __init__(self, d: int = 32, depth: int = 3):
+        super().__init__()
+        self.embed = nn.Linear(16, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def tiny_transformer() -> TinyTransformer:
+    torch.manual_seed(0)
+    return TinyTransformer().eval()
+
+
+def tiny_input() -> torch.Tensor:
+    return torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("calib") / "tiny.h5"
+    ag.record(tiny_transformer(), tiny_input(), path=p, calibrate=True)
+    return p
+
+
+# --------------------------------------------------------------------------- TF32 emulation
+
+
+@given(st.floats(width=32, allow_nan=False, allow_infinity=False))
+def test_tf32_round_keeps_10_mantissa_bits_and_rounds_to_nearest(v: float) -> None:
+    x = torch.tensor([v], dtype=torch.float32)
+    r = cal.tf32_round(x)
+    assert r.dtype == torch.float32
+    if math.isfinite(float(r)):
+        assert int(r.view(torch.int32)) & 0x1FFF == 0
+        assert abs(float(r) - v) <= max(2.0**-11 * abs(v), 2.0**-137)  # half a TF32 ulp (subnormal: absolute)
+        assert torch.equal(cal.tf32_round(r), r)  # idempotent
+
+
+def test_tf32_round_leaves_non_float32_and_non_finite_alone() -> None:
+    d = torch.tensor([1.0 + 2**-30], dtype=torch.float64)
+    assert cal.tf32_round(d) is d
+    special = torch.tensor([math.inf, -math.inf, math.nan], dtype=torch.float32)
+    out = cal.tf32_round(special)
+    assert out[0] == math.inf and out[1] == -math.inf and math.isnan(out[2])
+    assert cal.tf32_round(3) == 3
+
+
+def test_emulate_tf32_changes_float32_matmuls_only() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64)
+    x = torch.randn(8, 64)
+    exact = lin(x)
+    with cal.emulate_tf32():
+        emulated = lin(x)
+        emulated_mm = x @ lin.weight.T
+        emulated64 = lin.double()(x.double())
+    assert not torch.equal(exact, emulated)
+    assert (exact - emulated).abs().max() < 1e-2
+    assert torch.equal(emulated_mm + lin.bias, emulated) or (emulated_mm + lin.bias - emulated).abs().max() < 1e-5
+    assert torch.equal(emulated64, lin(x.double()))  # float64 untouched
+
+
+# --------------------------------------------------------------------------- record(calibrate=True)
+
+
+def test_record_calibrate_stores_floors_for_every_float_output(golden: Path, tmp_path: Path) -> None:
+    with ag.read_golden(golden) as r:
+        rec = r.meta[cal.META_KEY]
+        calls = [(c.name, c.call, leaf.path) for c in r.calls for leaf in c.leaves if leaf.kind == "tensor"]
+    assert rec["version"] == cal.FORMAT_VERSION and rec["reference_dtype"] == "float64"
+    assert rec["reference_device"] == "cpu"
+    assert rec["rule"]["multiplier"] == cal.MULTIPLIER and rec["rule"]["abs_term"] == cal.ABS_TERM
+    for name, call, path in calls:
+        mx, rms = rec["floors"][name][str(call)][path]
+        assert 0 < rms <= mx < 1e-5, (name, mx, rms)  # float32 vs float64: a few ulps
+    table = cal.FloorTable.from_meta({cal.META_KEY: rec}, golden)
+    assert len(table) == len(calls)
+    # the golden's values are the same as without calibration (the shadow touches nothing)
+    plain = tmp_path / "plain.h5"
+    ag.record(tiny_transformer(), tiny_input(), path=plain)
+    with ag.read_golden(plain) as a, ag.read_golden(golden) as b:
+        assert cal.META_KEY not in a.meta
+        for (ca, la, ta), (cb, lb, tb) in zip(a.iter_tensors(), b.iter_tensors()):
+            assert (ca.name, la.path) == (cb.name, lb.path) and torch.equal(ta, tb)
+
+
+def test_calibrated_golden_is_byte_reproducible(golden: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again.h5"
+    ag.record(tiny_transformer(), tiny_input(), path=again, calibrate=True)
+    assert again.read_bytes() == golden.read_bytes()
+
+
+def test_shadow_does_not_consume_the_models_random_numbers(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4)).train()
+    x = torch.randn(16, 8)
+    torch.manual_seed(7)
+    ag.record(model, x, path=tmp_path / "a.h5")
+    after_plain = torch.rand(3)
+    torch.manual_seed(7)
+    ag.record(model, x, path=tmp_path / "b.h5", calibrate=True)
+    assert torch.equal(torch.rand(3), after_plain)
+    with ag.read_golden(tmp_path / "a.h5") as a, ag.read_golden(tmp_path / "b.h5") as b:
+        for (_, _, ta), (_, _, tb) in zip(a.iter_tensors(), b.iter_tensors()):
+            assert torch.equal(ta, tb)
+
+
+# --------------------------------------------------------------------------- the must-show
+
+
+def test_tf32_run_fails_strict_and_passes_calibrated(golden: Path) -> None:
+    model, x = tiny_transformer(), tiny_input()
+    with cal.emulate_tf32():
+        strict = ag.compare(model, x, path=golden)
+        calibrated = ag.compare(model, x, path=golden, tolerance="calibrated")
+    assert not strict.ok
+    assert strict.first_divergence is not None and strict.first_divergence.name == "embed"
+    assert sum(1 for layer in strict.layers if not layer.ok) >= 10  # strict flags nearly every layer
+    assert calibrated.ok, str(calibrated)
+    assert calibrated.mode == "calibrated"
+    multiples = [layer.error_multiple for layer in calibrated.layers]
+    assert all(m is not None and 0 < m <= 1 for m in multiples), multiples
+    assert max(multiples) > 0.2  # the TF32 noise is real and measured, not ignored
+    assert "x the calibrated allowance" in calibrated.headline()
+    assert any("float64 reference on cpu" in n for n in calibrated.notes)
+
+
+def test_identical_run_is_far_below_the_allowance(golden: Path) -> None:
+    report = ag.compare(tiny_transformer(), tiny_input(), path=golden, tolerance="calibrated")
+    assert report.ok
+    assert max(layer.error_multiple or 0.0 for layer in report.layers) == 0.0
+
+
+def _eps(m: TinyTransformer) -> None:
+    m.blocks[1].norm.eps = 1e-3  # 1e-5 -> 1e-3
+
+
+def _act(m: TinyTransformer) -> None:
+    m.blocks[1].act = nn.SiLU()  # wrong activation
+
+
+def _weight(m: TinyTransformer) -> None:
+    with torch.no_grad():
+        m.blocks[1].fc1.weight.mul_(1.01)  # 1% scaled weight
+
+
+@pytest.mark.parametrize(("bug", "layer"), [(_eps, "blocks.1.norm"), (_act, "blocks.1.act"), (_weight, "blocks.1.fc1")])
+def test_real_bug_in_a_tf32_run_fails_at_its_layer(golden: Path, bug, layer: str) -> None:
+    model = tiny_transformer()
+    bug(model)
+    with cal.emulate_tf32():
+        report = ag.compare(model, tiny_input(), path=golden, tolerance="calibrated")
+    fd = report.first_divergence
+    assert fd is not None and fd.name == layer, str(report)
+    assert fd.status == "diverged" and fd.error_multiple is not None and fd.error_multiple > 1
+    before = [r for r in report.layers if r.position is not None and r.position < fd.position]
+    assert before and all(r.ok for r in before)
+    text = str(report)
+    assert "x the calibrated noise floor (fails above 1)" in text and "x allowed" in text
+    assert "noise floors golden" in (fd.detail or "")
+    d = report.to_dict()
+    row = next(x for x in d["layers"] if x["name"] == layer)
+    assert row["error_multiple"] == pytest.approx(fd.error_multiple)
+    json.dumps(d)
+
+
+def test_fail_fast_stops_at_the_bug(golden: Path) -> None:
+    model = tiny_transformer()
+    _weight(model)
+    report = ag.compare(model, tiny_input(), path=golden, tolerance="calibrated", fail_fast=True)
+    assert report.stopped_early and report.first_divergence.name == "blocks.1.fc1"
+
+
+def test_cnn_tf32_passes_calibrated_and_a_scaled_conv_fails_there(tmp_path: Path) -> None:
+    p = tmp_path / "cnn.h5"
+    model, x = build_cnn(), cnn_input()
+    ag.record(model, x, path=p, calibrate=True)
+    with cal.emulate_tf32():
+        assert not ag.compare(model, x, path=p).ok
+        assert ag.compare(model, x, path=p, tolerance="calibrated").ok
+        bad = copy.deepcopy(model)
+        with torch.no_grad():
+            bad.conv2.weight.mul_(1.01)
+        report = ag.compare(bad, x, path=p, tolerance="calibrated")
+    assert report.first_divergence is not None and report.first_divergence.name == "conv2"
+
+
+def test_compare_models_calibrated(tmp_path: Path) -> None:
+    ref, x = tiny_transformer(), tiny_input()
+    with cal.emulate_tf32():
+        assert ag.compare_models(ref, copy.deepcopy(ref), x, tolerance="calibrated").ok
+        cand = copy.deepcopy(ref)
+        _act(cand)
+        report = ag.compare_models(ref, cand, x, tolerance="calibrated")
+    assert report.first_divergence is not None and report.first_divergence.name == "blocks.1.act"
+
+
+# --------------------------------------------------------------------------- errors and edge cases
+
+
+def test_calibrated_needs_a_calibrated_golden(tmp_path: Path) -> None:
+    p = tmp_path / "plain.h5"
+    ag.record(tiny_transformer(), tiny_input(), path=p)
+    with pytest.raises(GoldenFormatError) as ei:
+        ag.compare(tiny_transformer(), tiny_input(), path=p, tolerance="calibrated")
+    msg = str(ei.value)
+    assert str(p) in msg and "calibrate=True" in msg and "--ag-calibrate" in msg
+
+
+def test_unknown_tolerance_mode_is_refused(golden: Path) -> None:
+    with pytest.raises(ValueError, match="tolerance must be 'strict' or 'calibrated'"):
+        ag.compare(tiny_transformer(), tiny_input(), path=golden, tolerance="loose")
+
+
+@pytest.mark.parametrize("rec", [
+    {"version": 1},
+    {"version": "1", "floors": {}},
+    {"version": 1, "floors": {"a": {"x": {"": [1.0, 1.0]}}}},
+    {"version": 1, "floors": {"a": {"0": {"": [1.0]}}}},
+    {"version": 1, "floors": {"a": {"0": {"": [-1.0, 1.0]}}}},
+    {"version": 1, "floors": {"a": {"0": {"": [True, 1.0]}}}},
+    [1, 2],
+])
+def test_malformed_floor_records_are_refused(rec: object) -> None:
+    with pytest.raises(GoldenFormatError, match="malformed 'calibration'"):
+        cal.FloorTable.from_meta({cal.META_KEY: rec}, "g.h5")
+
+
+def test_newer_floor_format_is_refused() -> None:
+    with pytest.raises(GoldenFormatError, match="newer"):
+        cal.FloorTable.from_meta({cal.META_KEY: {"version": 99, "floors": {}}}, "g.h5")
+
+
+@given(st.dictionaries(
+    st.text(max_size=6),
+    st.dictionaries(st.integers(0, 5), st.dictionaries(st.text(max_size=4), st.one_of(
+        st.none(), st.tuples(st.floats(0, 1e30), st.floats(0, 1e30))), max_size=3), max_size=3),
+    max_size=4))
+def test_floor_table_round_trips_through_json(data: dict) -> None:
+    t = cal.FloorTable()
+    for name, calls in data.items():
+        for call, paths in calls.items():
+            for path, v in paths.items():
+                t.add(name, call, path, None if v is None else cal.NoiseFloor(*v))
+    back = cal.FloorTable.from_meta(json.loads(json.dumps({cal.META_KEY: t.to_meta()})), "g.h5")
+    assert back.floors == t.floors
+
+
+class MaskFill(nn.Module):
+    """Fills masked positions with the dtype's most negative value, as attention masks do: the
+    float64 shadow uses another value, so this output has no finite noise floor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y.masked_fill(y < 0, torch.finfo(y.dtype).min)
+
+
+def test_outputs_without_a_floor_fall_back_to_strict_and_say_so(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = MaskFill().eval(), torch.randn(4, 8)
+    p = tmp_path / "mask.h5"
+    ag.record(model, x, path=p, calibrate=True)
+    with ag.read_golden(p) as r:
+        assert r.meta[cal.META_KEY]["floors"][""]["0"][""] is None
+    report = ag.compare(model, x, path=p, tolerance="calibrated")
+    assert report.ok
+    root = next(layer for layer in report.layers if layer.name == "")
+    assert root.error_multiple is None and root.tolerance_source == "float32 default"
+    assert any("used strict tolerances" in n and "<root>[0]" in n for n in report.notes)
+
+
+class ArgmaxHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.fc(self.emb(ids))
+        return {"logits": logits, "label": logits.argmax(-1)}
+
+
+def test_integer_inputs_and_outputs_stay_exact(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, ids = ArgmaxHead().eval(), torch.randint(0, 10, (3, 4))
+    p = tmp_path / "argmax.h5"
+    ag.record(model, ids, path=p, calibrate=True)
+    report = ag.compare(model, ids, path=p, tolerance="calibrated")
+    assert report.ok
+    root = next(layer for layer in report.layers if layer.name == "")
+    leaves = {leaf.path: leaf for leaf in root.leaves}
+    assert leaves["label"].error_multiple is None and leaves["logits"].error_multiple is not None
+
+
+def test_shadow_leaves_the_live_model_alone(golden: Path) -> None:
+    model = tiny_transformer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ag.compare(model, tiny_input(), path=golden, tolerance="calibrated")
+    after = model.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    assert not model.training
+
+
+class Float32Only(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise TypeError("this kernel only supports float32")
+        return self.fc(x)
+
+
+def test_models_that_cannot_run_in_float64_get_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ActivationGuardError, match=r"float64 shadow forward .* failed .*only supports float32.*tolerance='strict'"):
+        ag.record(Float32Only(), torch.randn(2, 4), path=tmp_path / "f.h5", calibrate=True)
+    assert not (tmp_path / "f.h5").exists()
+
+
+class Locked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.lock = threading.Lock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_models_that_cannot_be_copied_get_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ActivationGuardError, match=r"copy\.deepcopy\(Locked\) failed"):
+        ag.record(Locked(), torch.randn(2, 4), path=tmp_path / "l.h5", calibrate=True)
+
+
+# --------------------------------------------------------------------------- device logic
+
+
+def test_reference_device_falls_back_to_cpu_without_float64(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cal.reference_device(None) == torch.device("cpu")
+    assert cal.reference_device("cpu") == torch.device("cpu")
+    assert cal.reference_device("mps") == torch.device("cpu")  # MPS has no float64
+
+    def no_float64(*a, **kw):
+        raise RuntimeError("float64 is not supported on this device")
+
+    monkeypatch.setattr(cal, "_F64_SUPPORT", {})
+    monkeypatch.setattr(torch, "ones", no_float64)
+    assert not cal.supports_float64("xla:0")  # probed, and the probe failed
+    assert cal.reference_device("xla:0") == torch.device("cpu")
+
+
+def test_supports_float64_probes_once_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real_ones = torch.ones
+
+    def fake_ones(*a, **kw):
+        calls.append(kw.get("device"))
+        return real_ones(*a, dtype=kw.get("dtype"))
+
+    monkeypatch.setattr(cal, "_F64_SUPPORT", {})
+    monkeypatch.setattr(torch, "ones", fake_ones)
+    assert cal.supports_float64("cuda:3") and cal.supports_float64("cuda:3")
+    assert cal.reference_device("cuda:3") == torch.device("cuda:3")
+    assert len(calls) == 1
+
+
+def test_transfer_plan() -> None:
+    cpu, gpu, gpu1 = torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")
+    assert cal.transfer_plan(cpu, cpu) == "same"
+    assert cal.transfer_plan(cpu, gpu) == "pinned"  # page-locked buffer, non-blocking copy
+    assert cal.transfer_plan(gpu, cpu) == "plain"
+    assert cal.transfer_plan(gpu, gpu1) == "plain"
+    t = torch.ones(3)
+    assert cal.to_device(t, cpu) is t
+
+
+def test_diff_stats_values_and_non_finite_handling() -> None:
+    a = torch.tensor([1.0, 2.0, math.nan, math.inf, 5.0])
+    b = torch.tensor([1.0, 2.5, math.nan, math.inf, 4.0], dtype=torch.float64)
+    f = cal.diff_stats(a, b)
+    assert f.max_abs == 1.0 and f.rms == pytest.approx(math.sqrt((0.25 + 1.0) / 5))
+    assert not cal.diff_stats(torch.tensor([math.nan]), torch.tensor([1.0])).finite
+    assert cal.diff_stats(torch.empty(0), torch.empty(0)) == cal.NoiseFloor(0.0, 0.0)
+    big = torch.arange(cal.CHUNK + 10, dtype=torch.float32)
+    assert cal.diff_stats(big, big.double() + 0.5).rms == pytest.approx(0.5)
+
+
+def test_multiplier_constants() -> None:
+    assert cal.multiplier("float32", 10_000) == 2.0
+    assert cal.multiplier("float32", 999) == 3.0  # small tensors: noisier RMS
+    assert cal.multiplier("bfloat16", 10_000) == 3.0 and cal.multiplier("float16", 10_000) == 3.0
+
+
+# --------------------------------------------------------------------------- mixed precision
+
+
+def _one_layer() -> tuple[nn.Module, torch.Tensor]:
+    """Weights and inputs that half types represent exactly: the only difference a bf16/fp16 run
+    makes is rounding its outputs, which is what assert_close's half-type tolerances allow. (On
+    general weights, fp32-vs-half differences include input and weight rounding and exceed those
+    tolerances even for one layer: that is what ``tolerance="calibrated"`` is for.)"""
+    model = nn.Sequential(nn.Linear(4, 3)).eval()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.arange(12, dtype=torch.float32).reshape(3, 4) / 8 - 0.625)
+        model[0].bias.copy_(torch.tensor([0.25, -0.5, 0.75]))
+    return model, torch.tensor([[0.5, -1.0, 2.0, 1.5], [1.0, 0.25, -0.5, 2.0]])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_run_against_float32_golden(tmp_path: Path, dtype: torch.dtype) -> None:
+    model, x = _one_layer()
+    p = tmp_path / "g.h5"
+    ag.record(model, x, path=p)
+    half = copy.deepcopy(model).to(dtype)
+    refused = ag.compare(half, x.to(dtype), path=p)
+    assert not refused.ok and refused.first_divergence.status == "dtype"
+    report = ag.compare(half, x.to(dtype), path=p, allow_dtype_change=True)
+    assert report.ok, str(report)
+    layer = report.layers[0]
+    name = str(dtype).replace("torch.", "")
+    assert f"dtype float32 -> {name} allowed" in layer.detail
+    assert name in layer.tolerance_source  # the lower precision's tolerance applies
+    with torch.no_grad():
+        half[0].weight.mul_(1.1)  # a real bug is still a failure
+    assert ag.compare(half, x.to(dtype), path=p, allow_dtype_change=True).first_divergence.status == "diverged"
+
+
+def test_autocast_run_against_float32_golden(tmp_path: Path) -> None:
+    model, x = _one_layer()
+    p = tmp_path / "g.h5"
+    ag.record(model, x, path=p)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not ag.compare(model, x, path=p).ok
+        report = ag.compare(model, x, path=p, allow_dtype_change=True)
+    assert report.ok
+    assert report.layers[0].leaves[0].live_dtype == "bfloat16"
+    assert any("CPU autocast" in c for c in report.env_changes)
+
+
+def test_calibrated_mixed_precision_on_a_deep_model(golden: Path) -> None:
+    """bf16 noise through five layers defeats fixed bf16 tolerances; calibrated floors absorb
+    it, including the rounding of a cast model's weights, and a bug still fails at its layer."""
+    x = tiny_input()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ag.compare(tiny_transformer(), x, path=golden, allow_dtype_change=True, tolerance="calibrated").ok
+    cast = tiny_transformer().to(torch.bfloat16)
+    assert not ag.compare(cast, x.bfloat16(), path=golden, allow_dtype_change=True).ok
+    ok = ag.compare(cast, x.bfloat16(), path=golden, allow_dtype_change=True, tolerance="calibrated")
+    assert ok.ok, str(ok)
+    _act(cast)
+    bad = ag.compare(cast, x.bfloat16(), path=golden, allow_dtype_change=True, tolerance="calibrated")
+    assert bad.first_divergence is not None and bad.first_divergence.name == "blocks.1.act"

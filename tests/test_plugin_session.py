@@ -1,0 +1,254 @@
+"""Unit tests of the plugin's logic layer (no nested pytest runs): options, routing, records,
+xdist merging, unused goldens, ag_device id stripping and device-pair tolerances."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import activation_guard as ag
+from activation_guard import paths
+from activation_guard.plugin import item_key
+from activation_guard.session import (
+    CheckRecord,
+    GoldenCheck,
+    GuardSession,
+    OptionError,
+    Settings,
+    jsonable,
+    marker_options,
+    resolve_options,
+    route_options,
+    update_command,
+)
+from activation_guard.tolerances import CROSS_DEVICE_DEFAULTS, DTYPE_DEFAULTS, ToleranceResolver
+
+
+def _settings(tmp_path: Path, **kw: Any) -> Settings:
+    return Settings(golden_dir=tmp_path / "golden", rootdir=tmp_path, **kw)
+
+
+# ---------------------------------------------------------------------------- options
+
+LEVELS = ("ini", "command line", "marker", "check()")
+
+
+@given(st.lists(st.one_of(st.none(), st.floats(0, 1)), min_size=4, max_size=4))
+def test_precedence_is_per_key_highest_set_level(vals: list[float | None]) -> None:
+    layers = [{"rtol": v} for v in vals]
+    r = resolve_options(*layers)
+    set_levels = [i for i, v in enumerate(vals) if v is not None]
+    if not set_levels:
+        assert r.values == {} and r.describe() == "engine defaults"
+    else:
+        top = set_levels[-1]
+        assert r.values == {"rtol": vals[top]} and r.sources == {"rtol": LEVELS[top]}
+
+
+def test_precedence_merges_keys_across_levels() -> None:
+    r = resolve_options({"rtol": 1e-1, "atol": 0.0}, {"rtol": 1e-2, "fail_fast": True}, {"rtol": 1e-3}, {"include": "enc*"})
+    assert r.values == {"rtol": 1e-3, "atol": 0.0, "fail_fast": True, "include": "enc*"}
+    assert r.sources == {"rtol": "marker", "atol": "ini", "fail_fast": "command line", "include": "check()"}
+    assert "rtol=0.001 (marker)" in r.describe()
+
+
+def test_marker_merge_closest_wins() -> None:
+    def mark(*args: Any, **kwargs: Any) -> Any:
+        return SimpleNamespace(args=args, kwargs=kwargs)
+
+    # item.iter_markers yields the closest first: function, then class, then module
+    marks = [mark(rtol=1), mark(rtol=2, atol=3), mark(exclude="x", atol=4)]
+    assert marker_options(marks, "t") == {"rtol": 1, "atol": 3, "exclude": "x"}
+    with pytest.raises(OptionError, match=r"t: @pytest\.mark\.activation_guard takes keyword options only"):
+        marker_options([mark(1e-3)], "t")
+
+
+def test_routing_passes_unknown_engine_options_through() -> None:
+    """Options the engine gains later (tolerance=, calibrate=...) work without plugin changes."""
+
+    def record(model: Any, args: Any = (), kwargs: Any = None, *, path: Any, include: Any = None, calibrate: bool = False) -> None: ...
+    def compare(model: Any, args: Any = (), kwargs: Any = None, *, path: Any, rtol: Any = None, include: Any = None, tolerance: Any = None) -> None: ...
+
+    opts = resolve_options({}, {}, {"tolerance": "calibrated"}, {"calibrate": True, "include": "a*", "rtol": 0.1})
+    rec, cmp_ = route_options(opts, record, compare)
+    assert rec == {"calibrate": True, "include": "a*"}
+    assert cmp_ == {"tolerance": "calibrated", "include": "a*", "rtol": 0.1}
+    with pytest.raises(OptionError, match=r"unknown activation_guard option\(s\): nope \(marker\)"):
+        route_options(resolve_options({}, {}, {"nope": 1}, {}), record, compare)
+
+    def compare_any(model: Any, *, path: Any, **kw: Any) -> None: ...
+    assert route_options(resolve_options({}, {}, {"nope": 1}, {}), record, compare_any)[1] == {"nope": 1}
+    with pytest.raises(OptionError, match="set by the plugin"):
+        route_options(resolve_options({}, {}, {}, {"path": "x"}), record, compare_any)
+
+
+def test_settings_paths_and_validation(tmp_path: Path) -> None:
+    inv = tmp_path / "sub"
+    s = Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="refs", ini_rtol=" ", ini_atol="0")
+    assert s.golden_dir == tmp_path / "refs" and s.ini_options == {"atol": 0.0} and s.cli_options == {}
+    s = Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="refs", ini_rtol="", ini_atol="",
+                       cli_golden_dir="g", cli_rtol=1e-3, cli_fail_fast=True, report_path="r.json")
+    assert s.golden_dir == inv / "g" and s.report_path == inv / "r.json"
+    assert s.cli_options == {"rtol": 1e-3, "fail_fast": True}
+    for bad in ("abc", "-1", "nan", "inf"):
+        with pytest.raises(OptionError, match="ini option ag_rtol must be a"):
+            Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="g", ini_rtol=bad, ini_atol="")
+    with pytest.raises(OptionError, match="ag_golden_dir is empty"):
+        Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir=" ", ini_rtol="", ini_atol="")
+    with pytest.raises(OptionError, match="--ag-update"):
+        _settings(tmp_path, update="sometimes")
+
+
+def test_update_command_quotes_for_the_shell() -> None:
+    assert update_command("t.py::test_a") == "pytest --ag-update t.py::test_a"
+    assert update_command("t.py::test_a[cpu-x y]") == "pytest --ag-update 't.py::test_a[cpu-x y]'"
+    assert update_command("t.py::t", missing_only=True) == "pytest --ag-update=missing t.py::t"
+
+
+# ---------------------------------------------------------------------------- records, xdist
+
+
+def test_worker_output_roundtrip_and_counts(tmp_path: Path) -> None:
+    st_ = _settings(tmp_path)
+    gd = st_.golden_dir
+    worker = GuardSession(st_, is_worker=True)
+    worker.add(CheckRecord("t.py::a", None, str(gd / "t/a.h5"), "passed", report={"x": math.nan}))
+    worker.add(CheckRecord("t.py::b", "dec", str(gd / "t/b--dec.h5"), "diverged", first_divergence="layer '2'"))
+    worker.note_items([("t.py::a", paths.NodeKey.parse("t.py::a"))])
+    raw = worker.to_worker_output()
+    json.loads(raw, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    ctl = GuardSession(st_)
+    ctl.add(CheckRecord("u.py::c", None, str(gd / "u/c.h5"), "written"))
+    ctl.merge_worker_output(raw, "gw0")
+    ctl.merge_worker_output(None, "gw1")
+    assert ctl.counts() == {"checked": 2, "passed": 1, "diverged": 1, "written": 1, "missing": 0}
+    assert ctl.used == {"t/a.h5", "t/b--dec.h5", "u/c.h5"} and ctl.owners == {"t/a": {"t.py::a"}}
+    lines = ctl.summary_lines()
+    assert "DIVERGED t.py::b (dec): layer '2'" in lines and "WRITTEN  golden/u/c.h5" in lines
+    assert any("gw1" in ln and "lost" in ln for ln in lines)
+
+
+def test_claim_rejects_shared_and_case_colliding_files(tmp_path: Path) -> None:
+    s = GuardSession(_settings(tmp_path))
+    s.claim(tmp_path / "golden/t/test_a.h5", "t.py::test_a", None)
+    with pytest.raises(OptionError, match="two checks with no name"):
+        s.claim(tmp_path / "golden/t/test_a.h5", "t.py::test_a", None)
+    with pytest.raises(OptionError, match="differ only by letter case"):
+        s.claim(tmp_path / "golden/t/test_A.h5", "t.py::test_A", None)
+
+
+def test_jsonable_is_strict() -> None:
+    assert jsonable({"a": [math.inf, -math.inf, math.nan, 1.5], 2: (None, Path("p"))}) == {"a": ["inf", "-inf", "nan", 1.5], "2": [None, "p"]}
+
+
+def test_find_unused_rules(tmp_path: Path) -> None:
+    s = GuardSession(_settings(tmp_path, unused="fail"))
+    gd = s.settings.golden_dir
+    for rel in ("m/test_ok.h5", "m/test_ok--dec.h5", "m/test_skip.h5", "m/test_gone.h5", "other/test_x.h5", "m/.test_ok.h5.x.ag-tmp.1"):
+        (gd / rel).parent.mkdir(parents=True, exist_ok=True)
+        (gd / rel).write_bytes(b"")
+    s.note_items([(n, paths.NodeKey.parse(n)) for n in ("m.py::test_ok", "m.py::test_skip")])
+    s.note_outcome("m.py::test_ok", "setup", "passed")
+    s.note_outcome("m.py::test_ok", "call", "passed")
+    s.note_outcome("m.py::test_skip", "setup", "skipped")
+    s.used.add("m/test_ok.h5")
+    assert s.find_unused(set()) == ["m/test_gone.h5", "m/test_ok--dec.h5"]
+    assert s.find_unused({"m.py"}) == ["m/test_ok--dec.h5"]  # narrowed module: unknown files left alone
+    s.note_outcome("m.py::test_ok", "teardown", "failed")  # a failing test protects its goldens
+    assert s.find_unused({"m.py"}) == []
+
+
+# ---------------------------------------------------------------------------- GoldenCheck without pytest
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh()).eval()
+
+
+def test_non_cpu_variant_defers_recording(tmp_path: Path) -> None:
+    """Under --ag-update only the cpu variant of an ag_device test writes the shared golden."""
+    s = GuardSession(_settings(tmp_path, update="all"))
+    key = paths.NodeKey.parse("t.py::test_a")
+    x = torch.ones(1, 3)
+    gc = GoldenCheck(s, "t.py::test_a[cuda]", key, device="cuda", record_nodeid="t.py::test_a[cpu]")
+    out = gc.check(_model(), (x,))
+    assert torch.equal(out, _model()(x).detach()) and not gc.path().exists()
+    assert s.records[0].status == "deferred"
+    assert any("rerun without --ag-update" in ln for ln in s.summary_lines())
+    cpu = GoldenCheck(s, "t.py::test_a[cpu]", key, device="cpu")
+    cpu.check(_model(), (x,))
+    assert cpu.path().is_file() and s.records[1].status == "written"
+
+
+# ---------------------------------------------------------------------------- ag_device id stripping
+
+
+def _item(nodeid: str, name: str, original: str, params: dict[str, Any], idlist: list[str] | None) -> Any:
+    cs = SimpleNamespace(params=params, indices={k: 0 for k in params})
+    if idlist is not None:
+        cs._idlist = idlist
+    return SimpleNamespace(nodeid=nodeid, name=name, originalname=original, callspec=cs)
+
+
+@pytest.mark.parametrize("with_idlist", [True, False])
+def test_item_key_strips_the_device(with_idlist: bool) -> None:
+    it = _item("t.py::T::test_a[cuda-p1]", "test_a[cuda-p1]", "test_a", {"ag_device": "cuda", "n": 1},
+               ["cuda", "p1"] if with_idlist else None)
+    key, dev, rec = item_key(it)
+    assert key == paths.NodeKey("t.py", ("T", "test_a[p1]")) and dev == "cuda" and rec == "t.py::T::test_a[cpu-p1]"
+    it = _item("t.py::test_b[cpu]", "test_b[cpu]", "test_b", {"ag_device": "cpu"}, ["cpu"] if with_idlist else None)
+    assert item_key(it)[0] == paths.NodeKey("t.py", ("test_b",))
+
+
+def test_item_key_user_param_named_like_a_device() -> None:
+    # ours is parametrised first (tryfirst), so the first matching id is the device's
+    it = _item("t.py::test_c[cpu-cpu]", "test_c[cpu-cpu]", "test_c", {"ag_device": "cpu", "kind": "cpu"}, ["cpu", "cpu"])
+    assert item_key(it)[0].parts == ("test_c[cpu]",)
+
+
+def test_item_key_without_device_is_the_node_id() -> None:
+    it = SimpleNamespace(nodeid="t.py::test_d[x]", name="test_d[x]", originalname="test_d",
+                         callspec=SimpleNamespace(params={"x": 1}, indices={"x": 0}))
+    assert item_key(it) == (paths.NodeKey("t.py", ("test_d[x]",)), None, "t.py::test_d[x]")
+
+
+# ---------------------------------------------------------------------------- device-pair tolerances
+
+
+def test_cross_device_defaults_apply_only_across_device_types() -> None:
+    same = ToleranceResolver(golden_device="cuda:0", live_device="cuda:1")
+    assert not same.cross_device and same.resolve("l", "float32").rtol == DTYPE_DEFAULTS["float32"][0]
+    cross = ToleranceResolver(golden_device="cpu", live_device="cuda:0")
+    assert cross.cross_device and cross.device_pair == "cpu->cuda"
+    for dt, (r, a) in CROSS_DEVICE_DEFAULTS.items():
+        t = cross.resolve("l", dt)
+        assert (t.rtol, t.atol) == (r, a) and "cpu->cuda" in t.source
+        assert r >= DTYPE_DEFAULTS[dt][0]  # never tighter than the same-device default
+    assert cross.resolve("l", "int64", "int").rtol == 0  # integers stay exact
+    # explicit options beat the device-pair defaults
+    t = ToleranceResolver(rtol=1e-9, golden_device="cpu", live_device="cuda").resolve("l", "float32")
+    assert t.rtol == 1e-9 and t.atol == CROSS_DEVICE_DEFAULTS["float32"][1]
+
+
+def test_golden_recorded_on_cuda_is_checked_with_device_pair_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import activation_guard.env as envmod
+
+    m = _model()
+    x = torch.linspace(-3, 3, 12).reshape(4, 3)
+    monkeypatch.setattr(envmod, "device_info", lambda dev: {"device": "cuda:0", "device_type": "cuda"})
+    ag.record(m, (x,), path=tmp_path / "g.h5")
+    monkeypatch.undo()
+    with torch.no_grad():
+        m[0].weight.mul_(1 + 5e-5)
+    rep = ag.compare(m, (x,), path=tmp_path / "g.h5")
+    assert rep.ok and any("cuda->cpu" in n for n in rep.notes)
+    assert rep.layers[0].tolerance_source == "float32 default for cuda->cpu"

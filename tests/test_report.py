@@ -1,0 +1,234 @@
+"""The report: a failing one names where, why and by how much; a passing one is one line; the
+dict form is strict JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from models import one_thread, scale_weight, tiny_mlp
+from torch import nn
+
+import activation_guard as ag
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    with one_thread():  # see models.one_thread: 1000x faster tiny forwards on a loaded machine
+        yield
+
+
+GOLDEN = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+
+
+class Emit(nn.Module):
+    def __init__(self, out):
+        super().__init__()
+        self.out = out
+
+    def forward(self, x):
+        return self.out
+
+
+class Net(nn.Module):
+    """first (matches) -> emit (controlled output) -> after (passes emit's output on) -> root."""
+
+    def __init__(self, out) -> None:
+        super().__init__()
+        self.first = nn.Linear(2, 2)
+        with torch.no_grad():
+            self.first.weight.copy_(torch.eye(2))
+            self.first.bias.zero_()
+        self.emit = Emit(out)
+        self.after = nn.Identity()
+
+    def forward(self, x):
+        self.first(x)
+        return self.after(self.emit(x))
+
+
+X = torch.ones(1, 2)
+
+
+def report_for(live_out, tmp_path, golden_out=GOLDEN, **kw):
+    path = tmp_path / "g.h5"
+    ag.record(Net(golden_out), X, path=path)
+    return ag.compare(Net(live_out), X, path=path, **kw)
+
+
+def test_failing_report_text_has_every_number(tmp_path):
+    live = GOLDEN.clone()
+    live[1, 2] = 7.5
+    rep = report_for(live, tmp_path)
+    text = str(rep)
+    lines = text.splitlines()
+    assert lines[0] == (
+        "activation_guard: first divergence at layer 'emit' (Emit) call 0, #2 of 4 in execution order: "
+        "values outside tolerance"
+    )
+    assert "  mismatched    : 1 / 8 elements (12.5%)" in lines
+    assert "  max abs diff  : 5.00e-01 at index (1, 2): golden 7, live 7.5" in lines
+    assert "  max rel diff  : 7.14e-02" in lines
+    assert "  tolerance     : rtol=1.3e-06, atol=1e-05 (float32 default)" in lines
+    assert f"recorded on cpu, torch {torch.__version__}" in text
+    # context: the matching layer before, the marked one, the ones after with their status
+    ctx = [ln for ln in lines if ln.strip().startswith(("1 ", "2 ", "3 ", "4 ", "> "))]
+    assert any(ln.startswith("  >") and "emit" in ln and "diverged" in ln for ln in ctx)
+    assert any("first" in ln and "match" in ln for ln in ctx)
+    assert any("after" in ln and "diverged" in ln for ln in ctx)
+    assert lines[-1] == "  totals: 4 live layer calls; 3 diverged, 1 match"
+    fd = rep.first_divergence
+    assert (fd.mismatched, fd.numel, fd.index, fd.golden_value, fd.live_value) == (1, 8, (1, 2), 7.0, 7.5)
+    assert fd.max_abs_diff == 0.5 and math.isclose(fd.max_rel_diff, 0.5 / 7, rel_tol=1e-6)
+
+
+def test_passing_report_is_one_line(tmp_path):
+    rep = report_for(GOLDEN.clone(), tmp_path)
+    text = str(rep)
+    assert rep.ok and "\n" not in text
+    assert text.startswith("activation_guard: OK, 4 layer calls match")
+    assert str(tmp_path / "g.h5") in text
+
+
+def test_passing_report_with_changed_inputs_says_so(tmp_path):
+    path = tmp_path / "g.h5"
+    ag.record(Net(GOLDEN), X, path=path)
+    rep = ag.compare(Net(GOLDEN), X * 1, path=path)  # same values: one line
+    assert "\n" not in str(rep)
+    rep = ag.compare(Net(GOLDEN), X * 2, path=path, include=["emit", "after"])  # these ignore x
+    assert rep.ok
+    assert "\n" not in str(rep)  # a pass stays one line, and that line says the inputs changed
+    assert "inputs differ from the recording" in str(rep)
+
+
+def test_nonfinite_report_and_strict_json(tmp_path):
+    live = GOLDEN.clone()
+    live[0, 1] = float("nan")
+    live[0, 3] = float("inf")
+    rep = report_for(live, tmp_path)
+    fd = rep.first_divergence
+    assert (fd.name, fd.status, fd.mismatched) == ("emit", "nonfinite", 2)
+    text = str(rep)
+    assert "new NaN/Inf values" in text.splitlines()[0]
+    assert "2 / 8 elements (25%)" in text
+    assert "max abs diff  : inf" in text
+    d = json.loads(json.dumps(rep.to_dict(), allow_nan=False))
+    assert d["ok"] is False
+    assert d["first_divergence"] == {"name": "emit", "call": 0, "status": "nonfinite", "position": 1}
+    emit = d["layers"][1]
+    assert emit["max_abs_diff"] == "inf"
+    assert isinstance(emit["live_value"], str) and emit["live_value"] in ("nan", "inf")
+    assert emit["leaves"][0]["shape"] == [2, 4]
+
+
+def test_to_dict_is_json_for_every_status(tmp_path):
+    """One report mixing diverged, missing, unexpected, shape, structure, string and complex
+    leaves, NaN golden values and input changes still dumps with allow_nan=False."""
+
+    class Many(nn.Module):
+        def __init__(self, v):
+            super().__init__()
+            self.v = v
+            self.a = nn.Identity()
+            self.gone = nn.Identity()
+            self.new = nn.Identity()
+            self.shape = nn.Identity()
+            self.struct = nn.Identity()
+
+        def forward(self, x):
+            c = torch.tensor([1 + 2j, complex(float("nan"), 0)]) * self.v
+            self.a({"c": c, "s": f"tag{self.v}", "n": torch.tensor([float("nan"), self.v])})
+            if self.v == 1:
+                self.gone(x)
+            else:
+                self.new(x)
+            self.shape(torch.zeros(self.v))
+            self.struct((x,) * self.v)
+            return x * self.v
+
+    path = tmp_path / "g.h5"
+    ag.record(Many(1), X, path=path)
+    rep = ag.compare(Many(2), X + 1, path=path)
+    st = {(r.name, r.status) for r in rep.layers}
+    assert st >= {("a", "diverged"), ("gone", "missing"), ("new", "unexpected"), ("shape", "shape"), ("struct", "structure"), ("", "diverged")}
+    d = rep.to_dict()
+    s = json.dumps(d, allow_nan=False)
+    back = json.loads(s)
+    assert back["counts"]["missing"] == 1 and back["input_changes"]
+    a = next(layer for layer in back["layers"] if layer["name"] == "a")
+    leaves = {leaf["path"]: leaf for leaf in a["leaves"]}
+    assert (leaves["c"]["golden_value"], leaves["c"]["live_value"]) == ([1.0, 2.0], [2.0, 4.0])
+    assert leaves["c"]["mismatched"] == 1  # the NaN element matched the golden NaN
+    assert leaves["s"]["status"] == "diverged" and "'tag1' -> 'tag2'" in leaves["s"]["detail"]
+    assert leaves["n"]["status"] == "diverged"
+    text = str(rep)
+    assert "first divergence at layer 'a'" in text.splitlines()[0]
+
+
+def test_missing_first_divergence_headline_and_context(tmp_path):
+    class M(nn.Module):
+        def __init__(self, skip):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+            self.skip = skip
+
+        def forward(self, x):
+            x = self.a(x)
+            if not self.skip:
+                x = self.b(x)
+            return self.c(x)
+
+    torch.manual_seed(0)
+    m = M(False)
+    path = tmp_path / "g.h5"
+    ag.record(m, X, path=path)
+    m.skip = True
+    rep = ag.compare(m, X, path=path)
+    lines = str(rep).splitlines()
+    assert lines[0] == (
+        "activation_guard: first divergence at layer 'b' (Linear) call 0, #2 in the golden's "
+        "execution order: layer call did not run in the live run"
+    )
+    assert any("missing (expected around here)" in ln for ln in lines)
+    assert "this layer did not run" in str(rep)
+
+
+def test_renamed_layer_shows_golden_name(tmp_path):
+    m = tiny_mlp(depth=2)
+    path = tmp_path / "g.h5"
+
+    class Outer(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.net = inner
+
+        def forward(self, x):
+            return self.net(x)
+
+    live = Outer(tiny_mlp(depth=2))
+    scale_weight(live, "net.blocks.1.fc")
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    ag.record(m, x, path=path)
+    rep = ag.compare(live, x, path=path, rename={"blocks": "net.blocks", "head": "net.head", "": "net"})
+    fd = rep.first_divergence
+    assert (fd.name, fd.golden_name) == ("net.blocks.1.fc", "blocks.1.fc")
+    assert "  golden layer  : 'blocks.1.fc' (renamed)" in str(rep).splitlines()
+
+
+@pytest.mark.parametrize("n_before", [0, 5])
+def test_context_is_short(tmp_path, n_before):
+    """The context table shows a few layers around the divergence, not the whole model."""
+    m = tiny_mlp(depth=8)
+    x = torch.randn(2, 8)
+    path = tmp_path / "g.h5"
+    ag.record(m, x, path=path)
+    scale_weight(m, f"blocks.{n_before}.fc")
+    rep = ag.compare(m, x, path=path)
+    lines = str(rep).splitlines()
+    start = lines.index("  context (execution order):")
+    rows = [ln for ln in lines[start + 2 :] if ln.strip() and not ln.strip().startswith("totals")]
+    assert 1 <= len(rows) <= 8
+    assert len(rep.layers) > 20
+    assert "#" + str(rep.first_divergence.position + 1) + " of " + str(len(rep.layers)) in lines[0]

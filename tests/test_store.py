@@ -1,0 +1,281 @@
+"""The golden store: documented layout readable with plain h5py, byte-reproducible re-recording,
+atomic writes that never damage the previous golden, and defensive reading."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from models import build_cnn, cnn_input, one_thread, tiny_mlp
+from torch import nn
+
+import activation_guard as ag
+from activation_guard import store
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    with one_thread():  # see models.one_thread: 1000x faster tiny forwards on a loaded machine
+        yield
+
+
+X = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
+
+
+class PackedAndLarge(nn.Module):
+    """Small leaves (packed) and one leaf above SMALL_LEAF_BYTES (its own dataset), plus odd
+    outputs (None, str, object), so every storage path is exercised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.small = nn.Linear(8, 8)
+        self.big = nn.Linear(8, 600)  # 40 x 600 float32 = 96 KB > 64 KB
+        self.low = nn.Linear(600, 4).to(torch.bfloat16)
+
+    def forward(self, x):
+        h = self.big(self.small(x))
+        return {"out": self.low(h.bfloat16()), "none": None, "name": "v1", "big": h}
+
+
+XB = torch.randn(40, 8, generator=torch.Generator().manual_seed(1))
+
+
+def listing(d) -> list[str]:
+    return sorted(os.listdir(d))
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def test_layout_is_readable_with_plain_h5py(tmp_path):
+    path = tmp_path / "g.h5"
+    summary = ag.record(PackedAndLarge(), XB, path=path)
+    assert summary.file_bytes == os.path.getsize(path)
+    assert summary.layer_calls == 4 and summary.names == ["small", "big", "low", ""]
+    assert summary.leaves == 3 + 4
+    assert summary.nbytes == (40 * 8 + 40 * 600) * 4 + 2 * (40 * 4 * 2) + 40 * 600 * 4
+    with h5py.File(path, "r") as f:
+        assert f.attrs["ag_format"] == "activation_guard.golden"
+        assert int(f.attrs["ag_format_version"]) == 1
+        assert set(f) == {"index", "meta", "packs", "data"}
+        index = json.loads(f["index"][()].tobytes())
+        meta = json.loads(f["meta"][()].tobytes())
+        assert [(c["name"], c["call"], c["type"]) for c in index["calls"]] == [
+            ("small", 0, "Linear"), ("big", 0, "Linear"), ("low", 0, "Linear"), ("", 0, "PackedAndLarge")
+        ]
+        big = index["calls"][1]["leaves"][0]
+        assert (big["dtype"], big["shape"], big["dataset"]) == ("float32", [40, 600], "data/000000")
+        np.testing.assert_array_equal(f[big["dataset"]][()], PackedAndLarge().big(PackedAndLarge().small(XB)).detach().numpy())
+        half = index["calls"][2]["leaves"][0]
+        assert half["dtype"] == "bfloat16" and "pack" in half
+        raw = f["packs"][f"{half['pack']:04d}"][half["offset"] : half["offset"] + half["nbytes"]]
+        assert raw.size == 40 * 4 * 2
+        root = {leaf["path"]: leaf for leaf in index["calls"][3]["leaves"]}
+        assert root["none"]["kind"] == "none" and root["name"] == {"kind": "str", "value": "v1", "py": "str", "path": "name"}
+    assert meta["versions"]["activation_guard"] == ag.__version__
+    assert meta["versions"]["torch"] == torch.__version__
+    assert meta["device"]["device"] == "cpu"
+    assert meta["model_class"].endswith("PackedAndLarge")
+    assert meta["layer_calls"] == 4
+    fp, kw = meta["inputs"]
+    assert kw == {"kind": "object", "path": "kwargs", "type": "empty dict"}
+    assert fp["path"] == "args/0" and fp["shape"] == [40, 8] and fp["dtype"] == "float32"
+    assert fp["sha256"] == hashlib.sha256(XB.numpy().tobytes()).hexdigest()
+
+
+def test_no_object_dtypes_or_pickle_anywhere(tmp_path):
+    path = tmp_path / "g.h5"
+    ag.record(PackedAndLarge(), XB, path=path)
+    kinds = []
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: kinds.append(obj.dtype.kind) if isinstance(obj, h5py.Dataset) else None)
+    assert kinds and "O" not in kinds and "V" not in kinds
+    assert b"pickle" not in path.read_bytes() and b"\x80\x04\x95" not in path.read_bytes()
+
+
+# --------------------------------------------------------------------------- reproducibility
+
+
+@pytest.mark.parametrize("compression", [None, "gzip", "lzf"])
+def test_rerecording_is_byte_identical(tmp_path, compression):
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    ag.record(PackedAndLarge(), XB, path=a, compression=compression)
+    ag.record(PackedAndLarge(), XB, path=b, compression=compression)
+    assert a.read_bytes() == b.read_bytes()
+    first = a.read_bytes()
+    ag.record(PackedAndLarge(), XB, path=a, compression=compression)  # overwrite in place
+    assert a.read_bytes() == first
+    with ag.read_golden(a) as r:
+        assert len(list(r.iter_tensors())) == 5
+
+
+def test_real_model_rerecording_is_byte_identical(tmp_path):
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    ag.record(build_cnn(), cnn_input(), path=a)
+    ag.record(build_cnn(), cnn_input(), path=b)
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_different_values_give_different_bytes(tmp_path):
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    ag.record(tiny_mlp(), X, path=a)
+    ag.record(tiny_mlp(seed=1), X, path=b)
+    assert a.read_bytes() != b.read_bytes()
+
+
+def test_compression_is_validated_and_readable(tmp_path):
+    with pytest.raises(ValueError, match="compression"):
+        ag.record(tiny_mlp(), X, path=tmp_path / "g.h5", compression="blosc")
+    path = tmp_path / "z.h5"
+    ag.record(PackedAndLarge(), XB, path=path, compression="gzip")
+    with h5py.File(path, "r") as f:
+        assert f["data/000000"].compression == "gzip"
+    assert ag.compare(PackedAndLarge(), XB, path=path).ok
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+
+class FailsMidway(nn.Module):
+    def __init__(self, exc: BaseException):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.exc = exc
+
+    def forward(self, x):
+        self.a(x)
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("boom"), KeyboardInterrupt()], ids=["error", "keyboard_interrupt"])
+def test_interrupted_write_keeps_old_golden_and_leaves_no_temp(tmp_path, exc):
+    path = tmp_path / "g.h5"
+    ag.record(PackedAndLarge(), XB, path=path)
+    before = path.read_bytes()
+    with pytest.raises(type(exc)):
+        ag.record(FailsMidway(exc), X, path=path)
+    assert path.read_bytes() == before
+    assert listing(tmp_path) == ["g.h5"]
+    assert ag.compare(PackedAndLarge(), XB, path=path).ok
+
+
+def test_interrupted_first_write_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        ag.record(FailsMidway(RuntimeError("x")), X, path=tmp_path / "sub" / "g.h5")
+    assert listing(tmp_path / "sub") == []
+
+
+def test_failed_replace_keeps_old_golden(tmp_path, monkeypatch):
+    path = tmp_path / "g.h5"
+    ag.record(tiny_mlp(), X, path=path)
+    before = path.read_bytes()
+
+    def no_replace(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store.os, "replace", no_replace)
+    with pytest.raises(ag.GoldenWriteError, match="previous golden") as ei:
+        ag.record(tiny_mlp(seed=3), X, path=path)
+    assert ei.value.path == str(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert listing(tmp_path) == ["g.h5"]
+
+
+def test_unwritable_folder_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ag.GoldenWriteError, match="temporary file"):
+        ag.record(tiny_mlp(), X, path=blocker / "g.h5")
+
+
+def test_stale_temp_of_a_dead_writer_is_removed(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    pid = int(dead.stdout)
+    stale = tmp_path / f".g.h5.abc123{store.TMP_MARK}{pid}"
+    stale.write_bytes(b"half a golden")
+    live = tmp_path / f".g.h5.def456{store.TMP_MARK}{os.getpid()}"  # a concurrent writer: keep
+    live.write_bytes(b"in progress")
+    ag.record(tiny_mlp(), X, path=tmp_path / "g.h5")
+    assert listing(tmp_path) == sorted([live.name, "g.h5"])
+
+
+def test_file_mode_follows_umask_and_is_kept_on_rewrite(tmp_path):
+    path = tmp_path / "g.h5"
+    ag.record(tiny_mlp(), X, path=path)
+    mask = os.umask(0)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask  # not mkstemp's 0600
+    path.chmod(0o640)
+    ag.record(tiny_mlp(), X, path=path)
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
+# --------------------------------------------------------------------------- defensive reading
+
+
+def test_missing_golden_names_the_file(tmp_path):
+    p = tmp_path / "nope.h5"
+    with pytest.raises(ag.GoldenNotFoundError, match=r"nope\.h5") as ei:
+        ag.compare(tiny_mlp(), X, path=p)
+    assert isinstance(ei.value, FileNotFoundError) and ei.value.path == str(p)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [(b"", "empty"), (b"version https://git-lfs.github.com/spec/v1\noid sha256:00\n", "git lfs pull"), (b"garbage" * 10, "not a readable HDF5")],
+    ids=["empty", "lfs", "garbage"],
+)
+def test_not_a_golden_files(tmp_path, content, match):
+    p = tmp_path / "g.h5"
+    p.write_bytes(content)
+    with pytest.raises(ag.GoldenFormatError, match=match):
+        ag.read_golden(p)
+
+
+def test_plain_hdf5_and_newer_version_are_refused(tmp_path):
+    p = tmp_path / "plain.h5"
+    with h5py.File(p, "w") as f:
+        f["x"] = np.zeros(3)
+    with pytest.raises(ag.GoldenFormatError, match="not an activation_guard golden"):
+        ag.read_golden(p)
+    g = tmp_path / "g.h5"
+    ag.record(tiny_mlp(), X, path=g)
+    with h5py.File(g, "a") as f:
+        f.attrs["ag_format_version"] = np.int64(99)
+    with pytest.raises(ag.GoldenFormatError, match="upgrade activation_guard"):
+        ag.read_golden(g)
+
+
+def test_flipped_byte_is_corruption_not_divergence(tmp_path):
+    path = tmp_path / "g.h5"
+    ag.record(tiny_mlp(), X, path=path)
+    with h5py.File(path, "r") as f:
+        off = f["packs/0000"].id.get_offset()
+    data = bytearray(path.read_bytes())
+    data[off + 5] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(ag.GoldenCorruptError, match="checksum") as ei:
+        ag.compare(tiny_mlp(), X, path=path)
+    assert str(path) in str(ei.value)
+
+
+def test_external_link_is_refused(tmp_path):
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as f:
+        f["x"] = np.zeros(4, dtype=np.uint8)
+    path = tmp_path / "g.h5"
+    ag.record(tiny_mlp(), X, path=path)
+    with h5py.File(path, "a") as f:
+        f["packs"]["0001"] = h5py.ExternalLink(str(other), "/x")
+    with pytest.raises(ag.GoldenSecurityError, match="ExternalLink"):
+        ag.read_golden(path)
