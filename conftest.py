@@ -9,6 +9,19 @@ import os
 import torch
 from hypothesis import HealthCheck, settings
 
+# The package imports torch/h5py lazily (cheap pytest startup for projects that don't use it).
+# In-process pytester runs drop modules first imported inside them, and h5py, matplotlib and
+# torch's lazily imported compiler stack cannot be imported twice in one process: import them
+# once here, outside any inner run.
+import activation_guard.api
+import activation_guard.calibrate  # noqa: F401
+from activation_guard import visual
+from activation_guard.determinism import deterministic
+
+with deterministic(0):  # imports torch._dynamo & co. (via the determinism switches)
+    pass
+visual.plot_available()  # imports matplotlib when installed
+
 # The suite runs under `pytest -n 2` on 2-core machines: two workers each spinning two OpenMP
 # threads turn a 0.2 ms tiny forward into 0.2 s. One intra-op thread per worker.
 torch.set_num_threads(1)

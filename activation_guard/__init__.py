@@ -3,24 +3,45 @@
 Record every module's outputs once (``record``), then check later runs layer by layer
 (``compare``) against that HDF5 golden, or two live models against each other
 (``compare_models``). The pytest plugin (``activation_guard.plugin``) is thin glue over these.
+
+Public names are imported lazily (PEP 562): the plugin is loaded by every pytest run in an
+environment that has this package installed, and must not make those runs pay for importing
+torch and h5py unless a test actually uses it.
 """
 
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .api import RecordSummary, compare, compare_models, read_golden, record
-from .compare import LayerResult, LeafResult
-from .determinism import check_determinism, deterministic
-from .errors import (
-    ActivationGuardError,
-    GoldenCorruptError,
-    GoldenError,
-    GoldenFormatError,
-    GoldenNotFoundError,
-    GoldenSecurityError,
-    GoldenWriteError,
-    UnsupportedModelError,
-)
-from .report import Report
-from .tolerances import CROSS_DEVICE_DEFAULTS, DTYPE_DEFAULTS, Tolerance
+
+_LAZY: dict[str, str] = {
+    "RecordSummary": "api",
+    "compare": "api",
+    "compare_models": "api",
+    "read_golden": "api",
+    "record": "api",
+    "LayerResult": "compare",
+    "LeafResult": "compare",
+    "check_determinism": "determinism",
+    "deterministic": "determinism",
+    "ActivationGuardError": "errors",
+    "GoldenCorruptError": "errors",
+    "GoldenError": "errors",
+    "GoldenFormatError": "errors",
+    "GoldenNotFoundError": "errors",
+    "GoldenSecurityError": "errors",
+    "GoldenWriteError": "errors",
+    "UnsupportedModelError": "errors",
+    "Report": "report",
+    "CROSS_DEVICE_DEFAULTS": "tolerances",
+    "DTYPE_DEFAULTS": "tolerances",
+    "Tolerance": "tolerances",
+    "diff_recordings": "diff",
+}
 
 __all__ = [
     "CROSS_DEVICE_DEFAULTS",
@@ -43,6 +64,52 @@ __all__ = [
     "compare",
     "compare_models",
     "deterministic",
+    "diff_recordings",
     "read_golden",
     "record",
 ]
+
+if TYPE_CHECKING:
+    from .api import RecordSummary, compare, compare_models, read_golden, record
+    from .compare import LayerResult, LeafResult
+    from .determinism import check_determinism, deterministic
+    from .diff import diff_recordings
+    from .errors import (
+        ActivationGuardError,
+        GoldenCorruptError,
+        GoldenError,
+        GoldenFormatError,
+        GoldenNotFoundError,
+        GoldenSecurityError,
+        GoldenWriteError,
+        UnsupportedModelError,
+    )
+    from .report import Report
+    from .tolerances import CROSS_DEVICE_DEFAULTS, DTYPE_DEFAULTS, Tolerance
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'activation_guard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """The import system binds each submodule as an attribute of its package; the submodule
+    ``activation_guard.compare`` must not shadow the public function ``activation_guard.compare``
+    (``from activation_guard.compare import ...`` still works: it reads ``sys.modules``)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -209,6 +209,29 @@ def json_number(x: Any) -> Any:
     return str(x)
 
 
+def from_json_number(x: Any) -> Any:
+    """Inverse of :func:`json_number` for values read back from a JSON report."""
+    if isinstance(x, str) and x in ("nan", "inf", "-inf"):
+        return float(x)
+    if isinstance(x, list) and len(x) == 2:
+        return complex(from_json_number(x[0]), from_json_number(x[1]))
+    return x
+
+
+def _fields_from_dict(cls: Any, d: Any) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise TypeError(f"expected a dict for {cls.__name__}, got {type(d).__name__}")
+    names = set(cls.__dataclass_fields__)
+    out = {k: v for k, v in d.items() if k in names}
+    for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple"):
+        if k in out:
+            out[k] = from_json_number(out[k])
+    for k in ("shape", "live_shape", "index"):
+        if isinstance(out.get(k), list):
+            out[k] = tuple(out[k])
+    return out
+
+
 @dataclass
 class LeafResult:
     """One output leaf of one layer call."""
@@ -241,6 +264,11 @@ class LeafResult:
             if d[k] is not None:
                 d[k] = list(d[k])
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LeafResult:
+        """Rebuild from :meth:`to_dict` output (e.g. a JSON report read back)."""
+        return cls(**_fields_from_dict(cls, d))
 
 
 def worst_status(statuses: list[str]) -> str:
@@ -297,6 +325,13 @@ class LayerResult:
             d["index"] = list(d["index"])
         d["leaves"] = [leaf.to_dict() for leaf in self.leaves]
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LayerResult:
+        """Rebuild from :meth:`to_dict` output (e.g. a JSON report read back)."""
+        kw = _fields_from_dict(cls, d)
+        kw["leaves"] = [LeafResult.from_dict(x) for x in d.get("leaves") or []]
+        return cls(**kw)
 
     @classmethod
     def from_leaves(cls, name: str, call: int, type_name: str, leaves: list[LeafResult], **kw: Any) -> LayerResult:

@@ -100,6 +100,8 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return np.zeros(0, dtype=np.uint8)
+    if t.stride(0) != 1:  # one element of a strided view (x[::2] of length 2) counts as contiguous
+        t = t.clone(memory_format=torch.contiguous_format)
     return t.view(torch.uint8).numpy()
 
 

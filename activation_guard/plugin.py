@@ -8,6 +8,7 @@ this module only wires them to pytest. Registered through the ``pytest11`` entry
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "Deselected, skipped and failed tests never make a golden unused.")
     g.addoption("--ag-unused=list", action="store_const", const="list", dest="ag_unused",
                 help="like --ag-unused but only list them; the exit status is unchanged.")
+    g.addoption("--ag-calibrate", dest="ag_calibrate", action="store_true", default=False,
+                help="when recording, also store each layer's float64 noise floor (needed by --ag-tolerance=calibrated).")
+    g.addoption("--ag-tolerance", dest="ag_tolerance", choices=("strict", "calibrated"), default=None,
+                help="strict: per-dtype/per-layer rtol+atol (default); calibrated: judge each layer's error against "
+                     "the golden's and the live run's float64 noise floors (cross-device, TF32, reduced precision).")
+    g.addoption("--ag-check-determinism", dest="ag_check_determinism", action="store_true", default=False,
+                help="run each checked forward twice and list layers whose outputs differ between runs (reported, not failed).")
     parser.addini("ag_golden_dir", "activation_guard golden directory, relative to the rootdir", default="golden")
     parser.addini("ag_rtol", "activation_guard default rtol for float layers (default: per-dtype, as torch.testing)", default="")
     parser.addini("ag_atol", "activation_guard default atol for float layers (default: per-dtype, as torch.testing)", default="")
@@ -78,6 +86,9 @@ def pytest_configure(config: pytest.Config) -> None:
             update=o.ag_update,
             report_path=o.ag_report,
             unused=o.ag_unused,
+            cli_calibrate=o.ag_calibrate,
+            cli_tolerance=o.ag_tolerance,
+            check_determinism=o.ag_check_determinism,
         )
     except OptionError as e:
         raise pytest.UsageError(f"activation_guard: {e}") from None
@@ -195,6 +206,16 @@ def activation_guard(request: pytest.FixtureRequest) -> GoldenCheck:
         pytest.fail(f"activation_guard: {problem}", pytrace=False)
     return GoldenCheck(_session(request.config), item.nodeid, key, marker=marker, device=device,
                        record_nodeid=record_nodeid)
+
+
+@pytest.fixture
+def ag_deterministic(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Seeds torch/numpy/random (seed 0, or the fixture's indirect param), turns on deterministic
+    algorithms, turns TF32 and cudnn.benchmark off, and restores every setting after the test."""
+    from .determinism import deterministic
+
+    with deterministic(int(getattr(request, "param", 0))) as state:
+        yield state
 
 
 # --------------------------------------------------------------------------- bookkeeping hooks

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .compare import STATUS_ORDER, LayerResult
+from .compare import STATUS_ORDER, LayerResult, from_json_number, json_number
 
 CONTEXT_BEFORE = 3
 CONTEXT_AFTER = 4
@@ -116,7 +116,28 @@ class Report:
             "env_changes": list(self.env_changes),
             "notes": list(self.notes),
             "layers": [layer.to_dict() for layer in self.layers],
+            # where golden-only (missing) calls sit in execution order: layer index -> [at, golden pos]
+            "missing_order": {str(i): [json_number(a), b] for i, (a, b) in self._order.items()},
         }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Report:
+        """Rebuild a report from :meth:`to_dict` output, e.g. to render the HTML page of a
+        JSON report written by another process (pytest-xdist workers)."""
+        order = {int(i): (float(from_json_number(v[0])), int(v[1])) for i, v in (d.get("missing_order") or {}).items()}
+        gdev = d.get("golden_device")
+        return cls(
+            path=str(d.get("golden", "")),
+            layers=[LayerResult.from_dict(x) for x in d.get("layers") or []],
+            golden_meta={"device": {"device": gdev}} if gdev else {},
+            live_device=str(d.get("live_device", "cpu")),
+            input_changes=list(d.get("input_changes") or []),
+            env_changes=list(d.get("env_changes") or []),
+            stopped_early=bool(d.get("stopped_early")),
+            mode=str(d.get("mode", "strict")),
+            notes=list(d.get("notes") or []),
+            _order=order,
+        )
 
     # ------------------------------------------------------------------ text
     def headline(self) -> str:
@@ -188,26 +209,31 @@ class Report:
         live = [layer for layer in self.layers if layer.position is not None]
         if not live:
             return []
+        insert_at: int | None = None  # for a missing call: the live row it belongs before
         if fd.position is not None:
             i = fd.position
         else:
             k = self._order.get(self.layers.index(fd), (math.inf, 0))[0]
-            i = int(min(k, len(live) - 1)) if math.isfinite(k) else len(live) - 1
+            insert_at = math.ceil(k) if math.isfinite(k) else len(live)
+            i = min(insert_at, len(live) - 1)
         lo, hi = max(0, i - CONTEXT_BEFORE), min(len(live), i + CONTEXT_AFTER + 1)
-        width = max(12, *(len(layer.name or "<root>") for layer in live[lo:hi]))
+        width = max(12, *(len(layer.name or "<root>") for layer in [*live[lo:hi], fd]))
         width = min(width, 60)
         calibrated = any(layer.error_multiple is not None for layer in live[lo:hi])
         head = f"    {'#':>5}  {'layer':<{width}} {'call':>4}  {'status':<10} {'max abs':>9} {'max rel':>9}"
         out = ["", "  context (execution order):", head + (f" {'x allowed':>10}" if calibrated else "")]
-        for layer in live[lo:hi]:
+        missing_row = f"  > {'-':>5}  {(fd.name or '<root>')[-width:]:<{width}} {fd.call:>4}  missing    (did not run; expected here)"
+        for j, layer in enumerate(live[lo:hi], start=lo):
+            if insert_at == j:
+                out.append(missing_row)
             mark = ">" if layer is fd else " "
             nm = (layer.name or "<root>")[-width:]
             row = f"  {mark} {layer.position + 1:>5}  {nm:<{width}} {layer.call:>4}  {layer.status:<10} {fmt_diff(layer.max_abs_diff):>9} {fmt_diff(layer.max_rel_diff):>9}"
             if calibrated:  # error as a multiple of the calibrated noise allowance (fails above 1)
                 row += f" {'-' if layer.error_multiple is None else f'{layer.error_multiple:.3g}':>10}"
             out.append(row)
-        if fd.position is None:
-            out.append(f"  > {'':>5}  {(fd.name or '<root>')[-width:]:<{width}} {fd.call:>4}  missing (expected around here)")
+        if insert_at is not None and insert_at >= hi:
+            out.append(missing_row)
         return out
 
     def _totals(self) -> str:

@@ -62,6 +62,7 @@ class Settings:
     fail_fast: bool = False
     report_path: Path | None = None
     unused: str | None = None  # None, "fail" or "list"
+    check_determinism: bool = False  # run each checked forward twice and list unstable layers
     ini_options: dict[str, Any] = field(default_factory=dict)  # from [tool.pytest.ini_options]
     cli_options: dict[str, Any] = field(default_factory=dict)  # from --ag-rtol/--ag-atol/--ag-fail-fast
     rootdir: Path = field(default_factory=Path.cwd)
@@ -88,6 +89,9 @@ class Settings:
         update: str | None = None,
         report_path: str | None = None,
         unused: str | None = None,
+        cli_calibrate: bool = False,
+        cli_tolerance: str | None = None,
+        check_determinism: bool = False,
     ) -> Settings:
         """Command-line paths are relative to where pytest was invoked; ini paths to the rootdir."""
         if cli_golden_dir:
@@ -108,12 +112,19 @@ class Settings:
                 cli[key] = v
         if cli_fail_fast:
             cli["fail_fast"] = True
+        if cli_calibrate:
+            cli["calibrate"] = True
+        if cli_tolerance is not None:
+            if cli_tolerance not in ("strict", "calibrated"):
+                raise OptionError(f"--ag-tolerance must be 'strict' or 'calibrated', got {cli_tolerance!r}")
+            cli["tolerance"] = cli_tolerance
         return cls(
             golden_dir=Path(os.path.abspath(gdir)),
             update=update,
             fail_fast=cli_fail_fast,
             report_path=Path(os.path.abspath(Path(invocation_dir, report_path))) if report_path else None,
             unused=unused,
+            check_determinism=check_determinism,
             ini_options=ini,
             cli_options=cli,
             rootdir=rootdir,
@@ -229,6 +240,7 @@ class CheckRecord:
     first_divergence: str | None = None  # one line, for the summary
     message: str | None = None
     report: dict[str, Any] | None = None  # Report.to_dict(), only with --ag-report
+    nondeterministic: list[str] | None = None  # with --ag-check-determinism: layers that differ run to run
     seconds: float = 0.0
 
     def label(self) -> str:
@@ -418,6 +430,12 @@ class GuardSession:
                 lines.append(f"MISSING  {r.label()}: no golden {self.settings.display(r.golden)}")
             elif r.status == "error":
                 lines.append(f"ERROR    {r.label()}: {(r.message or '').splitlines()[0] if r.message else ''}")
+        for r in self.records:
+            if r.nondeterministic:
+                shown = ", ".join(r.nondeterministic[:5]) + (f" and {len(r.nondeterministic) - 5} more" if len(r.nondeterministic) > 5 else "")
+                lines.append(f"NONDETERMINISTIC {r.label()}: {len(r.nondeterministic)} layer call(s) differ between two runs: {shown}")
+        if self.settings.check_determinism and not any(r.nondeterministic for r in self.records):
+            lines.append("determinism: every checked layer gave bit-identical outputs on two runs")
         written = [r for r in self.records if r.status == "written"]
         limit = None if verbose > 0 else 10
         for r in written[:limit]:
@@ -456,9 +474,23 @@ class GuardSession:
             return None
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.report_json(), indent=1, sort_keys=True, allow_nan=False) + "\n", encoding="utf-8")
+        if p.suffix.lower() in (".html", ".htm"):
+            tmp.write_text(self.report_html(), encoding="utf-8")
+        else:
+            tmp.write_text(json.dumps(self.report_json(), indent=1, sort_keys=True, allow_nan=False) + "\n", encoding="utf-8")
         os.replace(tmp, p)
         return p
+
+    def report_html(self) -> str:
+        """One self-contained page: every compared check, failing ones plotted (if matplotlib
+        is installed). Built from the JSON report dicts, so xdist workers' checks are included."""
+        from .report import Report
+        from .visual import html_page
+
+        pairs = [(r.label(), Report.from_dict(r.report)) for r in self.records if r.report is not None]
+        c = self.counts()
+        title = "activation_guard: " + ", ".join(f"{v} {k}" for k, v in c.items())
+        return html_page(pairs, title=title)
 
 
 def now() -> float:
@@ -555,6 +587,8 @@ class GoldenCheck:
                     out = model(*(tuple(args) if isinstance(args, (tuple, list)) else (args,)), **dict(kwargs or {}))
                 done("deferred", message=f"golden is recorded by the {RECORD_DEVICE} variant: {self.record_nodeid}")
                 return out
+            if cmp_kw.get("tolerance") == "calibrated" and "calibrate" not in rec_kw:
+                rec_kw["calibrate"] = True  # a calibrated comparison needs the golden's noise floors
             try:
                 summary = api.record(model, args, kwargs, path=path, **rec_kw)
             except GoldenError as e:  # e.g. an unwritable folder: the message says what to fix
@@ -576,6 +610,12 @@ class GoldenCheck:
                 f"  or create every missing golden with `pytest --ag-update=missing`.",
                 pytrace=False,
             )
+        if s.settings.check_determinism:
+            from .determinism import check_determinism
+
+            unstable = check_determinism(model, args, kwargs, include=cmp_kw.get("include"), exclude=cmp_kw.get("exclude"))
+            base.nondeterministic = [f"{r.name or '<root>'}[{r.call}] (max abs diff {r.max_abs_diff:.3g})"
+                                     if r.max_abs_diff is not None else f"{r.name or '<root>'}[{r.call}]" for r in unstable]
         try:
             report = api.compare(model, args, kwargs, path=path, **cmp_kw)
         except GoldenError as e:

@@ -71,6 +71,10 @@ def check_golden_workflow(
        every test fails; with ``layer``, the report names it as the first divergence;
     5. ``--ag-update``: passes again; 6. (``final_rerun``) rerun: passes.
     """
+    # In-process pytester runs drop modules first imported inside them; h5py cannot be imported
+    # twice in one process, so import the engine (torch, h5py) out here, before the inner runs.
+    import activation_guard.api  # noqa: F401
+
     res = WorkflowResult()
     root = pytester.path / golden_dir
     pytester.makepyfile(**{module_name: source})

@@ -191,7 +191,9 @@ def test_missing_first_divergence_headline_and_context(tmp_path):
         "activation_guard: first divergence at layer 'b' (Linear) call 0, #2 in the golden's "
         "execution order: layer call did not run in the live run"
     )
-    assert any("missing (expected around here)" in ln for ln in lines)
+    assert any("missing    (did not run; expected here)" in ln for ln in lines)
+    marker = next(i for i, ln in enumerate(lines) if "did not run; expected here" in ln)
+    assert " a " in lines[marker - 1] and " c " in lines[marker + 1]  # placed where it belongs
     assert "this layer did not run" in str(rep)
 
 
@@ -232,3 +234,34 @@ def test_context_is_short(tmp_path, n_before):
     assert 1 <= len(rows) <= 8
     assert len(rep.layers) > 20
     assert "#" + str(rep.first_divergence.position + 1) + " of " + str(len(rep.layers)) in lines[0]
+
+
+def test_report_round_trips_through_json(tmp_path):
+    """A JSON report (e.g. from an xdist worker) rebuilds the same report, text included."""
+    import json
+
+    from activation_guard.report import Report
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+            self.skip = False
+
+        def forward(self, x):
+            x = self.a(x)
+            if not self.skip:
+                x = self.b(x)
+            return self.c(x) * 1.5
+
+    torch.manual_seed(0)
+    m = M()
+    path = tmp_path / "g.h5"
+    ag.record(m, X, path=path)
+    m.skip = True
+    rep = ag.compare(m, X, path=path)
+    back = Report.from_dict(json.loads(json.dumps(rep.to_dict(), allow_nan=False)))
+    assert back.to_dict() == rep.to_dict()
+    assert back.first_divergence.name == "b" and back.first_divergence.status == "missing"
+    assert str(back).splitlines()[0] == str(rep).splitlines()[0]
+    assert str(back).splitlines()[3:] == str(rep).splitlines()[3:]

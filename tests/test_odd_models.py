@@ -1,0 +1,330 @@
+"""Odd models and outputs: each is either supported (recorded, compared, a change detected) or
+refused with a clear UnsupportedModelError; a forward that raises leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import one_thread
+from torch import nn
+
+import activation_guard as ag
+from activation_guard import store
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    with one_thread():
+        yield
+
+
+X = torch.randn(2, 4, generator=torch.Generator().manual_seed(11))
+
+
+def no_hooks_left(m: nn.Module) -> bool:
+    return all(not (s._forward_hooks or s._forward_pre_hooks) for s in m.modules())
+
+
+def open_fds_on(path: Path) -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+def roundtrip(m: nn.Module, x: Any, path: Path) -> ag.Report:
+    ag.record(m, x, path=path)
+    rep = ag.compare(m, x, path=path)
+    assert rep.ok, str(rep)
+    return rep
+
+
+# --------------------------------------------------------------------------- forward raises
+
+
+class Boom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed: BaseException | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed is not None:
+            raise self.armed
+        return x * 2
+
+
+def boom_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), Boom()), nn.Linear(4, 2)).eval()
+
+
+@pytest.mark.parametrize("stage", ["record", "compare"])
+def test_forward_raises_names_the_layer_and_leaves_nothing_behind(tmp_path, stage):
+    m = boom_model()
+    path = tmp_path / "g.h5"
+    ag.record(m, X, path=path)
+    before = path.read_bytes()
+    m[1][1].armed = ValueError("bad shape in user code")
+    with pytest.raises(ValueError, match="bad shape in user code") as ei:  # the user's own type
+        if stage == "record":
+            ag.record(m, X, path=path)
+        else:
+            ag.compare(m, X, path=path)
+    assert "activation_guard: raised inside layer '1.1'" in getattr(ei.value, "__notes__", [])
+    assert no_hooks_left(m)
+    assert path.read_bytes() == before  # the previous golden is untouched
+    assert [n for n in os.listdir(tmp_path) if store.TMP_MARK in n] == []
+    assert open_fds_on(path) == 0  # compare closed the golden
+    # the model is usable afterwards, with and without activation_guard
+    m[1][1].armed = None
+    assert m(X).shape == (2, 2)
+    assert ag.compare(m, X, path=path).ok
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), SystemExit(3)])
+def test_interrupt_in_forward_cleans_up(tmp_path, exc):
+    m = boom_model()
+    path = tmp_path / "g.h5"
+    ag.record(m, X, path=path)
+    before = path.read_bytes()
+    m[1][1].armed = exc
+    with pytest.raises(type(exc)):
+        ag.record(m, X, path=path)
+    with pytest.raises(type(exc)):
+        ag.compare(m, X, path=path)
+    assert no_hooks_left(m) and path.read_bytes() == before
+    assert [n for n in os.listdir(tmp_path) if store.TMP_MARK in n] == [] and open_fds_on(path) == 0
+
+
+# --------------------------------------------------------------------------- shapes of models
+
+
+def test_model_without_submodules(tmp_path):
+    class Bare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w
+
+    m = Bare()
+    rep = roundtrip(m, X, tmp_path / "g.h5")
+    assert [(r.name, r.call) for r in rep.layers] == [("", 0)]
+    with torch.no_grad():
+        m.w[2] = 1.01
+    rep = ag.compare(m, X, path=tmp_path / "g.h5")
+    assert not rep.ok and rep.first_divergence is not None and rep.first_divergence.name == ""
+    lin = nn.Linear(4, 3)
+    assert [r.name for r in roundtrip(lin, X, tmp_path / "l.h5").layers] == [""]
+
+
+class Gen(nn.Module):
+    def forward(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
+        return (x * k for k in (1, 2, 3))
+
+
+class UsesGen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = Gen()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(self.lin(t) for t in self.gen(x))
+
+
+def test_generator_output_is_recorded_by_type_and_not_consumed(tmp_path):
+    m = UsesGen().eval()
+    expected = m(X)
+    summary = ag.record(m, X, path=tmp_path / "g.h5")
+    assert torch.equal(summary.output, expected)  # the parent still iterated all 3 items
+    rep = ag.compare(m, X, path=tmp_path / "g.h5")
+    assert rep.ok and torch.equal(rep.output, expected)
+    # `gen` returns (its hook fires) before the parent consumes the generator
+    assert [(r.name, r.call) for r in rep.layers] == [("gen", 0), ("lin", 0), ("lin", 1), ("lin", 2), ("", 0)]
+
+
+class Thing:
+    def __init__(self, v: torch.Tensor) -> None:
+        self.v = v
+
+
+class Other:
+    pass
+
+
+class ReturnsObject(nn.Module):
+    def __init__(self, kind: type = Thing) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return {"obj": self.kind(x) if self.kind is Thing else self.kind(), "t": x + 1}
+
+
+def test_arbitrary_object_output(tmp_path):
+    path = tmp_path / "g.h5"
+    rep = roundtrip(ReturnsObject(), X, path)
+    leaf = next(lf for lr in rep.layers for lf in lr.leaves if lf.path == "obj")
+    assert "Thing" in (leaf.detail or "")
+    rep = ag.compare(ReturnsObject(Other), X, path=path)
+    assert not rep.ok and rep.first_divergence is not None and rep.first_divergence.status == "structure"
+
+
+def test_outputs_that_require_grad_in_grad_mode(tmp_path):
+    class ReturnsParam(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = nn.Parameter(torch.arange(3.0))
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.p, self.lin(x)
+
+    m = ReturnsParam().train()
+    assert torch.is_grad_enabled()
+    roundtrip(m, X, tmp_path / "g.h5")
+    assert torch.is_grad_enabled() and m.training
+    assert all(p.grad is None for p in m.parameters())
+    out = m(X)  # still trainable afterwards
+    out[1].sum().backward()
+    assert m.lin.weight.grad is not None
+
+
+class Exotic(nn.Module):
+    def __init__(self, kind: str, bump: float = 0.0) -> None:
+        super().__init__()
+        self.kind, self.bump = kind, bump
+
+    def forward(self, x: torch.Tensor) -> Any:
+        x = x.clone()
+        x[0, 0] += self.bump
+        if self.kind == "sparse_coo":
+            return (x * (x > 0)).to_sparse()
+        if self.kind == "sparse_csr":
+            return (x * (x > 0)).to_sparse_csr()
+        if self.kind == "quantized":
+            return torch.quantize_per_tensor(x, 0.05, 10, torch.quint8)
+        if self.kind == "nested":
+            return torch.nested.nested_tensor([x[0, :2], x[1]])
+        raise AssertionError(self.kind)
+
+
+@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "quantized", "nested"])
+def test_sparse_quantized_nested_outputs(tmp_path, kind):
+    x = X.abs() + 0.5  # the bumped element stays non-zero and inside the quantized range
+    path = tmp_path / "g.h5"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sparse CSR / nested tensors are "beta" and say so
+        roundtrip(Exotic(kind), x, path)
+        rep = ag.compare(Exotic(kind, bump=0.5), x, path=path)
+    assert not rep.ok
+    assert rep.first_divergence is not None and rep.first_divergence.status == "diverged"
+
+
+def test_meta_device_outputs_are_recorded_as_structure_only(tmp_path):
+    """Meta tensors hold no values: recorded by shape, compared by shape."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).to("meta")
+    path = tmp_path / "g.h5"
+    rep = roundtrip(m, X.to("meta"), path)
+    assert len(rep.layers) == 3
+    wider = nn.Sequential(nn.Linear(4, 5), nn.ReLU()).to("meta")
+    rep = ag.compare(wider, X.to("meta"), path=path)
+    assert not rep.ok and rep.first_divergence is not None and rep.first_divergence.name == "0"
+    # a real model against a meta golden is a structure change, not a pass
+    assert not ag.compare(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), X, path=path).ok
+
+
+# --------------------------------------------------------------------------- refused wrappers
+
+
+def _eager() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+
+REFUSED = {
+    # torch.compile imports dynamo (seconds): both forms share one test, see below
+    "torch.jit.script": (lambda: torch.jit.script(_eager()), "eager"),
+    "torch.jit.trace": (lambda: torch.jit.trace(_eager(), X), "eager"),
+    "DataParallel": (lambda: nn.DataParallel(_eager()), "model.module"),
+    "nested torch.jit.script": (lambda: nn.Sequential(nn.Linear(4, 4), torch.jit.script(nn.Linear(4, 4))), "submodule '1'"),
+    "nested DataParallel": (lambda: nn.Sequential(nn.Sequential(nn.DataParallel(nn.Linear(4, 4)))), "submodule '0.0'"),
+    "not a module": (lambda: (lambda x: x), "needs a torch.nn.Module"),
+}
+
+
+def check_refused(m: Any, words: str, path: Path) -> None:
+    for call in (lambda: ag.record(m, X, path=path), lambda: ag.compare(m, X, path=path)):
+        with pytest.raises(ag.UnsupportedModelError) as ei:
+            call()
+        assert words in str(ei.value)
+        assert isinstance(ei.value, TypeError)
+    assert not path.exists()
+    if isinstance(m, nn.Module):
+        assert no_hooks_left(m)
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_wrappers_that_bypass_hooks_are_refused(tmp_path, case):
+    build, words = REFUSED[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = build()
+    check_refused(m, words, tmp_path / "g.h5")
+
+
+def test_torch_compile_is_refused_at_the_root_and_nested(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # importing dynamo warns about torch.jit deprecations
+        root = torch.compile(_eager())
+        nested = nn.Sequential(nn.Linear(4, 4), torch.compile(nn.Linear(4, 4)))
+    check_refused(root, "_orig_mod", tmp_path / "g.h5")
+    check_refused(nested, "`1._orig_mod`", tmp_path / "g.h5")
+
+
+# --------------------------------------------------------------------------- 10,000 layer calls
+
+
+class LongLoop(nn.Module):
+    """One small layer called 10,000 times; ``bump_at`` nudges one call's output."""
+
+    def __init__(self, n: int = 10_000, bump_at: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.n, self.bump_at = n, bump_at
+        self.step = nn.Linear(2, 2)
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.n // 2):
+            x = self.step(x)
+            if i == self.bump_at:
+                x = x + 1e-3
+            x = self.act(x)
+        return x
+
+
+def test_ten_thousand_layer_calls(tmp_path):
+    """10,001 layer calls record and compare; a change at call 4,900 of `act` is found there
+    (fail_fast: the 9,801 calls before it all matched)."""
+    path = tmp_path / "g.h5"
+    x = torch.randn(1, 2, generator=torch.Generator().manual_seed(0))
+    summary = ag.record(LongLoop(), x, path=path)
+    assert summary.layer_calls == 10_001
+    rep = ag.compare(LongLoop(bump_at=4_900), x, path=path, fail_fast=True)
+    assert not rep.ok and rep.first_divergence is not None
+    # the nudge is added after `step` returned: its first consumer is call 4,900 of `act`
+    assert (rep.first_divergence.name, rep.first_divergence.call) == ("act", 4_900)
+    assert sum(r.ok for r in rep.layers) == 9_801  # step 0..4900 and act 0..4899
