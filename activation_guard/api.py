@@ -305,11 +305,12 @@ class _Comparator:
         results = list(self.results)
         order: dict[int, tuple[float, int]] = {}
         # place each missing call where the live run passed its spot in the golden order
-        live_gpos = [(r.golden_position, r.position) for r in results if r.golden_position is not None]
+        live_gpos = [(r.golden_position, r.position) for r in results
+                     if r.golden_position is not None and r.position is not None]
         for c in self.golden_selected:
             if (c.name, c.call) in self.seen:
                 continue
-            later = [lp for gp, lp in live_gpos if gp is not None and gp > c.position]
+            later = [lp for gp, lp in live_gpos if gp is not None and lp is not None and gp > c.position]
             at = float(min(later)) - 0.5 if later else math.inf
             ran = self.golden_calls.get(c.name, 0)
             live_name = self.golden_to_live.get(c.name, c.name)

@@ -127,7 +127,7 @@ def input_fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dic
                 out.append({"path": leaf.path, "kind": "tensor", "dtype": str(t.dtype), "shape": list(t.shape)})
                 continue
             out.append({"path": leaf.path, "kind": "tensor", "dtype": dt, "shape": [int(s) for s in t.shape],
-                        "sha256": hashlib.sha256(raw).hexdigest()})
+                        "sha256": hashlib.sha256(raw.data).hexdigest()})
         elif leaf.kind == "str":
             out.append({"path": leaf.path, "kind": "str", "sha256": hashlib.sha256((leaf.value or "").encode()).hexdigest()})
         else:
@@ -138,8 +138,8 @@ def input_fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dic
 def describe_input_change(golden: list[dict[str, Any]] | None, live: list[dict[str, Any]]) -> list[str]:
     if golden is None:
         return []
-    g = {e.get("path"): e for e in golden if isinstance(e, dict)}
-    lv = {e["path"]: e for e in live}
+    g = {str(e.get("path")): e for e in golden if isinstance(e, dict)}
+    lv = {str(e["path"]): e for e in live}
     msgs = []
     for p in sorted(set(g) | set(lv)):
         a, b = g.get(p), lv.get(p)

@@ -228,7 +228,7 @@ class Report:
                 out.append(missing_row)
             mark = ">" if layer is fd else " "
             nm = (layer.name or "<root>")[-width:]
-            row = f"  {mark} {layer.position + 1:>5}  {nm:<{width}} {layer.call:>4}  {layer.status:<10} {fmt_diff(layer.max_abs_diff):>9} {fmt_diff(layer.max_rel_diff):>9}"
+            row = f"  {mark} {(layer.position or 0) + 1:>5}  {nm:<{width}} {layer.call:>4}  {layer.status:<10} {fmt_diff(layer.max_abs_diff):>9} {fmt_diff(layer.max_rel_diff):>9}"
             if calibrated:  # error as a multiple of the calibrated noise allowance (fails above 1)
                 row += f" {'-' if layer.error_multiple is None else f'{layer.error_multiple:.3g}':>10}"
             out.append(row)

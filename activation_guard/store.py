@@ -23,7 +23,9 @@ import json
 import os
 import platform
 import re
+import socket
 import tempfile
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -88,7 +90,16 @@ def release_freed_memory() -> None:
 
 
 def _tmp_name_re(base: str) -> re.Pattern[str]:
-    return re.compile(re.escape(f".{base}.") + r".*" + re.escape(TMP_MARK) + r"(\d+)$")
+    return re.compile(re.escape(f".{base}.") + r".*?(?:\.h-([A-Za-z0-9-]+))?" + re.escape(TMP_MARK) + r"(\d+)$")
+
+
+def _host_tag() -> str:
+    """This machine's name, reduced to [A-Za-z0-9-]: temp files carry it so that a writer on
+    another machine sharing the folder (NFS, a container volume) is never judged dead by pid."""
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
+
+
+STALE_FOREIGN_SECONDS = 24 * 3600  # another host's temp file is removed only when this old
 
 
 def _pid_alive(pid: int) -> bool:
@@ -113,11 +124,23 @@ def cleanup_stale_temps(path: str) -> list[str]:
         names = os.listdir(d)
     except OSError:
         return removed
+    me = _host_tag()
     for n in names:
         m = pat.match(n)
-        if m and not _pid_alive(int(m.group(1))):
+        if not m:
+            continue
+        host, pid = m.group(1), int(m.group(2))
+        full = os.path.join(d, n)
+        if host is None or host == me:
+            stale = not _pid_alive(pid)
+        else:
+            try:
+                stale = time.time() - os.stat(full).st_mtime > STALE_FOREIGN_SECONDS
+            except OSError:
+                continue
+        if stale:
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(d, n))
+                os.unlink(full)
                 removed.append(n)
     return removed
 
@@ -149,7 +172,7 @@ class GoldenWriter:
         try:
             os.makedirs(d, exist_ok=True)
             cleanup_stale_temps(self.path)
-            fd, self.tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=f"{TMP_MARK}{os.getpid()}", dir=d)
+            fd, self.tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=f".h-{_host_tag()}{TMP_MARK}{os.getpid()}", dir=d)
             os.close(fd)
             self.f = h5py.File(self.tmp, "w")
         except OSError as e:
@@ -247,7 +270,8 @@ class GoldenWriter:
             mb = _json_bytes(meta)
             self.f.create_dataset("index", data=np.frombuffer(ib, dtype=np.uint8), track_times=False)
             self.f.create_dataset("meta", data=np.frombuffer(mb, dtype=np.uint8), track_times=False)
-            self.f.attrs["ag_format"] = FORMAT_NAME
+            # fixed-length ASCII: no global-heap object for a reader to trip over (see _scalar_attr)
+            self.f.attrs["ag_format"] = np.bytes_(FORMAT_NAME)
             self.f.attrs["ag_format_version"] = np.int64(FORMAT_VERSION)
             self.f.attrs["index_crc32"] = np.int64(zlib.crc32(ib))
             self.f.attrs["meta_crc32"] = np.int64(zlib.crc32(mb))

@@ -398,12 +398,31 @@ def test_flipped_value_bytes_are_corruption_not_divergence(base, tmp_path, which
         assert "layer" in str(e)  # the leaf whose bytes are damaged is named
 
 
+def _legacy_vlen_golden(base, tmp_path):
+    """Goldens written before ag_format became fixed-length ASCII store it as a variable-length
+    string (in the global heap); readers must still handle those files safely."""
+    p = tmp_path / "legacy.h5"
+    shutil.copy(base["plain"], p)
+    with h5py.File(p, "r+") as f:
+        del f.attrs["ag_format"]
+        f.attrs["ag_format"] = "activation_guard.golden"  # h5py writes str as a vlen string
+    assert ag.compare(Mixed().eval(), X, path=p).ok
+    return p
+
+
+def test_new_goldens_have_no_global_heap(base):
+    """ag_format is written as a fixed-length string: a new golden holds no variable-length
+    data at all, so the global-heap hang above cannot be reached through one."""
+    for p in base.values():
+        assert b"GCOL" not in p.read_bytes()
+
+
 def test_flipped_global_heap_byte_does_not_hang(base, tmp_path):
     """Regression: ``ag_format`` is a variable-length string, kept in the file's global heap.
     Flipping that heap object's size byte made libhdf5 2.0 loop forever inside the attribute
     read (found by the byte-flip sweep). The reader checks the attribute's type and never reads
     a variable-length value, so the file opens and, its checked contents intact, passes."""
-    data = bytearray(base["plain"].read_bytes())
+    data = bytearray(_legacy_vlen_golden(base, tmp_path).read_bytes())
     heap = data.find(b"GCOL")
     assert heap > 0, "no global heap: ag_format is no longer a vlen string (drop this test)"
     data[heap + 24] ^= 0xFF  # size field of heap object 1 (16-byte collection header + 8)
@@ -419,7 +438,7 @@ def test_flipped_global_heap_byte_does_not_hang(base, tmp_path):
 def test_flipped_attribute_type_class_is_refused_before_reading(base, tmp_path):
     """Regression: a flipped bit turned ``ag_format``'s string type into a vlen sequence and
     h5py's attribute read segfaulted; the type class is now checked first."""
-    data = bytearray(base["plain"].read_bytes())
+    data = bytearray(_legacy_vlen_golden(base, tmp_path).read_bytes())
     name = data.find(b"ag_format\x00")
     # version-1 attribute message: name (padded to 8), then the datatype message: class byte 0x19
     # (version 1, class 9 = variable-length), then flags whose low nibble says 1 = string

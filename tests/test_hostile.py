@@ -142,7 +142,7 @@ def test_soft_link_cycle_is_refused(goldens, tmp_path):
 
 
 def test_soft_link_in_place_of_a_dataset_is_refused(goldens, tmp_path):
-    """A soft link named like a real pack, pointing at another object: every level is checked."""
+    """A soft link named like a real pack, pointing at another object."""
 
     def edit(f: h5py.File) -> None:
         f.move("packs/0000", "moved")
@@ -150,6 +150,20 @@ def test_soft_link_in_place_of_a_dataset_is_refused(goldens, tmp_path):
 
     bad = forge(goldens["small"], tmp_path / "g.h5", edit)
     refused(bad, ag.GoldenError)
+
+
+def test_soft_link_at_the_group_level_is_refused(goldens, tmp_path):
+    """``get(name, getlink=True)`` only checks the last path component: the reader checks every
+    level, so ``/packs`` itself being a soft link (to ``/data``) is refused too."""
+
+    def edit(f: h5py.File) -> None:
+        assert "packs" not in f  # this golden's leaves are all large: only /data
+        f["packs"] = h5py.SoftLink("/data")
+
+    bad = forge(goldens["wide"], tmp_path / "g.h5", edit)
+    with h5py.File(bad, "r") as f:  # control: the path resolves through the soft link
+        assert isinstance(f["packs/000000"], h5py.Dataset)
+    refused(bad, ag.GoldenSecurityError, "/packs", "SoftLink")
 
 
 # --------------------------------------------------------------------------- other files' bytes

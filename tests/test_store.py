@@ -63,7 +63,8 @@ def test_layout_is_readable_with_plain_h5py(tmp_path):
     assert summary.leaves == 3 + 4
     assert summary.nbytes == (40 * 8 + 40 * 600) * 4 + 2 * (40 * 4 * 2) + 40 * 600 * 4
     with h5py.File(path, "r") as f:
-        assert f.attrs["ag_format"] == "activation_guard.golden"
+        assert f.attrs["ag_format"] == b"activation_guard.golden"  # fixed-length ASCII
+        assert not f.attrs.get_id("ag_format").get_type().is_variable_str()
         assert int(f.attrs["ag_format_version"]) == 1
         assert set(f) == {"index", "meta", "packs", "data"}
         index = json.loads(f["index"][()].tobytes())

@@ -437,3 +437,21 @@ def test_parallel_update_writes_every_golden_valid(pytester, monkeypatch):
         assert ag.compare(m, (x,), path=gdir / f"test_model[{seed}].h5").ok
         assert ag.compare(m[0], (x,), path=gdir / f"test_model[{seed}]--first.h5").ok
 
+
+
+def test_another_hosts_fresh_temp_is_never_removed(tmp_path):
+    """On a folder shared between machines a pid says nothing about a writer elsewhere: another
+    host's temp file is left alone unless it is a day old; this host's dead writers' are removed."""
+    import time as _time
+
+    path = tmp_path / "g.h5"
+    foreign = tmp_path / f".g.h5.abc.h-other-machine{store.TMP_MARK}1"
+    old_foreign = tmp_path / f".g.h5.def.h-other-machine{store.TMP_MARK}2"
+    dead_local = tmp_path / f".g.h5.ghi.h-{store._host_tag()}{store.TMP_MARK}{2**22 + 12345}"
+    for f in (foreign, old_foreign, dead_local):
+        f.write_bytes(b"partial")
+    day_ago = _time.time() - store.STALE_FOREIGN_SECONDS - 60
+    os.utime(old_foreign, (day_ago, day_ago))
+    removed = store.cleanup_stale_temps(str(path))
+    assert sorted(removed) == sorted([old_foreign.name, dead_local.name])
+    assert foreign.exists()
