@@ -119,7 +119,7 @@ def cleanup_stale_temps(path: str) -> list[str]:
     d = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     pat = _tmp_name_re(base)
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(d)
     except OSError:
@@ -207,7 +207,7 @@ class GoldenWriter:
         info = dtypes.info_for(t.dtype)
         raw = dtypes.tensor_bytes(t)
         nbytes = int(raw.size)
-        crc = zlib.crc32(raw) if nbytes else 0
+        crc = zlib.crc32(raw.data) if nbytes else 0
         entry: dict[str, Any] = {
             "kind": "tensor",
             "dtype": info.name,
@@ -424,7 +424,7 @@ def _direct_location(ds: h5py.Dataset) -> tuple[int, int, tuple[int, ...], np.dt
 
 
 def _pread_into(path: str, fd: int, arr: np.ndarray, offset: int, what: str) -> None:
-    view = memoryview(arr.reshape(-1).view(np.uint8))
+    view = arr.reshape(-1).view(np.uint8).data
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -641,7 +641,7 @@ class GoldenReader:
                 if entry.offset + entry.nbytes > buf.size:
                     raise GoldenCorruptError(p, f"{label}: pack /packs/{entry.pack:04d} is shorter than the index says")
                 raw = buf[entry.offset : entry.offset + entry.nbytes]
-                if entry.nbytes and zlib.crc32(raw) != entry.crc32:
+                if entry.nbytes and zlib.crc32(raw.data) != entry.crc32:
                     raise GoldenCorruptError(p, f"{label}: stored values fail their checksum (the file was modified or damaged after recording)")
                 return dtypes.tensor_from_bytes(raw.copy(), info, entry.shape)
             assert entry.dataset is not None
@@ -667,10 +667,11 @@ class GoldenReader:
                 release_freed_memory()
             arr = np.empty(entry.shape, dtype=info.storage)
             if arr.size and loc is not None:
+                assert self._fd is not None
                 _pread_into(p, self._fd, arr, off, f"{label}: /{entry.dataset}")
             elif arr.size:
                 ds.read_direct(arr)
-            if entry.nbytes and zlib.crc32(arr.reshape(-1).view(np.uint8)) != entry.crc32:
+            if entry.nbytes and zlib.crc32(arr.reshape(-1).view(np.uint8).data) != entry.crc32:
                 raise GoldenCorruptError(p, f"{label}: stored values fail their checksum (the file was modified or damaged after recording)")
             return dtypes.tensor_from_storage(arr, info)
         except GoldenError:
