@@ -21,6 +21,7 @@ from .capture import (
     hooked,
     normalize_inputs,
     normalize_patterns,
+    nothing_selected,
     run_forward,
     selected,
 )
@@ -135,6 +136,8 @@ def record(
     try:
         with hooked(model, on_output, inc, exc) as state:
             out = run_forward(model, a, kw, state)
+        if not writer.calls:
+            raise nothing_selected(inc, exc, [n for n, _ in model.named_modules()])
         meta["layer_calls"] = len(writer.calls)
         if shadow is not None:
             floors.info = {"reference_device": str(shadow.device)}
@@ -189,6 +192,9 @@ class _Comparator:
     """Compares each live layer call against its golden as soon as the layer returns."""
 
     calib: Any = None  # a calibrate.Calibrator in tolerance="calibrated" mode
+    # (include, exclude) the golden was recorded with, by golden name: a live layer outside it
+    # was never stored, so it is not "unexpected" (set when the hooks cannot apply it: rename)
+    golden_filter: tuple[list[str] | None, list[str] | None] | None = None
 
     def __init__(self, reader: GoldenReader, resolver: ToleranceResolver, rules: list[tuple[re.Pattern[str], str]],
                  include: list[str] | None, exclude: list[str] | None, fail_fast: bool, allow_dtype_change: bool):
@@ -218,14 +224,19 @@ class _Comparator:
         ``activation_guard.diff`` (two recordings), so both produce the same verdicts; ``get_leaves``
         runs only when the golden has this call."""
         pos = len(self.results)
-        gname = self.live_to_golden.get(name, name)
-        entry = self.reader.by_key.get((gname, call))
+        # a live name no golden name maps to is new, even if a golden layer had that name
+        # before `rename` mapped it elsewhere
+        gname = self.live_to_golden.get(name)
+        entry = None if gname is None else self.reader.by_key.get((gname, call))
         if entry is None:
-            known = self.golden_calls.get(gname)
+            if self.golden_filter is not None and not selected(gname or name, *self.golden_filter):
+                return
+            known = None if gname is None else self.golden_calls.get(gname)
             detail = (f"the golden has {known} call(s) of this layer; this is call {call}" if known
                       else "this layer is not in the golden (new layer, or renamed: see `rename=`)")
             res = LayerResult(name, call, "unexpected", tname, position=pos, detail=detail)
         else:
+            assert gname is not None  # an entry was found under it
             self.seen.add((gname, call))
             leaves = self._compare_call(entry, get_leaves(), name)
             res = LayerResult.from_leaves(name, call, tname, leaves, position=pos, golden_position=entry.position,
@@ -331,6 +342,16 @@ def _recorded_patterns(value: Any) -> list[str] | None:
     return None
 
 
+def _golden_filter(gmeta: Mapping[str, Any], rules: list[tuple[re.Pattern[str], str]]) -> tuple[list[str] | None, list[str] | None] | None:
+    """The golden's recorded include/exclude, each pattern also under `rename` (for live layers
+    that have no golden counterpart), or None when it recorded every layer."""
+    pats = [_recorded_patterns(gmeta.get("include")), _recorded_patterns(gmeta.get("exclude"))]
+    if pats == [None, None]:
+        return None
+    inc, exc = (None if p is None else p + [r for r in (apply_rename(x, rules) for x in p) if r not in p] for p in pats)
+    return inc, exc
+
+
 def _kind(g: LeafEntry) -> str:
     if g.kind == "tensor":
         return f"a {g.dtype} tensor"
@@ -380,7 +401,10 @@ def compare(
             inc, exc = _recorded_patterns(gmeta.get("include")), _recorded_patterns(gmeta.get("exclude"))
         gdev = gmeta.get("device", {}).get("device") if isinstance(gmeta.get("device"), dict) else None
         resolver = ToleranceResolver(rtol, atol, tolerances, golden_device=gdev, live_device=str(dev))
-        comp = _Comparator(reader, resolver, _compile_rename(rename), inc, exc, fail_fast, allow_dtype_change)
+        rules = _compile_rename(rename)
+        comp = _Comparator(reader, resolver, rules, inc, exc, fail_fast, allow_dtype_change)
+        if inc is None and exc is None and rename:  # the golden's selection, applied by the comparator
+            comp.golden_filter = _golden_filter(gmeta, rules)
         if tolerance == "calibrated":
             calib = calmod.Calibrator(calmod.FloorTable.from_meta(gmeta, path), calmod.ShadowRun(model, a, kw, inc, exc, dev))
             comp.calib = calib
@@ -392,10 +416,14 @@ def compare(
             except _StopForward:
                 stopped = True
         layers, order = comp.finish()
-        if stopped:  # golden-only calls after the stop were never reached: not "missing"
-            keep = [i for i, layer in enumerate(layers) if layer.status != "missing"]
+        if not layers:
+            raise nothing_selected(inc, exc, [n for n, _ in model.named_modules()])
+        if stopped:  # golden-only calls after the stop were never reached: not "missing"; those
+            # the golden ran before a call the live run did reach are (their place is finite)
+            keep = [i for i, layer in enumerate(layers)
+                    if layer.status != "missing" or math.isfinite(order.get(i, (math.inf, 0))[0])]
+            order = {k: order[i] for k, i in enumerate(keep) if i in order}
             layers = [layers[i] for i in keep]
-            order = {}
     finally:
         reader.close()
         if calib is not None:
@@ -415,6 +443,7 @@ def compare(
     )
     if resolver.cross_device:
         report.notes.append(f"golden recorded on {gdev}, live run on {dev}: {resolver.device_pair} default tolerances apply")
+    report.notes += [f"tolerances pattern {p!r} matched no layer" for p in resolver.unmatched(r.name for r in layers)]
     report.mode = tolerance
     if calib is not None:
         report.notes += calib.notes()
@@ -432,6 +461,8 @@ def compare_models(
     ``reference`` on the same inputs? The reference is recorded to a temporary golden (bounded
     memory, same code path as a stored golden) and the candidate compared against it."""
     include, exclude = options.get("include"), options.get("exclude")
+    if options.get("rename"):  # the patterns name candidate layers: record all the reference's
+        include = exclude = None
     with tempfile.TemporaryDirectory(prefix="activation_guard-") as d:
         p = os.path.join(d, "reference.h5")
         record(reference, args, kwargs, path=p, include=include, exclude=exclude,

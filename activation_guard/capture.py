@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import UnsupportedModelError
+from .errors import SelectionError, UnsupportedModelError
 
 MAX_DEPTH = 32
 
@@ -144,6 +144,17 @@ def selected(name: str, include: Sequence[str] | None, exclude: Sequence[str] | 
     if include and not match_any(name, include):
         return False
     return not (exclude and match_any(name, exclude))
+
+
+def nothing_selected(include: Sequence[str] | None, exclude: Sequence[str] | None, names: Sequence[str]) -> SelectionError:
+    """The error for an include/exclude selection that matched no layer call: a check of
+    nothing would pass vacuously (usually a typo in a pattern)."""
+    names = [n for n in names if n]  # the root ("") is no pattern target
+    shown = ", ".join(repr(n) for n in names[:6]) + (", ..." if len(names) > 6 else "")
+    return SelectionError(
+        f"include={include!r}, exclude={exclude!r} selected no layer call, so nothing would be "
+        f"checked; patterns are globs of dotted module names such as {shown or 'none'}"
+    )
 
 
 def check_model(model: Any) -> torch.nn.Module:

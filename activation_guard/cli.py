@@ -166,9 +166,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
         from .visual import _matplotlib
 
         _matplotlib()  # fail before the work, with the install hint
-    report = diff_recordings(args.a, args.b, rtol=args.rtol, atol=args.atol, tolerances=tolerances,
-                             include=args.include or None, exclude=args.exclude or None,
-                             allow_dtype_change=args.allow_dtype_change)
+    try:
+        report = diff_recordings(args.a, args.b, rtol=args.rtol, atol=args.atol, tolerances=tolerances,
+                                 include=args.include or None, exclude=args.exclude or None,
+                                 allow_dtype_change=args.allow_dtype_change)
+    except ValueError as e:  # e.g. --include matching no layer
+        raise CliError(str(e)) from None
     if args.json:
         d = report.to_dict()
         d["other"] = args.b

@@ -151,7 +151,7 @@ def _compare_exact(g: torch.Tensor, lv: torch.Tensor, st: TensorStats) -> Tensor
         st.live_value = _py(lv[0])
         st.worst_flat = 0
         return st
-    worst_d, n = -1.0, g.numel()
+    worst_d, n, max_rel = -1.0, g.numel(), 0.0
     cdt = torch.complex128 if (g.dtype.is_complex or lv.dtype.is_complex) else torch.float64
     for i in range(0, n, CHUNK):
         gc = g[i : i + CHUNK]
@@ -166,6 +166,8 @@ def _compare_exact(g: torch.Tensor, lv: torch.Tensor, st: TensorStats) -> Tensor
         st.mismatched += nb
         d = torch.nan_to_num((lc.to(cdt) - gc.to(cdt)).abs(), nan=math.inf)
         d = torch.where(ne, d, torch.full_like(d, -1.0))
+        r = torch.where(ne, d / gc.to(cdt).abs(), torch.zeros_like(d))  # x/0 -> inf is kept
+        max_rel = max(max_rel, float(r.nan_to_num_(nan=0.0, posinf=math.inf).max()))
         j = int(d.argmax())
         st.max_abs_diff = max(st.max_abs_diff, float(d[j]))
         if float(d[j]) > worst_d:
@@ -177,7 +179,7 @@ def _compare_exact(g: torch.Tensor, lv: torch.Tensor, st: TensorStats) -> Tensor
         st.max_abs_diff = float(abs(int(lv[st.worst_flat].item()) - int(g[st.worst_flat].item())))
     gv, lvv = g[st.worst_flat].to(cdt), lv[st.worst_flat].to(cdt)
     denom = abs(complex(gv.item()))
-    st.max_rel_diff = (st.max_abs_diff / denom) if denom else (math.inf if st.max_abs_diff else 0.0)
+    st.max_rel_diff = max(max_rel, (st.max_abs_diff / denom) if denom else (math.inf if st.max_abs_diff else 0.0))
     st.golden_value = _py(g[st.worst_flat])
     st.live_value = _py(lv[st.worst_flat])
     del lvv

@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import env as envmod
-from .api import _Comparator, _compile_rename
-from .capture import Leaf, normalize_patterns, selected
+from .api import _Comparator, _compile_rename, _golden_filter
+from .capture import Leaf, normalize_patterns, nothing_selected, selected
 from .report import Report
 from .store import CallEntry, GoldenReader
 from .tolerances import ToleranceResolver
@@ -64,12 +64,17 @@ def diff_recordings(
         gmeta, bmeta = ga.meta, gb.meta
         gdev, bdev = _device(gmeta), _device(bmeta)
         resolver = ToleranceResolver(rtol, atol, tolerances, golden_device=gdev, live_device=bdev or gdev)
-        comp = _Comparator(ga, resolver, _compile_rename(rename), inc, exc, False, allow_dtype_change)
+        rules = _compile_rename(rename)
+        comp = _Comparator(ga, resolver, rules, inc, exc, False, allow_dtype_change)
+        if inc is None and exc is None:  # as compare: default to the layers the golden recorded
+            comp.golden_filter = _golden_filter(gmeta, rules)
         for c in gb.calls:
             if not selected(c.name, inc, exc):
                 continue
             comp.on_leaves(c.name, c.call, c.type_name, functools.partial(_leaves, gb, c))
         layers, order = comp.finish()
+        if not layers:
+            raise nothing_selected(inc, exc, [c.name for c in gb.calls if c.call == 0])
     env_changes = envmod.describe_env_change(gmeta.get("numerics"), bmeta.get("numerics") if isinstance(bmeta.get("numerics"), dict) else {})
     gv = gmeta.get("versions") if isinstance(gmeta.get("versions"), dict) else {}
     bv = bmeta.get("versions") if isinstance(bmeta.get("versions"), dict) else {}
@@ -87,6 +92,7 @@ def diff_recordings(
     gcls, bcls = gmeta.get("model_class"), bmeta.get("model_class")
     if gcls and bcls and gcls != bcls:
         report.notes.append(f"model class differs: golden {gcls}, other {bcls}")
+    report.notes += [f"tolerances pattern {p!r} matched no layer" for p in resolver.unmatched(r.name for r in layers)]
     if resolver.cross_device:
         report.notes.append(f"golden recorded on {gdev}, other on {bdev}: {resolver.device_pair} default tolerances apply")
     return report

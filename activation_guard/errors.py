@@ -15,6 +15,10 @@ class UnsupportedModelError(ActivationGuardError, TypeError):
     """The model cannot be hooked faithfully (torch.compile, TorchScript, DataParallel...)."""
 
 
+class SelectionError(ActivationGuardError, ValueError):
+    """``include``/``exclude`` selected no layer call: the check would pass vacuously."""
+
+
 class GoldenError(ActivationGuardError):
     """A golden file could not be used. ``path`` is the file at fault."""
 

@@ -8,6 +8,7 @@ little context and totals. A passing report is one line.
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,20 +29,40 @@ WHY = {
 }
 
 
-def fmt(x: Any) -> str:
+def fmt(x: Any, digits: int = 7) -> str:
     if x is None:
         return "-"
     if isinstance(x, bool):
         return str(x)
     if isinstance(x, complex):
-        return f"{x.real:.7g}{x.imag:+.7g}j"
+        return f"{x.real:.{digits}g}{x.imag:+.{digits}g}j"
     if isinstance(x, float):
         if math.isnan(x) or math.isinf(x):
             return str(x)
         if x == 0:
             return "0"
-        return f"{x:.7g}" if 1e-3 <= abs(x) < 1e6 else f"{x:.3e}"
+        return f"{x:.{digits}g}" if 1e-3 <= abs(x) < 1e6 else f"{x:.{digits - 4}e}"
     return str(x)
+
+
+_PLAIN_MISMATCH = re.compile(r"\d+ / \d+ elements \([^)]*\) outside tolerance")
+
+
+def fmt_pair(a: Any, b: Any) -> tuple[str, str]:
+    """Two values with enough digits to tell them apart (7 significant, more when needed)."""
+    for digits in (7, 10, 13, 17):
+        fa, fb = fmt(a, digits), fmt(b, digits)
+        if fa != fb:
+            break
+    return fa, fb
+
+
+def abs_diff(a: Any, b: Any) -> float | None:
+    """|b - a| of two reported element values (NaN involved: inf, as the comparison counts it)."""
+    if not all(isinstance(v, (int, float, complex)) for v in (a, b)):
+        return None
+    d = float(abs(b - a))
+    return math.inf if math.isnan(d) else d
 
 
 def fmt_diff(x: float | None) -> str:
@@ -188,13 +209,19 @@ class Report:
             out.append(f"  golden layer  : {fd.golden_name!r} (renamed)")
         if fd.path is not None:
             out.append(f"  output path   : {fd.path or '(the output itself)'}")
-        if fd.detail and not (fd.status in ("diverged", "nonfinite") and fd.detail.endswith("outside tolerance") and "NaN" not in fd.detail):
+        if fd.detail and not _PLAIN_MISMATCH.fullmatch(fd.detail):  # that one repeats the "mismatched" line
             out.append(f"  what          : {fd.detail}")
         if fd.status in ("diverged", "nonfinite", "match") or fd.mismatched:
             pct = 100.0 * fd.mismatched / fd.numel if fd.numel else 0.0
             out.append(f"  mismatched    : {fd.mismatched} / {fd.numel} elements ({pct:.3g}%)")
             idx = "" if fd.index is None else f" at index {tuple(fd.index)}"
-            out.append(f"  max abs diff  : {fmt_diff(fd.max_abs_diff)}{idx}: golden {fmt(fd.golden_value)}, live {fmt(fd.live_value)}")
+            gv, lv = fmt_pair(fd.golden_value, fd.live_value)
+            at = abs_diff(fd.golden_value, fd.live_value)
+            if at is None or fd.max_abs_diff is None or at == fd.max_abs_diff or math.isclose(at, fd.max_abs_diff, rel_tol=1e-5):
+                out.append(f"  max abs diff  : {fmt_diff(fd.max_abs_diff)}{idx}: golden {gv}, live {lv}")
+            else:  # the largest difference is elsewhere (a passing element under rtol, another output)
+                out.append(f"  max abs diff  : {fmt_diff(fd.max_abs_diff)}")
+                out.append(f"  worst element : {fmt_diff(at)}{idx}: golden {gv}, live {lv}")
             out.append(f"  max rel diff  : {fmt_diff(fd.max_rel_diff)}")
             if fd.rtol is not None:
                 out.append(f"  tolerance     : rtol={fd.rtol:g}, atol={fd.atol:g} ({fd.tolerance_source})")

@@ -100,6 +100,9 @@ class Settings:
             if not ini_golden_dir or not ini_golden_dir.strip():
                 raise OptionError("ini option ag_golden_dir is empty; set it to a folder, e.g. ag_golden_dir = \"golden\"")
             gdir = Path(rootdir, ini_golden_dir.strip())
+        if gdir.exists() and not gdir.is_dir():
+            src = "--ag-golden-dir" if cli_golden_dir else "ini option ag_golden_dir"
+            raise OptionError(f"{src}: {gdir} exists and is not a folder; point it at a folder (created when goldens are written)")
         ini: dict[str, Any] = {}
         for key, raw in (("rtol", ini_rtol), ("atol", ini_atol)):
             v = parse_float(raw, f"ini option ag_{key}")
@@ -223,6 +226,42 @@ def route_options(
             f"{sorted(c_names)}; activation_guard.record accepts {sorted(r_names)}"
         )
     return rec, cmp_
+
+
+_BOOL_OPTIONS = ("fail_fast", "allow_dtype_change", "calibrate")
+
+
+def validate_options(opts: ResolvedOptions) -> None:
+    """Check option values before anything runs, so a bad value fails with one line naming the
+    option and where it was set (also under ``--ag-update``, which would otherwise record a
+    golden that every later comparison rejects)."""
+    from .api import _compile_rename
+    from .capture import normalize_patterns
+    from .tolerances import ToleranceResolver
+
+    v = opts.values
+
+    def where(*keys: str) -> str:
+        return ", ".join(f"{k}={v[k]!r} ({opts.sources[k]})" for k in keys if k in v)
+
+    checks: list[tuple[tuple[str, ...], Callable[[], Any]]] = [
+        (("rtol", "atol", "tolerances"), lambda: ToleranceResolver(v.get("rtol"), v.get("atol"), v.get("tolerances"))),
+        (("rename",), lambda: _compile_rename(v.get("rename"))),
+        (("include",), lambda: normalize_patterns(v.get("include"), "include")),
+        (("exclude",), lambda: normalize_patterns(v.get("exclude"), "exclude")),
+    ]
+    for keys, fn in checks:
+        if not any(k in v for k in keys):
+            continue
+        try:
+            fn()
+        except (TypeError, ValueError) as e:
+            raise OptionError(f"bad option value: {e} [{where(*keys)}]") from None
+    if "tolerance" in v and v["tolerance"] not in ("strict", "calibrated"):
+        raise OptionError(f"bad option value: tolerance must be 'strict' or 'calibrated' [{where('tolerance')}]")
+    for k in _BOOL_OPTIONS:
+        if k in v and not isinstance(v[k], bool):
+            raise OptionError(f"bad option value: {k} must be True or False [{where(k)}]")
 
 
 # --------------------------------------------------------------------------- records
@@ -553,7 +592,8 @@ class GoldenCheck:
         import pytest
 
         from . import api
-        from .errors import GoldenError
+        from .capture import check_model
+        from .errors import ActivationGuardError, GoldenError, UnsupportedModelError
 
         s = self._session
         problem = None
@@ -562,7 +602,9 @@ class GoldenCheck:
             s.claim(path, self.nodeid, name, owner=self.key.nodeid)
             opts = self.options(**options)
             rec_kw, cmp_kw = route_options(opts, api.record, api.compare)
-        except (OptionError, ValueError) as e:
+            validate_options(opts)
+            check_model(model)  # a lambda, torch.compile or TorchScript model: one line, not a traceback
+        except (OptionError, ValueError, UnsupportedModelError) as e:
             problem = str(e)
         if problem is not None:  # outside the except block: no chained traceback in the report
             pytest.fail(f"activation_guard: {problem}", pytrace=False)
@@ -591,7 +633,7 @@ class GoldenCheck:
                 rec_kw["calibrate"] = True  # a calibrated comparison needs the golden's noise floors
             try:
                 summary = api.record(model, args, kwargs, path=path, **rec_kw)
-            except GoldenError as e:  # e.g. an unwritable folder: the message says what to fix
+            except ActivationGuardError as e:  # ours (unwritable folder, bad selection...): the message says what to fix
                 done("error", message=f"recording failed: {e}")
                 problem = str(e)
             except Exception as e:  # the model's own error: keep its traceback
@@ -618,19 +660,18 @@ class GoldenCheck:
                                      if r.max_abs_diff is not None else f"{r.name or '<root>'}[{r.call}]" for r in unstable]
         try:
             report = api.compare(model, args, kwargs, path=path, **cmp_kw)
-        except GoldenError as e:
+        except ActivationGuardError as e:  # a bad golden, a bad selection, an uncalibrated golden...
             done("error", message=str(e))
             problem = str(e)
+            if isinstance(e, GoldenError):
+                problem += f"\n  re-record it with: {update_command(self.record_nodeid)}"
         except Exception as e:  # the model's own error, or a bad option value: keep the traceback
             done("error", message=f"{type(e).__name__}: {e}")
             if hasattr(e, "add_note"):
                 e.add_note(f"activation_guard options in force: {opts.describe()}")
             raise
         if problem is not None:
-            pytest.fail(
-                f"activation_guard: {problem}\n  re-record it with: {update_command(self.record_nodeid)}",
-                pytrace=False,
-            )
+            pytest.fail(f"activation_guard: {problem}", pytrace=False)
         report_dict = report.to_dict() if s.settings.report_path is not None else None
         if report.ok:
             done("passed", report=report_dict)

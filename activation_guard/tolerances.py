@@ -118,6 +118,11 @@ class ToleranceResolver:
         self.cross_device = gd != ld
         self.device_pair = f"{gd}->{ld}"
 
+    def unmatched(self, names: Any) -> list[str]:
+        """The ``tolerances`` patterns that match none of ``names`` (a typo loosens nothing)."""
+        names = list(names)
+        return [p for p, _, _ in self.patterns if not any(match_any(n, [p]) for n in names)]
+
     def base(self, dtype_name: str) -> Tolerance:
         if self.cross_device and dtype_name in CROSS_DEVICE_DEFAULTS:
             r, a = CROSS_DEVICE_DEFAULTS[dtype_name]

@@ -24,7 +24,7 @@ from typing import Any, Union
 
 from .compare import LayerResult
 from .errors import ActivationGuardError
-from .report import WHY, Report, fmt, fmt_diff
+from .report import WHY, Report, fmt_diff, fmt_pair
 
 INSTALL_HINT = "pip install 'activation_guard[plot]' (or: pip install matplotlib)"
 
@@ -233,7 +233,8 @@ def _layer_rows(report: Report) -> list[str]:
         worst = ""
         if (x.golden_value is not None or x.live_value is not None) and (x.max_abs_diff or not x.ok):
             idx = "" if x.index is None else f"{tuple(x.index)}: "
-            worst = f"{idx}{fmt(x.golden_value)} / {fmt(x.live_value)}"
+            gv, lv = fmt_pair(x.golden_value, x.live_value)
+            worst = f"{idx}{gv} / {lv}"
         mism = f"{x.mismatched} / {x.numel}" if x.numel else "-"
         cells = [
             (pos, "num"), (x.name or "<root>", ""), (str(x.call), "num"), (x.type_name, ""),

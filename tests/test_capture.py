@@ -367,6 +367,33 @@ def test_include_exclude_globs_select_layers(tmp_path):
     assert rep.ok and [r.name for r in rep.layers] == ["blocks.1.fc", "blocks.1", "head"]
 
 
+def test_selection_matching_nothing_is_an_error_not_a_vacuous_pass(tmp_path):
+    m, x = tiny_mlp(depth=2), torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"include=\['blokcs\.\*'\].*selected no layer call.*'blocks\.0'"):
+        ag.record(m, x, path=tmp_path / "g.h5", include="blokcs.*")
+    assert not (tmp_path / "g.h5").exists()
+    ag.record(m, x, path=tmp_path / "g.h5")
+    with pytest.raises(ValueError, match="selected no layer call"):
+        ag.compare(m, x, path=tmp_path / "g.h5", include="blokcs.*")
+    with pytest.raises(ValueError, match="selected no layer call"):
+        ag.compare(m, x, path=tmp_path / "g.h5", exclude="*")
+
+
+def test_tolerance_pattern_matching_no_layer_is_noted(tmp_path):
+    m, x = tiny_mlp(depth=2), torch.randn(2, 8)
+    ag.record(m, x, path=tmp_path / "g.h5")
+    rep = ag.compare(m, x, path=tmp_path / "g.h5", tolerances={"blokcs.*": {"rtol": 1}, "head": {"rtol": 1}})
+    assert rep.notes == ["tolerances pattern 'blokcs.*' matched no layer"]
+
+
+def test_compare_models_include_names_candidate_layers_under_rename():
+    torch.manual_seed(0)
+    ref = nn.Sequential(OrderedDict(enc=nn.Sequential(nn.Linear(4, 4), nn.ReLU()), head=nn.Linear(4, 2))).eval()
+    cand = nn.Sequential(OrderedDict(encoder=copy.deepcopy(ref.enc), head=copy.deepcopy(ref.head))).eval()
+    rep = ag.compare_models(ref, cand, torch.randn(3, 4), rename={"enc": "encoder"}, include="encoder.*")
+    assert rep.ok and [r.name for r in rep.layers] == ["encoder.0", "encoder.1"]
+
+
 def test_bad_include_is_rejected_with_the_option_name(tmp_path):
     with pytest.raises(TypeError, match="include"):
         ag.record(tiny_mlp(), torch.randn(1, 8), path=tmp_path / "g.h5", include=[3])

@@ -255,6 +255,8 @@ def test_diff_bad_options_exit_2_naming_the_option(demo, capsys, tmp_path):
     assert rc == 2 and "none.json: does not exist" in err
     rc, _, err = run(capsys, "diff", demo.golden, demo.refactored, "--rtol", "nan")
     assert rc == 2 and "--rtol must be a finite number >= 0" in err
+    rc, out, err = run(capsys, "diff", demo.golden, demo.refactored, "--include", "blokcs.*")
+    assert rc == 2 and out == "" and "selected no layer call" in err  # not "OK, 0 layer calls match"
     rc, _, err = run(capsys, "diff", demo.golden, demo.refactored, "--plot", tmp_path / "no" / "p.png")
     assert rc == 2 and "--plot" in err and "does not exist" in err
     with pytest.raises(SystemExit) as e:

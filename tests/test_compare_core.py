@@ -4,6 +4,7 @@ rename, compare_models and input fingerprints."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -487,3 +488,88 @@ def test_report_output_is_the_model_output(mlp_golden):
     rep = ag.compare(m, X, path=mlp_golden)
     with torch.no_grad():
         assert torch.equal(rep.output, m(X))
+
+
+# --------------------------------------------------------------------------- review regressions
+
+
+@pytest.mark.parametrize(("change", "first"), [("use_opt", ("opt", 0, "missing")), ("loops", ("shared", 1, "missing"))])
+def test_fail_fast_keeps_a_missing_call_that_precedes_the_stop(flex_golden, change, first):
+    """A call the golden ran before the layer where fail_fast stopped did not run: it is the
+    first divergence with or without fail_fast (not the downstream layer that then diverged)."""
+    m = Flex()
+    if change == "use_opt":
+        m.use_opt = False
+    else:
+        m.loops = 1
+    assert where(ag.compare(m, XF, path=flex_golden)) == first
+    rep = ag.compare(m, XF, path=flex_golden, fail_fast=True)
+    assert rep.stopped_early
+    assert where(rep) == first, str(rep)
+    assert "did not run" in str(rep).splitlines()[0]
+    assert sum(r.status == "missing" for r in rep.layers) == 1  # unreached calls are still not listed
+
+
+def test_rename_keeps_the_goldens_recorded_selection(tmp_path):
+    """Layers a golden never recorded (its include/exclude) are not "unexpected" because the
+    compare also renames layers."""
+    path = tmp_path / "sel.h5"
+    ag.record(Named("encoder"), X, path=path, include="encoder.blocks.*.fc")
+    assert ag.compare(Named("encoder"), X, path=path).ok
+    rep = ag.compare(Named("backbone"), X, path=path, rename={"encoder": "backbone"})
+    assert rep.ok, str(rep)
+    assert [r.name for r in rep.layers] == [f"backbone.blocks.{i}.fc" for i in range(3)]
+    path2 = tmp_path / "sel2.h5"
+    ag.record(Named("encoder"), X, path=path2, exclude=["", "encoder.blocks.2.fc"])
+    assert ag.compare(Named("backbone"), X, path=path2, rename={"encoder": "backbone"}).ok
+
+
+class Swapped(nn.Module):
+    """`old` renamed to `new`, while a different layer now carries the old name."""
+
+    def __init__(self, rename: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.old = nn.Linear(8, 8)
+        if rename:
+            self.new = self.old
+            self.old = nn.Identity()
+
+    def forward(self, x):
+        if hasattr(self, "new"):
+            return self.old(self.new(x))
+        return self.old(x)
+
+
+def test_a_live_layer_named_like_a_renamed_golden_layer_is_unexpected(tmp_path):
+    path = tmp_path / "swap.h5"
+    ag.record(Swapped(False), X, path=path)
+    rep = ag.compare(Swapped(True), X, path=path, rename={"old": "new"})
+    st_ = statuses(rep)
+    assert st_[("new", 0)] == "match"
+    # the live `old` is a new layer: the golden's `old` is the live `new`
+    assert st_[("old", 0)] == "unexpected", str(rep)
+    assert where(rep) == ("old", 0, "unexpected")
+    assert "not in the golden" in rep.first_divergence.detail
+
+
+def test_exact_compare_reports_the_largest_relative_difference():
+    st_ = compare_tensors(torch.tensor([1000, 1]), torch.tensor([1010, 2]), 0.0, 0.0, exact=True)
+    assert (st_.mismatched, st_.max_abs_diff, st_.worst_flat) == (2, 10.0, 0)
+    assert st_.max_rel_diff == 1.0  # element 1: |2 - 1| / 1, not just the worst element's 0.01
+    big = compare_tensors(torch.tensor([2**62, 0]), torch.tensor([2**62 + 1, 0]), 0.0, 0.0, exact=True)
+    assert big.max_abs_diff == 1.0 and big.max_rel_diff > 0
+    b = compare_tensors(torch.tensor([True, False]), torch.tensor([True, True]), 0.0, 0.0, exact=True)
+    assert b.max_rel_diff == math.inf
+
+
+def test_diff_recordings_keeps_the_goldens_recorded_selection(tmp_path):
+    """Like compare, diff defaults to the layers the golden recorded: the other recording's
+    extra layers are not "unexpected"."""
+    g, o = tmp_path / "g.h5", tmp_path / "o.h5"
+    ag.record(tiny_mlp(depth=5), X, path=g, include="blocks.*.fc")
+    ag.record(tiny_mlp(depth=5), X, path=o)
+    assert ag.compare(tiny_mlp(depth=5), X, path=g).ok
+    rep = ag.diff_recordings(g, o)
+    assert rep.ok, str(rep)
+    assert [r.name for r in rep.layers] == [f"blocks.{i}.fc" for i in range(5)]

@@ -148,3 +148,25 @@ def test_other(activation_guard):
     assert "blocks" not in html  # nothing from another model
     assert p.imgs and all(src.startswith("data:image/png;base64,") for src in p.imgs)
     assert "http://" not in html and "https://" not in html
+
+
+def test_our_own_errors_fail_in_one_clean_block(ag: pytest.Pytester) -> None:
+    """A selection that matches nothing is the user's mistake, not the model's: the test fails
+    with the engine's message and no traceback into activation_guard's internals, and the
+    existing golden is left as it was."""
+    ag.runpytest("--ag-update").assert_outcomes(passed=1)
+    golden = ag.path / "golden" / "test_mlp" / "test_mlp.h5"
+    before = golden.read_bytes()
+    ag.makepyfile(test_mlp='''
+from agmodels import build, inputs
+
+def test_mlp(activation_guard):
+    activation_guard.check(build(), inputs(), include=["encoder.*"])
+''')
+    for args in (("--ag-update",), ()):
+        res = ag.runpytest(*args)
+        res.assert_outcomes(failed=1)
+        res.stdout.fnmatch_lines(["*activation_guard: include=*encoder.* selected no layer call*"])
+        out = res.stdout.str()
+        assert "Traceback" not in out and "capture.py" not in out and "api.py" not in out
+    assert golden.read_bytes() == before

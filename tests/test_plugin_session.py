@@ -107,6 +107,38 @@ def test_settings_paths_and_validation(tmp_path: Path) -> None:
         _settings(tmp_path, update="sometimes")
 
 
+def test_golden_dir_that_is_a_file_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "g").write_text("not a folder")
+    for kw in ({"ini_golden_dir": "g"}, {"ini_golden_dir": "x", "cli_golden_dir": "g"}):
+        with pytest.raises(OptionError, match="exists and is not a folder"):
+            Settings.build(rootdir=tmp_path, invocation_dir=tmp_path, ini_rtol="", ini_atol="", **kw)
+
+
+@pytest.mark.parametrize("update", [None, "all"])
+@pytest.mark.parametrize("marker, match", [
+    ({"rtol": "abc"}, r"rtol must be a number.*rtol='abc' \(marker\)"),
+    ({"atol": -1}, r"atol must be a finite number >= 0"),
+    ({"tolerance": "calibrate"}, r"tolerance must be 'strict' or 'calibrated'.*\(marker\)"),
+    ({"tolerances": {"0": {"atl": 1}}}, r"unknown keys \['atl'\]"),
+    ({"rename": {"a": 1}}, r"rename maps golden names"),
+    ({"include": [3]}, r"include must contain glob strings"),
+    ({"fail_fast": "no"}, r"fail_fast must be True or False"),
+])
+def test_bad_option_values_fail_cleanly_before_anything_runs(tmp_path: Path, update: Any, marker: Any, match: str) -> None:
+    """A bad value fails in one line naming option and source, and --ag-update writes nothing."""
+    s = GuardSession(_settings(tmp_path, update=update))
+    gc = GoldenCheck(s, "t.py::test_a", paths.NodeKey.parse("t.py::test_a"), marker=marker)
+    with pytest.raises(pytest.fail.Exception, match=match):
+        gc.check(_model(), (torch.ones(1, 3),))
+    assert not gc.path().exists() and s.records == []
+
+
+def test_not_a_module_fails_cleanly(tmp_path: Path) -> None:
+    gc = GoldenCheck(GuardSession(_settings(tmp_path)), "t.py::test_a", paths.NodeKey.parse("t.py::test_a"))
+    with pytest.raises(pytest.fail.Exception, match=r"needs a torch\.nn\.Module, got function"):
+        gc.check(lambda t: t, (torch.ones(1, 3),))
+
+
 def test_update_command_quotes_for_the_shell() -> None:
     assert update_command("t.py::test_a") == "pytest --ag-update t.py::test_a"
     assert update_command("t.py::test_a[cpu-x y]") == "pytest --ag-update 't.py::test_a[cpu-x y]'"

@@ -265,3 +265,52 @@ def test_report_round_trips_through_json(tmp_path):
     assert back.first_divergence.name == "b" and back.first_divergence.status == "missing"
     assert str(back).splitlines()[0] == str(rep).splitlines()[0]
     assert str(back).splitlines()[3:] == str(rep).splitlines()[3:]
+
+
+# --------------------------------------------------------------------------- review regressions
+
+
+def _abs_line(text: str) -> str:
+    return next(ln for ln in text.splitlines() if ln.startswith("  max abs diff"))
+
+
+def test_worst_element_line_never_pairs_a_max_diff_with_another_elements_values(tmp_path):
+    """Under a relative tolerance the largest difference can sit on a passing element; the line
+    must not print it "at" the index of the mismatching element with that element's values."""
+    golden = torch.tensor([[1000.0, 0.0], [1.0, 1.0]])
+    live = torch.tensor([[1000.5, 0.01], [1.0, 1.0]])
+    rep = report_for(live, tmp_path, golden_out=golden, rtol=1e-3)
+    fd = rep.first_divergence
+    assert (fd.name, fd.mismatched, fd.index) == ("emit", 1, (0, 1))
+    assert fd.max_abs_diff == 0.5
+    text = str(rep)
+    assert "5.00e-01 at index (0, 1)" not in text, text
+    assert _abs_line(text) == "  max abs diff  : 5.00e-01"
+    assert "  worst element : 1.00e-02 at index (0, 1): golden 0, live 0.01" in text.splitlines()
+
+
+def test_worst_element_line_names_the_leaf_whose_values_it_shows(tmp_path):
+    """Two diverging outputs: the layer's max abs diff comes from the second, the element shown
+    from the first; the text keeps each number with its own element."""
+    golden = (GOLDEN, GOLDEN)
+    a, b = GOLDEN.clone(), GOLDEN.clone()
+    a[0, 0] = 1.5
+    b[1, 1] = 16.0
+    rep = report_for((a, b), tmp_path, golden_out=golden)
+    fd = rep.first_divergence
+    assert fd.max_abs_diff == 10.0 and fd.path == "0" and fd.index == (0, 0)
+    lines = str(rep).splitlines()
+    assert "  max abs diff  : 1.00e+01" in lines
+    assert "  worst element : 5.00e-01 at index (0, 0): golden 1, live 1.5" in lines
+
+
+def test_golden_and_live_values_are_printed_distinguishably(tmp_path):
+    golden = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    live = torch.tensor([1.0 + 3e-7, 2.0], dtype=torch.float64)  # float64 default tolerance: 2e-7
+    rep = report_for(live, tmp_path, golden_out=golden)
+    fd = rep.first_divergence
+    assert fd.status == "diverged" and fd.index == (0,)
+    line = _abs_line(str(rep))
+    g, lv = line.split("golden ")[1].split(", live ")
+    assert g != lv, line
+    assert float(g) == 1.0 and float(lv) == 1.0 + 3e-7
