@@ -629,6 +629,20 @@ class GoldenReader:
         except KeyError:
             return None
 
+    def packed_bytes(self, entry: LeafEntry, where: str = "") -> np.ndarray:
+        """The checksum-verified raw bytes of a packed (small) leaf, without copying them: lets
+        the comparator settle bit-identical outputs with one memcmp, no tensor built."""
+        p = self.path
+        assert entry.pack is not None
+        label = where or entry.path
+        buf = self._pack_bytes(entry.pack)
+        if entry.offset + entry.nbytes > buf.size:
+            raise GoldenCorruptError(p, f"{label}: pack /packs/{entry.pack:04d} is shorter than the index says")
+        raw = buf[entry.offset : entry.offset + entry.nbytes]
+        if entry.nbytes and zlib.crc32(raw.data) != entry.crc32:
+            raise GoldenCorruptError(p, f"{label}: stored values fail their checksum (the file was modified or damaged after recording)")
+        return raw
+
     def load(self, entry: LeafEntry, where: str = "") -> torch.Tensor:
         """Read one leaf, verify its checksum, return a CPU tensor of its recorded dtype."""
         p = self.path
@@ -637,13 +651,7 @@ class GoldenReader:
         label = where or entry.path
         try:
             if entry.pack is not None:
-                buf = self._pack_bytes(entry.pack)
-                if entry.offset + entry.nbytes > buf.size:
-                    raise GoldenCorruptError(p, f"{label}: pack /packs/{entry.pack:04d} is shorter than the index says")
-                raw = buf[entry.offset : entry.offset + entry.nbytes]
-                if entry.nbytes and zlib.crc32(raw.data) != entry.crc32:
-                    raise GoldenCorruptError(p, f"{label}: stored values fail their checksum (the file was modified or damaged after recording)")
-                return dtypes.tensor_from_bytes(raw.copy(), info, entry.shape)
+                return dtypes.tensor_from_bytes(self.packed_bytes(entry, label).copy(), info, entry.shape)
             assert entry.dataset is not None
             key = entry.dataset.split("/", 1)[1]
             loc = self._direct.get(key) if self._fd is not None else None
