@@ -35,6 +35,7 @@ _LAZY: dict[str, str] = {
     "GoldenNotFoundError": "errors",
     "GoldenSecurityError": "errors",
     "GoldenWriteError": "errors",
+    "SelectionError": "errors",
     "UnsupportedModelError": "errors",
     "Report": "report",
     "CROSS_DEVICE_DEFAULTS": "tolerances",
@@ -57,6 +58,7 @@ __all__ = [
     "LeafResult",
     "RecordSummary",
     "Report",
+    "SelectionError",
     "Tolerance",
     "UnsupportedModelError",
     "__version__",
@@ -82,6 +84,7 @@ if TYPE_CHECKING:
         GoldenNotFoundError,
         GoldenSecurityError,
         GoldenWriteError,
+        SelectionError,
         UnsupportedModelError,
     )
     from .report import Report
