@@ -134,15 +134,20 @@ class ToleranceResolver:
         if kind in EXACT_KINDS:
             return Tolerance(0.0, 0.0, f"{dtype_name}: exact")
         base = self.base(dtype_name)
-        r, a, src = base.rtol, base.atol, base.source
-        if self.rtol is not None or self.atol is not None:
-            r = self.rtol if self.rtol is not None else r
-            a = self.atol if self.atol is not None else a
-            src = "rtol/atol option"
+        # where each of rtol and atol came from, so the report never credits an option with a
+        # number it did not set
+        r, a = base.rtol, base.atol
+        r_src = a_src = base.source
+        if self.rtol is not None:
+            r, r_src = self.rtol, "rtol/atol option"
+        if self.atol is not None:
+            a, a_src = self.atol, "rtol/atol option"
         for pat, pr, pa in self.patterns:
             if match_any(name, [pat]):
-                r = pr if pr is not None else r
-                a = pa if pa is not None else a
-                src = f"tolerances[{pat!r}]"
+                if pr is not None:
+                    r, r_src = pr, f"tolerances[{pat!r}]"
+                if pa is not None:
+                    a, a_src = pa, f"tolerances[{pat!r}]"
                 break
+        src = r_src if r_src == a_src else f"rtol: {r_src}; atol: {a_src}"
         return Tolerance(r, a, src)

@@ -301,7 +301,11 @@ def test_resolver_precedence_and_exact_kinds():
     t = r.resolve("enc.0.attn", "float32")
     assert (t.rtol, t.atol) == (1e-3, 7.0)  # exact name wins; unspecified rtol from the global
     t = r.resolve("enc.1.attn", "float32")
-    assert (t.rtol, t.atol, t.source) == (1e-4, 1e-5, "tolerances['enc.*.attn']")
+    # the source names where each number came from: the pattern set rtol, atol is the default
+    assert (t.rtol, t.atol, t.source) == (1e-4, 1e-5, "rtol: tolerances['enc.*.attn']; atol: float32 default")
+    t = ToleranceResolver(rtol=1e-3).resolve("x", "float32")
+    assert t.source == "rtol: rtol/atol option; atol: float32 default"
+    assert ToleranceResolver(rtol=1e-3, atol=1e-4).resolve("x", "float32").source == "rtol/atol option"
     assert r.resolve("enc.1.mlp", "float16").rtol == 1e-2
     assert r.resolve("dec", "bfloat16").rtol == 1e-3
     assert (r.resolve("enc.0.attn", "int64", "int").rtol, r.resolve("enc.0.attn", "bool", "bool").atol) == (0.0, 0.0)
