@@ -265,37 +265,37 @@ class _Comparator:
         for g in entry.leaves:
             lv = live.get(g.path)
             if lv is None:
-                results.append(LeafResult(g.path, "structure", f"output {g.path or '(output)'} ({_kind(g)}) is missing from the live output"))
+                results.append(LeafResult(g.path, "structure", f"{_out(g.path)} ({_kind(g)}) is missing from the live output"))
                 continue
             results.append(self._compare_leaf(g, lv, name, entry.call))
         for leaf in leaves:
             if leaf.path not in gpaths:
-                results.append(LeafResult(leaf.path, "structure", f"output {leaf.path or '(output)'} ({leaf.type_name}) is new in the live output"))
+                results.append(LeafResult(leaf.path, "structure", f"{_out(leaf.path)} ({leaf.type_name}) is new in the live output"))
         return results
 
     def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, call: int) -> LeafResult:
         p = g.path
         if g.kind != lv.kind:
-            return LeafResult(p, "structure", f"output {p or '(output)'} was {_kind(g)}, is now {lv.type_name}")
+            return LeafResult(p, "structure", f"{_out(p)} was {_kind(g)}, is now {lv.type_name}")
         if g.kind == "none":
             return LeafResult(p, "match")
         if g.kind == "object":
             if g.type_name != lv.type_name:
-                return LeafResult(p, "structure", f"output {p or '(output)'} type changed {g.type_name} -> {lv.type_name}")
+                return LeafResult(p, "structure", f"{_out(p)} type changed {g.type_name} -> {lv.type_name}")
             return LeafResult(p, "match", f"{g.type_name} object: recorded by type only")
         if g.kind == "str":
             if g.value != lv.value:
-                return LeafResult(p, "diverged", f"output {p or '(output)'} {g.value!r} -> {lv.value!r}")
+                return LeafResult(p, "diverged", f"{_out(p)} {g.value!r} -> {lv.value!r}")
             return LeafResult(p, "match")
         t = lv.tensor
         assert t is not None and g.dtype is not None
         ldt = dtype_name(t)
         lshape = tuple(int(s) for s in t.shape)
         if lshape != g.shape:
-            return LeafResult(p, "shape", f"output {p or '(output)'} shape {list(g.shape)} -> {list(lshape)}",
+            return LeafResult(p, "shape", f"{_out(p)} shape {list(g.shape)} -> {list(lshape)}",
                               dtype=g.dtype, live_dtype=ldt, shape=g.shape, live_shape=lshape, numel=g.numel)
         if ldt != g.dtype and not (self.allow_dtype_change and _PRECISION.get(ldt) and _PRECISION.get(g.dtype)):
-            return LeafResult(p, "dtype", f"output {p or '(output)'} dtype {g.dtype} -> {ldt}",
+            return LeafResult(p, "dtype", f"{_out(p)} dtype {g.dtype} -> {ldt}",
                               dtype=g.dtype, live_dtype=ldt, shape=g.shape, live_shape=lshape, numel=g.numel)
         label = f"layer {name!r} call {call} output {p!r}"
         if g.pack is not None and ldt == g.dtype and self.calib is None and t.device.type == "cpu":
@@ -371,6 +371,11 @@ def _identical_leaf(g: LeafEntry, t: torch.Tensor, tol: Tolerance) -> LeafResult
         index=tuple(0 for _ in g.shape) if g.numel else None, golden_value=first, live_value=first,
         rtol=tol.rtol, atol=tol.atol, tolerance_source=tol.source,
     )
+
+
+def _out(path: str) -> str:
+    """How a report names an output leaf: the bare output, or the one at a path inside it."""
+    return f"output {path}" if path else "the output"
 
 
 def _kind(g: LeafEntry) -> str:
