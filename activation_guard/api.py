@@ -27,7 +27,7 @@ from .capture import (
 )
 from .compare import LayerResult, LeafResult, compare_tensors, dtype_name, leaf_from_stats
 from .dtypes import BY_NAME, tensor_bytes, tensor_from_bytes
-from .errors import ActivationGuardError, GoldenFormatError
+from .errors import ActivationGuardError
 from .report import Report
 from .store import CallEntry, GoldenReader, GoldenWriter, LeafEntry
 from .tolerances import DTYPE_DEFAULTS, Tolerance, ToleranceResolver
@@ -63,11 +63,7 @@ class _StopForward(Exception):
 # --------------------------------------------------------------------------- record
 
 
-def _plain(leaves: list[Leaf]) -> list[Leaf]:
-    return leaves
-
-
-def _build_meta(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], include: Any, exclude: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def _build_meta(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], include: Any, exclude: Any) -> dict[str, Any]:
     dev = envmod.model_device(model, args, kwargs)
     m = type(model)
     meta: dict[str, Any] = {
@@ -80,8 +76,6 @@ def _build_meta(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         "include": include,
         "exclude": exclude,
     }
-    if extra:
-        meta.update(extra)
     return meta
 
 
@@ -425,7 +419,7 @@ def compare(
             # default to the selection the golden was recorded with: layers it never stored are
             # not "unexpected" (its patterns name golden layers, hence not under `rename`)
             inc, exc = _recorded_patterns(gmeta.get("include")), _recorded_patterns(gmeta.get("exclude"))
-        gdev = gmeta.get("device", {}).get("device") if isinstance(gmeta.get("device"), dict) else None
+        gdev = envmod.recorded_device(gmeta)
         resolver = ToleranceResolver(rtol, atol, tolerances, golden_device=gdev, live_device=str(dev))
         rules = _compile_rename(rename)
         comp = _Comparator(reader, resolver, rules, inc, exc, fail_fast, allow_dtype_change)
@@ -456,11 +450,7 @@ def compare(
             calib.close()
     env_changes = envmod.describe_env_change(gmeta.get("numerics"), envmod.numerics_flags())
     env_changes += envmod.describe_device_change(gmeta.get("device"), envmod.device_info(dev))
-    gv = gmeta.get("versions") if isinstance(gmeta.get("versions"), dict) else {}
-    for k in ("torch", "cuda"):
-        lv = envmod.versions().get(k)
-        if gv.get(k) and lv and gv.get(k) != lv:
-            env_changes.append(f"{k}: golden {gv.get(k)}, live {lv}")
+    env_changes += envmod.describe_version_change(gmeta.get("versions"), envmod.versions())
     inputs_raw = gmeta.get("inputs")
     report = Report(
         path=os.fspath(path), layers=layers, golden_meta=gmeta, live_device=str(dev),
@@ -500,7 +490,4 @@ def compare_models(
 
 def read_golden(path: str | os.PathLike[str]) -> GoldenReader:
     """Open a golden for reading (validated; use as a context manager)."""
-    r = GoldenReader(path)
-    if not isinstance(r.meta, dict):
-        raise GoldenFormatError(path, "has no metadata")
-    return r
+    return GoldenReader(path)  # which refuses a golden without a metadata record

@@ -212,7 +212,6 @@ class HookState:
 
     calls: dict[str, int] = field(default_factory=dict)
     stack: list[str] = field(default_factory=list)
-    order: int = 0
     modules: dict[int, str] = field(default_factory=dict)
 
 

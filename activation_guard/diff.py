@@ -22,11 +22,6 @@ from .store import CallEntry, GoldenReader
 from .tolerances import ToleranceResolver
 
 
-def _device(meta: dict[str, Any]) -> str | None:
-    d = meta.get("device")
-    return d.get("device") if isinstance(d, dict) else None
-
-
 def _leaves(reader: GoldenReader, c: CallEntry) -> list[Leaf]:
     """Rebuild the flattened live output of one recorded call from its stored leaves."""
     out = []
@@ -62,7 +57,7 @@ def diff_recordings(
     exc = normalize_patterns(exclude, "exclude")
     with GoldenReader(golden) as ga, GoldenReader(other) as gb:
         gmeta, bmeta = ga.meta, gb.meta
-        gdev, bdev = _device(gmeta), _device(bmeta)
+        gdev, bdev = envmod.recorded_device(gmeta), envmod.recorded_device(bmeta)
         resolver = ToleranceResolver(rtol, atol, tolerances, golden_device=gdev, live_device=bdev or gdev)
         rules = _compile_rename(rename)
         comp = _Comparator(ga, resolver, rules, inc, exc, False, allow_dtype_change)
@@ -76,11 +71,7 @@ def diff_recordings(
         if not layers:
             raise nothing_selected(inc, exc, [c.name for c in gb.calls if c.call == 0])
     env_changes = envmod.describe_env_change(gmeta.get("numerics"), bmeta.get("numerics") if isinstance(bmeta.get("numerics"), dict) else {})
-    gv = gmeta.get("versions") if isinstance(gmeta.get("versions"), dict) else {}
-    bv = bmeta.get("versions") if isinstance(bmeta.get("versions"), dict) else {}
-    for k in ("torch", "cuda"):
-        if gv.get(k) and bv.get(k) and gv[k] != bv[k]:
-            env_changes.append(f"{k}: golden {gv[k]}, other {bv[k]}")
+    env_changes += envmod.describe_version_change(gmeta.get("versions"), bmeta.get("versions"), "other")
     gin, bin_ = gmeta.get("inputs"), bmeta.get("inputs")
     bin_ = [e for e in bin_ if isinstance(e, dict) and isinstance(e.get("path"), str)] if isinstance(bin_, list) else []
     input_changes = envmod.describe_input_change(gin if isinstance(gin, list) else None, bin_)

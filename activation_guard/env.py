@@ -200,6 +200,19 @@ def describe_env_change(golden: dict[str, Any] | None, live: dict[str, Any]) -> 
     return msgs
 
 
+def recorded_device(meta: dict[str, Any]) -> str | None:
+    """The device a golden was recorded on (``meta["device"]["device"]``), if it says."""
+    d = meta.get("device")
+    return d.get("device") if isinstance(d, dict) else None
+
+
+def describe_version_change(golden: Any, other: Any, other_label: str = "live") -> list[str]:
+    """torch/CUDA version differences between a golden's ``versions`` record and another's."""
+    g = golden if isinstance(golden, dict) else {}
+    o = other if isinstance(other, dict) else {}
+    return [f"{k}: golden {g[k]}, {other_label} {o[k]}" for k in ("torch", "cuda") if g.get(k) and o.get(k) and g[k] != o[k]]
+
+
 def describe_device_change(golden: dict[str, Any] | None, live: dict[str, Any]) -> list[str]:
     """Device, device name, compute capability, CUDA and cuDNN versions that differ."""
     if not isinstance(golden, dict):

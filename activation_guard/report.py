@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .compare import STATUS_ORDER, LayerResult, from_json_number, json_number
+from .env import recorded_device
 
 CONTEXT_BEFORE = 3
 CONTEXT_AFTER = 4
@@ -129,7 +130,7 @@ class Report:
             "golden": self.path,
             "mode": self.mode,
             "live_device": self.live_device,
-            "golden_device": self.golden_meta.get("device", {}).get("device") if isinstance(self.golden_meta.get("device"), dict) else None,
+            "golden_device": recorded_device(self.golden_meta),
             "first_divergence": None if fd is None else {"name": fd.name, "call": fd.call, "status": fd.status, "position": fd.position},
             "counts": self.counts(),
             "stopped_early": self.stopped_early,
@@ -191,7 +192,7 @@ class Report:
             lines += [f"    - {m}" for m in self.env_changes[:12]]
         lines += [f"  note: {m}" for m in self.notes]
         meta = self.golden_meta
-        dev = meta.get("device", {}).get("device", "?") if isinstance(meta.get("device"), dict) else "?"
+        dev = recorded_device(meta) or "?"
         tv = meta.get("versions", {}).get("torch", "?") if isinstance(meta.get("versions"), dict) else "?"
         lines.append(f"  golden        : {self.path} (recorded on {dev}, torch {tv}; live run on {self.live_device})")
         if fd is None:

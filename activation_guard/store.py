@@ -501,14 +501,15 @@ class GoldenReader:
             raise GoldenFormatError(p, f"was written in golden format version {int(ver)}, newer than this activation_guard understands ({FORMAT_VERSION})", fix="upgrade activation_guard (pip install -U activation_guard)")
         if int(ver) < 1:
             raise GoldenFormatError(p, f"has an invalid format version {int(ver)}")
+        root: dict[str, Any] = {}  # each root object opened once: a lookup by name costs ~50 us
         for key in f:
             if key not in ("index", "meta", "packs", "data"):
                 raise GoldenFormatError(p, f"contains an unexpected object /{key}")
-            _hard_member(p, f, key, "/")
-        self._groups: dict[str, h5py.Group] = {}  # opened once: each lookup by name costs ~50 us
+            root[key] = _hard_member(p, f, key, "/")
+        self._groups: dict[str, h5py.Group] = {}
         self._direct: dict[str, tuple[int, int, tuple[int, ...], np.dtype]] = {}
         for grp_name in ("packs", "data"):
-            g = _hard_member(p, f, grp_name, "/")
+            g = root.get(grp_name)
             if g is None:
                 continue
             if not isinstance(g, h5py.Group):
@@ -523,8 +524,8 @@ class GoldenReader:
                     loc = _direct_location(obj)
                     if loc is not None:
                         self._direct[key] = loc
-        self.meta = self._read_json("meta")
-        index = self._read_json("index")
+        self.meta = self._read_json("meta", root.get("meta"))
+        index = self._read_json("index", root.get("index"))
         if not isinstance(self.meta, dict) or not isinstance(index, dict) or not isinstance(index.get("calls"), list):
             raise GoldenFormatError(p, "has a malformed index or meta record")
         self.calls = [self._parse_call(c, i) for i, c in enumerate(index["calls"])]
@@ -534,9 +535,8 @@ class GoldenReader:
                 raise GoldenFormatError(p, f"lists layer {c.name!r} call {c.call} twice")
             self.by_key[(c.name, c.call)] = c
 
-    def _read_json(self, key: str) -> Any:
+    def _read_json(self, key: str, ds: Any) -> Any:
         p = self.path
-        ds = _hard_member(p, self.f, key, "/")
         if ds is None:
             raise GoldenFormatError(p, f"has no /{key} record (incomplete or not written by activation_guard)")
         if not isinstance(ds, h5py.Dataset) or ds.dtype != np.uint8 or ds.ndim != 1:
@@ -613,14 +613,14 @@ class GoldenReader:
             raise GoldenCorruptError(p, f"pack /packs/{key} referenced by the index is missing")
         if ds.dtype != np.uint8 or ds.ndim != 1 or ds.size > PACK_BYTES * 4:
             raise GoldenFormatError(p, f"/packs/{key} has the wrong type or size")
-        _check_dataset(p, ds, f"/packs/{key}")
         _check_storage(p, ds, int(ds.size), self.file_size, f"/packs/{key}")
         arr = ds[()]
         self._pack_cache = (pack, arr)
         return arr
 
     def _member(self, group: str, key: str) -> Any:
-        """``/group/key`` with one HDF5 lookup (``_open`` walked and vetted every member)."""
+        """``/group/key`` with one HDF5 lookup. ``_open`` walked every member (hard links only)
+        and vetted it with ``_check_dataset``, so reads do not repeat those checks."""
         g = self._groups.get(group)
         if g is None:
             return None
@@ -665,7 +665,6 @@ class GoldenReader:
                 ds = self._member("data", key)
                 if ds is None:
                     raise GoldenCorruptError(p, f"{label}: dataset /{entry.dataset} is missing")
-                _check_dataset(p, ds, f"/{entry.dataset}")
                 if ds.shape != entry.shape or ds.dtype != info.storage:
                     raise GoldenCorruptError(p, f"{label}: /{entry.dataset} has shape {ds.shape} dtype {ds.dtype}, index says {entry.shape} {info.storage}")
                 _check_storage(p, ds, entry.nbytes, self.file_size, f"{label}: /{entry.dataset}")
