@@ -44,6 +44,21 @@ def _seeded(seed: int) -> torch.Generator:
 # --------------------------------------------------------------------------- generic tiny models
 
 
+class Mixed(nn.Module):
+    """Every storage path of a golden at once: small packed leaves, one large leaf in /data
+    (65.6 KB), and str/None outputs. The corruption tests damage goldens of this model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 4100)
+        self.c = nn.Linear(4100, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        return {"out": self.c(self.b(self.a(x))), "tag": "v1", "none": None}
+
+
 class TinyMLP(nn.Module):
     """A stack of Linear+Tanh blocks: every block is a distinct, named layer (`blocks.k.fc`)."""
 

@@ -18,8 +18,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from models import one_thread
-from torch import nn
+from models import Mixed, one_thread
 
 import activation_guard as ag
 
@@ -28,21 +27,6 @@ import activation_guard as ag
 def _single_thread():
     with one_thread():
         yield
-
-
-class Mixed(nn.Module):
-    """Small packed leaves, one large leaf in /data (65.6 KB), and str/None outputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(4, 8)
-        self.b = nn.Linear(8, 4100)
-        self.c = nn.Linear(4100, 3)
-
-    def forward(self, x: torch.Tensor) -> dict[str, Any]:
-        h = self.b(self.a(x))
-        return {"out": self.c(h), "tag": "v1", "none": None}
 
 
 X = torch.randn(4, 4, generator=torch.Generator().manual_seed(3))

@@ -20,7 +20,7 @@ import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from models import one_thread
+from models import Mixed, one_thread
 from torch import nn
 
 import activation_guard as ag
@@ -198,20 +198,6 @@ def test_single_perturbation_is_found_at_its_layer(scratch, outs, extra, data):
 
 
 # --------------------------------------------------------------------------- corruption
-
-
-class Mixed(nn.Module):
-    """Packed small leaves, one large leaf in its own dataset, a string and a None."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(4, 8)
-        self.b = nn.Linear(8, 4100)
-        self.c = nn.Linear(4100, 3)
-
-    def forward(self, x: torch.Tensor) -> Any:
-        return {"out": self.c(self.b(self.a(x))), "tag": "v1", "none": None}
 
 
 class Small(nn.Module):
