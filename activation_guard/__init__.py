@@ -12,8 +12,6 @@ torch and h5py unless a test actually uses it.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -24,8 +22,12 @@ _LAZY: dict[str, str] = {
     "compare_models": "api",
     "read_golden": "api",
     "record": "api",
-    "LayerResult": "compare",
-    "LeafResult": "compare",
+    "LayerResult": "results",
+    "LeafResult": "results",
+    "CompareSpec": "spec",
+    "RecordSpec": "spec",
+    "OptionError": "errors",
+    "emulate_tf32": "tf32",
     "check_determinism": "determinism",
     "deterministic": "determinism",
     "ActivationGuardError": "errors",
@@ -48,6 +50,7 @@ __all__ = [
     "CROSS_DEVICE_DEFAULTS",
     "DTYPE_DEFAULTS",
     "ActivationGuardError",
+    "CompareSpec",
     "GoldenCorruptError",
     "GoldenError",
     "GoldenFormatError",
@@ -56,6 +59,8 @@ __all__ = [
     "GoldenWriteError",
     "LayerResult",
     "LeafResult",
+    "OptionError",
+    "RecordSpec",
     "RecordSummary",
     "Report",
     "SelectionError",
@@ -67,13 +72,13 @@ __all__ = [
     "compare_models",
     "deterministic",
     "diff_recordings",
+    "emulate_tf32",
     "read_golden",
     "record",
 ]
 
 if TYPE_CHECKING:
     from .api import RecordSummary, compare, compare_models, read_golden, record
-    from .compare import LayerResult, LeafResult
     from .determinism import check_determinism, deterministic
     from .diff import diff_recordings
     from .errors import (
@@ -84,10 +89,14 @@ if TYPE_CHECKING:
         GoldenNotFoundError,
         GoldenSecurityError,
         GoldenWriteError,
+        OptionError,
         SelectionError,
         UnsupportedModelError,
     )
     from .report import Report
+    from .results import LayerResult, LeafResult
+    from .spec import CompareSpec, RecordSpec
+    from .tf32 import emulate_tf32
     from .tolerances import CROSS_DEVICE_DEFAULTS, DTYPE_DEFAULTS, Tolerance
 
 
@@ -102,17 +111,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
-
-
-class _Package(types.ModuleType):
-    """The import system binds each submodule as an attribute of its package; the submodule
-    ``activation_guard.compare`` must not shadow the public function ``activation_guard.compare``
-    (``from activation_guard.compare import ...`` still works: it reads ``sys.modules``)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _LAZY and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -34,17 +34,20 @@ import random
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.overrides import TorchFunctionMode
 
 from .capture import Leaf, flatten, hooked, run_forward
-from .compare import CHUNK, LeafResult, compare_tensors, dtype_name, leaf_from_stats
-from .determinism import full_fp32_precision
+from .devices import reference_device, stats_device, to_device
+from .dtypes import dtype_name
 from .errors import ActivationGuardError, GoldenFormatError
+from .judges import PRECISION, LeafContext, StrictJudge
+from .kernel import CHUNK, compare_tensors
+from .numerics import full_fp32_precision
+from .results import LeafResult, leaf_from_stats
 from .store import GoldenReader, GoldenWriter
 
 # --------------------------------------------------------------------------- constants
@@ -62,9 +65,6 @@ REDUCED_DTYPES = frozenset({
 })
 CALIBRATED_DTYPES = REDUCED_DTYPES | {"float32", "float64"}  # real floating outputs get floors
 
-# device types known to lack float64 kernels: their shadow forward runs on the CPU instead
-NO_FLOAT64_DEVICE_TYPES = frozenset({"mps"})
-
 
 def multiplier(dtype_name: str, numel: int) -> float:
     """The margin ``m`` for an output of this (lower-precision side) dtype and size."""
@@ -77,57 +77,6 @@ def multiplier(dtype_name: str, numel: int) -> float:
 
 def rule_text(m: float) -> str:
     return f"calibrated: {m:g} x (golden floor + live floor) + {ABS_TERM:g}"
-
-
-# --------------------------------------------------------------------------- devices
-
-_F64_SUPPORT: dict[str, bool] = {}
-
-
-def supports_float64(device: torch.device | str) -> bool:
-    """Whether float64 tensors work on ``device`` (probed once per device, then cached)."""
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        return True
-    if dev.type in NO_FLOAT64_DEVICE_TYPES:
-        return False
-    key = str(dev)
-    if key not in _F64_SUPPORT:
-        try:
-            t = torch.ones(2, dtype=torch.float64, device=dev)
-            _F64_SUPPORT[key] = bool(float((t * t).sum().item()) == 2.0)
-        except Exception:
-            _F64_SUPPORT[key] = False
-    return _F64_SUPPORT[key]
-
-
-def reference_device(device: torch.device | str | None) -> torch.device:
-    """Where the float64 shadow forward runs: the live device, or the CPU if it lacks float64."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    return dev if supports_float64(dev) else torch.device("cpu")
-
-
-def transfer_plan(src: torch.device, dst: torch.device) -> str:
-    """How a tensor moves: ``same`` (no copy), ``pinned`` (host -> CUDA through a page-locked
-    buffer, non-blocking, so the copy overlaps the caller's work) or ``plain``."""
-    if src == dst:
-        return "same"
-    if src.type == "cpu" and dst.type == "cuda":
-        return "pinned"
-    return "plain"
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    plan = transfer_plan(t.device, device)
-    if plan == "same":
-        return t
-    if plan == "pinned":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def _stats_device(t: torch.Tensor) -> torch.device:
-    return t.device if supports_float64(t.device) else torch.device("cpu")
 
 
 # --------------------------------------------------------------------------- statistics
@@ -151,7 +100,7 @@ def diff_stats(x: torch.Tensor, ref: torch.Tensor) -> NoiseFloor:
     Positions where both are equal, or both NaN, count as zero; any other non-finite difference
     makes the result infinite. Chunked so memory stays bounded, with a single device sync.
     """
-    dev = _stats_device(x)
+    dev = stats_device(x)
     xs = to_device(x.detach(), dev).reshape(-1)
     rs = to_device(ref.detach(), dev).reshape(-1)
     n = xs.numel()
@@ -401,144 +350,120 @@ class ShadowRun:
 # --------------------------------------------------------------------------- judging
 
 
-@dataclass
-class Calibrator:
-    """Compare-time state: the golden's floors, the live shadow, and what fell back to strict."""
+class CalibratedJudge:
+    """The calibrated rule behind the :class:`~activation_guard.judges.Judge` protocol.
 
-    golden: FloorTable
-    shadow: ShadowRun
-    fallbacks: list[str] = field(default_factory=list)
-    judged: int = 0
+    What explicit numbers mean here (docs/architecture.md): a layer matched by a ``tolerances``
+    pattern is judged strictly with that pattern's numbers (the user named that layer, so the
+    user's numbers win), and the report's tolerance source says so; integer and bool outputs
+    compare exactly; float outputs without a noise floor on either side fall back to the strict
+    rule, whose numbers are the ``rtol``/``atol`` options when given. The report's notes count
+    each case, so no option is ever silently ignored.
+    """
 
-    def judge(self, golden_name: str, name: str, call: int, path: str, golden: torch.Tensor,
-              live: torch.Tensor, gdt: str, ldt: str) -> LeafResult | None:
-        """The calibrated verdict for one output, or None when a floor is missing (the caller
-        then applies its strict tolerance and this output is listed in ``fallbacks``)."""
-        where = f"{name or '<root>'}[{call}]{'/' + path if path else ''}"
+    def __init__(self, golden: FloorTable, shadow: ShadowRun, strict: StrictJudge):
+        self.golden = golden
+        self.shadow = shadow
+        self.strict = strict
+        self.fallbacks: list[str] = []
+        self.explicit: dict[str, int] = {}  # tolerances pattern -> outputs it judged strictly
+        self.judged = 0
+
+    def judge(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
+        gdt, ldt = ctx.golden_dtype, ctx.live_dtype
         if gdt not in CALIBRATED_DTYPES or ldt not in CALIBRATED_DTYPES:
-            return None
-        gf = self.golden.get(golden_name, call, path)
-        if gf is None:
-            self.fallbacks.append(f"{where}: the golden has no finite noise floor")
-            return None
-        lf = self.shadow.floor(name, call, path, live)
-        if lf is None:
-            self.fallbacks.append(f"{where}: no finite live noise floor (the float64 shadow did not produce it)")
-            return None
+            return self.strict.judge(ctx, golden, live)  # integers, bools, complex: exact/strict
+        tol = self.strict.tolerance(ctx)
+        if tol.rule is not None:
+            self.explicit[tol.rule.pattern] = self.explicit.get(tol.rule.pattern, 0) + 1
+            res = self.strict.judge_with(ctx, golden, live, tol)
+            res.tolerance_source = f"{tol.source}; strict: a tolerances pattern overrides calibration"
+            return res
+        gf = self.golden.get(ctx.golden_name, ctx.call, ctx.path)
+        lf = None if gf is None else self.shadow.floor(ctx.name, ctx.call, ctx.path, live)
+        if gf is None or lf is None:
+            side = "the golden has" if gf is None else "the live float64 shadow gave"
+            self.fallbacks.append(f"{_where(ctx)}: {side} no finite noise floor")
+            res = self.strict.judge_with(ctx, golden, live, tol)
+            res.tolerance_source = f"{tol.source}; strict: no noise floor"
+            return res
         self.judged += 1
-        low = gdt if _rank(gdt) < _rank(ldt) else ldt
-        shape = tuple(int(s) for s in live.shape)
-        numel = live.numel()
-        m = multiplier(low, numel)
-        dev = _stats_device(live)
-        g = to_device(golden, dev)
-        lv = to_device(live.detach(), dev)
-        if _rank(ldt) < _rank(gdt):
-            # a result stored in a lower precision cannot be closer to the truth than rounding
-            # it: a cast model's exactly computed outputs (an embedding lookup of rounded
-            # weights) are off by that much with zero arithmetic noise
-            rf = diff_stats(g.to(lv.dtype), g)
-            lf = NoiseFloor(lf.max_abs + rf.max_abs, lf.rms + rf.rms)
-        allow_max = m * (gf.max_abs + lf.max_abs) + ABS_TERM
-        allow_rms = m * (gf.rms + lf.rms) + ABS_TERM
-        if g.dtype != lv.dtype:
-            g, lv = g.to(torch.float64), lv.to(torch.float64)
-        st = compare_tensors(g, lv, 0.0, allow_max)
-        err = diff_stats(lv, g)
-        multiple = max(err.max_abs / allow_max, err.rms / allow_rms)
-        res = leaf_from_stats(path, gdt, ldt, shape, st, 0.0, allow_max, rule_text(m))
-        res.error_multiple = multiple
-        if multiple > 1 and res.status == "match":
-            res.status = "diverged"
-        if res.status != "match":
-            which = "RMS" if err.rms / allow_rms >= err.max_abs / allow_max else "max abs"
-            res.detail = (
-                f"error is {multiple:.3g}x the calibrated allowance ({which}): max abs {err.max_abs:.2e} vs "
-                f"{allow_max:.2e}, RMS {err.rms:.2e} vs {allow_rms:.2e}; noise floors golden "
-                f"{gf.max_abs:.2e}/{gf.rms:.2e}, live {lf.max_abs:.2e}/{lf.rms:.2e} (max abs/RMS)"
-                + (f"; {res.detail}" if res.detail else "")
-            )
-        if gdt != ldt:
-            res.detail = (res.detail + "; " if res.detail else "") + f"dtype {gdt} -> {ldt} allowed"
+        return _calibrated_verdict(ctx, golden, live, gf, lf)
+
+    def identical(self, ctx: LeafContext, live: torch.Tensor) -> LeafResult:
+        res = self.strict.identical(ctx, live)
+        if ctx.golden_dtype not in CALIBRATED_DTYPES or self.strict.tolerance(ctx).rule is not None:
+            return res
+        if self.golden.get(ctx.golden_name, ctx.call, ctx.path) is None:
+            self.fallbacks.append(f"{_where(ctx)}: the golden has no finite noise floor")
+            res.tolerance_source = f"{res.tolerance_source}; strict: no noise floor"
+            return res
+        self.judged += 1  # bit-identical: no error to weigh against the floors
+        res.error_multiple = 0.0
+        res.rtol, res.atol = 0.0, 0.0
+        res.tolerance_source = "calibrated: bit-identical to the golden"
         return res
 
     def notes(self) -> list[str]:
-        """Report notes: what the calibrated rule was, and which outputs fell back to strict."""
+        """Report notes: the calibrated rule, and every output some other rule judged."""
         out = [f"calibrated tolerances: error <= m x (golden floor + live floor) + {ABS_TERM:g}, m = "
                f"{MULTIPLIER:g} ({MULTIPLIER_REDUCED:g} for half types and outputs under {SMALL_NUMEL} elements); "
                f"float64 reference on {self.shadow.device}; {self.judged} outputs judged"]
+        for pat, n in self.explicit.items():
+            out.append(f"tolerances[{pat!r}] judged {n} output(s) strictly with its own numbers (explicit "
+                       f"per-layer tolerances override calibration)")
         if self.fallbacks:
             shown = "; ".join(self.fallbacks[:5]) + ("; ..." if len(self.fallbacks) > 5 else "")
             out.append(f"{len(self.fallbacks)} outputs had no noise floor and used strict tolerances ({shown})")
+        spec = self.strict.resolver.spec
+        given = [k for k in ("rtol", "atol") if getattr(spec, k) is not None]
+        if given:
+            what = "/".join(given)
+            out.append(f"{what} ({spec.source(given[0])}) apply only to outputs judged strictly "
+                       f"({len(self.fallbacks)} without a noise floor); calibrated outputs are judged by their floors")
         return out
 
     def close(self) -> None:
         self.shadow.close()
 
 
-_RANK = {"float64": 4, "float32": 3, "float16": 2, "bfloat16": 1}
+def _where(ctx: LeafContext) -> str:
+    return f"{ctx.name or '<root>'}[{ctx.call}]{'/' + ctx.path if ctx.path else ''}"
 
 
-def _rank(dt: str) -> int:
-    return _RANK.get(dt, 0)
-
-
-# --------------------------------------------------------------------------- TF32 emulation
-
-
-def tf32_round(t: Any) -> Any:
-    """Round a float32 tensor to TF32 precision (10 explicit mantissa bits, round to nearest
-    even), as TF32 tensor cores do with matmul inputs. Anything else is returned unchanged, so a
-    float64 shadow forward is untouched."""
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-        return t
-    bits = t.detach().contiguous().view(torch.int32)
-    lsb = torch.bitwise_and(torch.bitwise_right_shift(bits, 13), 1)
-    rounded = torch.bitwise_and(bits + 0x0FFF + lsb, -0x2000).view(torch.float32)
-    return torch.where(torch.isfinite(t), rounded, t).view(t.shape)
-
-
-def _operand_table() -> dict[Any, tuple[int, ...]]:
-    F = torch.nn.functional
-    two = (0, 1)
-    table: dict[Any, tuple[int, ...]] = {
-        F.linear: two, F.bilinear: two,
-        F.conv1d: two, F.conv2d: two, F.conv3d: two,
-        F.conv_transpose1d: two, F.conv_transpose2d: two, F.conv_transpose3d: two,
-        torch.matmul: two, torch.mm: two, torch.bmm: two,
-        torch.Tensor.matmul: two, torch.Tensor.mm: two, torch.Tensor.bmm: two,
-        torch.Tensor.__matmul__: two, torch.Tensor.__rmatmul__: two,
-        torch.addmm: (1, 2), torch.baddbmm: (1, 2), torch.addbmm: (1, 2),
-        torch.Tensor.addmm: (1, 2), torch.Tensor.baddbmm: (1, 2),
-        F.scaled_dot_product_attention: (0, 1, 2),
-    }
-    return table
-
-
-class emulate_tf32(TorchFunctionMode):
-    """Within this block, float32 matmul/convolution/attention operands are rounded to TF32
-    first: a CPU simulation of a GPU run with ``allow_tf32`` on. float64 math is unaffected.
-
-    >>> with activation_guard.calibrate.emulate_tf32():
-    ...     report = activation_guard.compare(model, x, path=golden, tolerance="calibrated")
-    """
-
-    _ops: dict[Any, tuple[int, ...]] | None = None
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        if emulate_tf32._ops is None:
-            emulate_tf32._ops = _operand_table()
-        idx = emulate_tf32._ops.get(func)
-        if idx is not None:
-            args = tuple(tf32_round(a) if i in idx else a for i, a in enumerate(args))
-            names = ("weight", "other", "mat1", "mat2", "batch1", "batch2", "query", "key", "value")
-            for k in (("input", *names) if 0 in idx else names):
-                if k in kwargs:
-                    kwargs[k] = tf32_round(kwargs[k])
-        elif func is torch.einsum and args and isinstance(args[0], str):
-            if len(args) == 2 and isinstance(args[1], (list, tuple)):
-                args = (args[0], [tf32_round(a) for a in args[1]])
-            else:
-                args = (args[0], *(tf32_round(a) for a in args[1:]))
-        return func(*args, **kwargs)
+def _calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor,
+                        gf: NoiseFloor, lf: NoiseFloor) -> LeafResult:
+    gdt, ldt = ctx.golden_dtype, ctx.live_dtype
+    low = gdt if PRECISION.get(gdt, 0) < PRECISION.get(ldt, 0) else ldt
+    shape = tuple(int(s) for s in live.shape)
+    m = multiplier(low, live.numel())
+    dev = stats_device(live)
+    g = to_device(golden, dev)
+    lv = to_device(live.detach(), dev)
+    if PRECISION.get(ldt, 0) < PRECISION.get(gdt, 0):
+        # a result stored in a lower precision cannot be closer to the truth than rounding
+        # it: a cast model's exactly computed outputs (an embedding lookup of rounded
+        # weights) are off by that much with zero arithmetic noise
+        rf = diff_stats(g.to(lv.dtype), g)
+        lf = NoiseFloor(lf.max_abs + rf.max_abs, lf.rms + rf.rms)
+    allow_max = m * (gf.max_abs + lf.max_abs) + ABS_TERM
+    allow_rms = m * (gf.rms + lf.rms) + ABS_TERM
+    if g.dtype != lv.dtype:
+        g, lv = g.to(torch.float64), lv.to(torch.float64)
+    st = compare_tensors(g, lv, 0.0, allow_max)
+    err = diff_stats(lv, g)
+    multiple = max(err.max_abs / allow_max, err.rms / allow_rms)
+    res = leaf_from_stats(ctx.path, gdt, ldt, shape, st, 0.0, allow_max, rule_text(m))
+    res.error_multiple = multiple
+    if multiple > 1 and res.status == "match":
+        res.status = "diverged"
+    if res.status != "match":
+        which = "RMS" if err.rms / allow_rms >= err.max_abs / allow_max else "max abs"
+        res.detail = (
+            f"error is {multiple:.3g}x the calibrated allowance ({which}): max abs {err.max_abs:.2e} vs "
+            f"{allow_max:.2e}, RMS {err.rms:.2e} vs {allow_rms:.2e}; noise floors golden "
+            f"{gf.max_abs:.2e}/{gf.rms:.2e}, live {lf.max_abs:.2e}/{lf.rms:.2e} (max abs/RMS)"
+        )
+    if gdt != ldt:
+        res.detail = (res.detail + "; " if res.detail else "") + f"dtype {gdt} -> {ldt} allowed"
+    return res

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 import gc
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -19,7 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import SelectionError, UnsupportedModelError
+from .errors import UnsupportedModelError
+from .selection import selected
 
 MAX_DEPTH = 32
 
@@ -121,42 +121,6 @@ def _tensor_leaf(t: torch.Tensor, prefix: str, depth: int, out: list[Leaf]) -> N
     out.append(Leaf(prefix, "tensor", tensor=t, type_name="Tensor"))
 
 
-def match_any(name: str, patterns: Sequence[str] | None) -> bool:
-    return bool(patterns) and any(fnmatch.fnmatchcase(name, p) for p in patterns or ())
-
-
-def normalize_patterns(value: str | Sequence[str] | None, option: str) -> list[str] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return [value]
-    try:
-        pats = list(value)
-    except TypeError:
-        raise TypeError(f"{option} must be a glob string or a list of them, got {value!r}") from None
-    for p in pats:
-        if not isinstance(p, str):
-            raise TypeError(f"{option} must contain glob strings, got {p!r}")
-    return pats
-
-
-def selected(name: str, include: Sequence[str] | None, exclude: Sequence[str] | None) -> bool:
-    if include and not match_any(name, include):
-        return False
-    return not (exclude and match_any(name, exclude))
-
-
-def nothing_selected(include: Sequence[str] | None, exclude: Sequence[str] | None, names: Sequence[str]) -> SelectionError:
-    """The error for an include/exclude selection that matched no layer call: a check of
-    nothing would pass vacuously (usually a typo in a pattern)."""
-    names = [n for n in names if n]  # the root ("") is no pattern target
-    shown = ", ".join(repr(n) for n in names[:6]) + (", ..." if len(names) > 6 else "")
-    return SelectionError(
-        f"include={include!r}, exclude={exclude!r} selected no layer call, so nothing would be "
-        f"checked; patterns are globs of dotted module names such as {shown or 'none'}"
-    )
-
-
 def check_model(model: Any) -> torch.nn.Module:
     """Refuse models whose submodule hooks would silently not fire."""
     if not isinstance(model, torch.nn.Module):
@@ -208,10 +172,9 @@ LayerCallback = Callable[[str, int, torch.nn.Module, Any], None]
 @dataclass
 class HookState:
     """Per-forward bookkeeping: call counts per module, and the hooked modules by ``id`` (to
-    name the layer an exception came from). ``stack`` is kept for compatibility, always empty."""
+    name the layer an exception came from)."""
 
     calls: dict[str, int] = field(default_factory=dict)
-    stack: list[str] = field(default_factory=list)
     modules: dict[int, str] = field(default_factory=dict)
 
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._version import __version__
-from .errors import GoldenError
+from .errors import GoldenError, OptionError
 
 PROG = "activation-guard"
 
@@ -63,13 +63,7 @@ def load_tolerances(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CliError(f'{where}: must hold a JSON object like {{"encoder.*": {{"rtol": 1e-4, "atol": 1e-5}}}}, '
                        f"got a {type(data).__name__}")
-    from .tolerances import ToleranceResolver
-
-    try:
-        ToleranceResolver(tolerances=data)
-    except (TypeError, ValueError) as e:
-        raise CliError(f"{where}: {e}") from None
-    return data
+    return data  # its values are validated with every other option, by the spec
 
 
 def _check_writable(path: str | None, option: str) -> None:
@@ -140,7 +134,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .inspect import format_inspect, inspect_golden
+    from .inspection import format_inspect, inspect_golden
 
     layer = args.layer or None
     gi = inspect_golden(args.golden, layer)
@@ -154,12 +148,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from .diff import diff_recordings
+    from .spec import CompareSpec
 
     tolerances = load_tolerances(args.tolerances) if args.tolerances else None
-    for name in ("rtol", "atol"):
-        v = getattr(args, name)
-        if v is not None and not (v >= 0 and v != float("inf")):
-            raise CliError(f"--{name} must be a finite number >= 0, got {v}")
+    spec = CompareSpec.build(
+        dict(rtol=args.rtol, atol=args.atol, tolerances=tolerances, include=args.include or None,
+             exclude=args.exclude or None, allow_dtype_change=args.allow_dtype_change or None),
+        {"rtol": "--rtol", "atol": "--atol", "tolerances": f"--tolerances {args.tolerances}",
+         "include": "--include", "exclude": "--exclude", "allow_dtype_change": "--allow-dtype-change"})
     _check_writable(args.plot, "--plot")
     _check_writable(args.html, "--html")
     if args.plot:
@@ -167,9 +163,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
         _matplotlib()  # fail before the work, with the install hint
     try:
-        report = diff_recordings(args.a, args.b, rtol=args.rtol, atol=args.atol, tolerances=tolerances,
-                                 include=args.include or None, exclude=args.exclude or None,
-                                 allow_dtype_change=args.allow_dtype_change)
+        report = diff_recordings(args.a, args.b, spec=spec)
     except ValueError as e:  # e.g. --include matching no layer
         raise CliError(str(e)) from None
     if args.json:
@@ -198,7 +192,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_textconv(args: argparse.Namespace) -> int:
-    from .inspect import textconv_lines
+    from .inspection import textconv_lines
 
     for line in textconv_lines(args.golden):
         sys.stdout.write(line + "\n")
@@ -242,8 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "would (same tolerances, including cross-device defaults; same report).")
     f.add_argument("a", metavar="A.h5", help="the golden (reference)")
     f.add_argument("b", metavar="B.h5", help="the recording checked against it")
-    f.add_argument("--rtol", type=float, help="relative tolerance for every float layer")
-    f.add_argument("--atol", type=float, help="absolute tolerance for every float layer")
+    f.add_argument("--rtol", help="relative tolerance for every float layer")
+    f.add_argument("--atol", help="absolute tolerance for every float layer")
     f.add_argument("--tolerances", metavar="FILE.json",
                    help='per-layer tolerances: {"glob": {"rtol": .., "atol": ..}}, the most specific glob wins')
     f.add_argument("--include", metavar="GLOB", action="append", help="compare only these layers (repeatable)")
@@ -274,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (GoldenError, CliError, PlotUnavailableError) as e:
+    except (GoldenError, CliError, PlotUnavailableError, OptionError) as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -15,9 +15,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import env as envmod
-from .api import _Comparator, _compile_rename, _golden_filter
-from .capture import Leaf, normalize_patterns, nothing_selected, selected
+from .api import report_meta
+from .capture import Leaf
+from .comparator import Comparator
+from .judges import StrictJudge
 from .report import Report
+from .selection import nothing_selected, selected
+from .spec import ARGUMENT, CompareSpec
 from .store import CallEntry, GoldenReader
 from .tolerances import ToleranceResolver
 
@@ -47,22 +51,28 @@ def diff_recordings(
     exclude: str | Sequence[str] | None = None,
     rename: Mapping[str, str] | None = None,
     allow_dtype_change: bool = False,
+    spec: CompareSpec | None = None,
 ) -> Report:
     """Compare recording ``other`` against ``golden`` as if ``other`` were a live run.
 
     Options mean what they mean for :func:`activation_guard.compare`; ``include``/``exclude``
-    select layers by the names in ``other``.
+    select layers by the names in ``other``. ``spec`` replaces the keyword options (the command
+    line builds one, naming its flags as the options' source).
     """
-    inc = normalize_patterns(include, "include")
-    exc = normalize_patterns(exclude, "exclude")
+    if spec is None:
+        spec = CompareSpec.build(dict(rtol=rtol, atol=atol, tolerances=tolerances, include=include, exclude=exclude,
+                                      rename=rename, allow_dtype_change=allow_dtype_change), ARGUMENT)
+    if spec.calibrated:
+        raise ValueError("diff compares two recordings with the strict rule; calibrated tolerances need a live "
+                         "model (its float64 shadow forward): use activation_guard.compare")
+    inc, exc = spec.include, spec.exclude
     with GoldenReader(golden) as ga, GoldenReader(other) as gb:
         gmeta, bmeta = ga.meta, gb.meta
         gdev, bdev = envmod.recorded_device(gmeta), envmod.recorded_device(bmeta)
-        resolver = ToleranceResolver(rtol, atol, tolerances, golden_device=gdev, live_device=bdev or gdev)
-        rules = _compile_rename(rename)
-        comp = _Comparator(ga, resolver, rules, inc, exc, False, allow_dtype_change)
-        if inc is None and exc is None:  # as compare: default to the layers the golden recorded
-            comp.golden_filter = _golden_filter(gmeta, rules)
+        resolver = ToleranceResolver(spec, golden_device=gdev, live_device=bdev or gdev)
+        # as compare: default to the layers the golden recorded
+        golden_filter = Comparator.default_filter(gmeta, spec) if inc is None and exc is None else None
+        comp = Comparator(ga, spec, StrictJudge(resolver), golden_filter=golden_filter)
         for c in gb.calls:
             if not selected(c.name, inc, exc):
                 continue
@@ -76,7 +86,7 @@ def diff_recordings(
     bin_ = [e for e in bin_ if isinstance(e, dict) and isinstance(e.get("path"), str)] if isinstance(bin_, list) else []
     input_changes = envmod.describe_input_change(gin if isinstance(gin, list) else None, bin_)
     report = Report(
-        path=os.fspath(golden), layers=layers, golden_meta=gmeta, live_device=bdev or "?",
+        path=os.fspath(golden), layers=layers, golden_meta=report_meta(gmeta), live_device=bdev or "?",
         input_changes=input_changes, env_changes=env_changes, _order=order,
     )
     report.notes.append(f"live values read from the recording {os.fspath(other)}")
@@ -87,6 +97,3 @@ def diff_recordings(
     if resolver.cross_device:
         report.notes.append(f"golden recorded on {gdev}, other on {bdev}: {resolver.device_pair} default tolerances apply")
     return report
-
-
-diff = diff_recordings  # short name; the package may export it as ``diff_recordings`` (``activation_guard.diff`` is this module)

@@ -51,3 +51,20 @@ class GoldenSecurityError(GoldenError):
 
 class GoldenWriteError(GoldenError, OSError):
     """Writing failed; the previous golden (if any) is untouched."""
+
+
+class OptionError(ActivationGuardError, TypeError, ValueError):
+    """A bad option value. Raised by :mod:`activation_guard.spec` only, wherever the option was
+    set (API argument, marker, ``check()``, ``--ag-*`` flag, ini key, CLI), with one message
+    format: the option, the value, where it came from, and what is wrong.
+
+    It is a ``TypeError`` and a ``ValueError`` too, so code written against the plain built-in
+    errors of earlier releases keeps catching it."""
+
+    def __init__(self, option: str, value: object, source: str, problem: str):
+        self.option = option
+        self.value = value
+        self.source = source
+        self.problem = problem
+        shown = f"{value:g}" if isinstance(value, float) else repr(value)
+        super().__init__(f"option {option}={shown} ({source}): {problem}")

@@ -8,13 +8,13 @@ little context and totals. A passing report is one line.
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .compare import STATUS_ORDER, LayerResult, from_json_number, json_number
 from .env import recorded_device
+from .results import STATUS_ORDER, LayerResult, from_json_number, json_number
+from .selection import display_name
 
 CONTEXT_BEFORE = 3
 CONTEXT_AFTER = 4
@@ -44,9 +44,6 @@ def fmt(x: Any, digits: int = 7) -> str:
             return "0"
         return f"{x:.{digits}g}" if 1e-3 <= abs(x) < 1e6 else f"{x:.{digits - 4}e}"
     return str(x)
-
-
-_PLAIN_MISMATCH = re.compile(r"\d+ / \d+ elements \([^)]*\) outside tolerance")
 
 
 def fmt_pair(a: Any, b: Any) -> tuple[str, str]:
@@ -137,6 +134,7 @@ class Report:
             "input_changes": list(self.input_changes),
             "env_changes": list(self.env_changes),
             "notes": list(self.notes),
+            "golden_meta": self.golden_meta,
             "layers": [layer.to_dict() for layer in self.layers],
             # where golden-only (missing) calls sit in execution order: layer index -> [at, golden pos]
             "missing_order": {str(i): [json_number(a), b] for i, (a, b) in self._order.items()},
@@ -147,11 +145,14 @@ class Report:
         """Rebuild a report from :meth:`to_dict` output, e.g. to render the HTML page of a
         JSON report written by another process (pytest-xdist workers)."""
         order = {int(i): (float(from_json_number(v[0])), int(v[1])) for i, v in (d.get("missing_order") or {}).items()}
-        gdev = d.get("golden_device")
+        meta = d.get("golden_meta")
+        if not isinstance(meta, dict):  # a report written before golden_meta was kept whole
+            gdev = d.get("golden_device")
+            meta = {"device": {"device": gdev}} if gdev else {}
         return cls(
             path=str(d.get("golden", "")),
             layers=[LayerResult.from_dict(x) for x in d.get("layers") or []],
-            golden_meta={"device": {"device": gdev}} if gdev else {},
+            golden_meta=meta,
             live_device=str(d.get("live_device", "cpu")),
             input_changes=list(d.get("input_changes") or []),
             env_changes=list(d.get("env_changes") or []),
@@ -173,7 +174,7 @@ class Report:
                         f"largest error {max(mults):.3g}x the calibrated allowance)")
             note = "; NOTE inputs differ from the recording" if self.input_changes else ""
             return f"activation_guard: OK, {n} layer calls match {self.path} (largest abs diff {fmt_diff(worst)}){note}"
-        head = f"activation_guard: first divergence at layer {fd.name or '<root>'!r} ({fd.type_name or '?'}) call {fd.call}"
+        head = f"activation_guard: first divergence at layer {display_name(fd.name)!r} ({fd.type_name or '?'}) call {fd.call}"
         if fd.position is None:
             return (f"{head}, #{(fd.golden_position or 0) + 1} in the golden's execution order: "
                     f"{WHY.get(fd.status, fd.status)} in the live run")
@@ -210,11 +211,13 @@ class Report:
             out.append(f"  golden layer  : {fd.golden_name!r} (renamed)")
         if fd.path is not None:
             out.append(f"  output path   : {fd.path or '(the output itself)'}")
-        if fd.detail and not _PLAIN_MISMATCH.fullmatch(fd.detail):  # that one repeats the "mismatched" line
+        if fd.detail:
             out.append(f"  what          : {fd.detail}")
         if fd.status in ("diverged", "nonfinite", "match") or fd.mismatched:
             pct = 100.0 * fd.mismatched / fd.numel if fd.numel else 0.0
             out.append(f"  mismatched    : {fd.mismatched} / {fd.numel} elements ({pct:.3g}%)")
+            if fd.nonfinite_new:
+                out.append(f"  new NaN/Inf   : {fd.nonfinite_new} values that are finite in the golden")
             idx = "" if fd.index is None else f" at index {tuple(fd.index)}"
             gv, lv = fmt_pair(fd.golden_value, fd.live_value)
             at = abs_diff(fd.golden_value, fd.live_value)
@@ -245,17 +248,17 @@ class Report:
             insert_at = math.ceil(k) if math.isfinite(k) else len(live)
             i = min(insert_at, len(live) - 1)
         lo, hi = max(0, i - CONTEXT_BEFORE), min(len(live), i + CONTEXT_AFTER + 1)
-        width = max(12, *(len(layer.name or "<root>") for layer in [*live[lo:hi], fd]))
+        width = max(12, *(len(display_name(layer.name)) for layer in [*live[lo:hi], fd]))
         width = min(width, 60)
         calibrated = any(layer.error_multiple is not None for layer in live[lo:hi])
         head = f"    {'#':>5}  {'layer':<{width}} {'call':>4}  {'status':<10} {'max abs':>9} {'max rel':>9}"
         out = ["", "  context (execution order):", head + (f" {'x allowed':>10}" if calibrated else "")]
-        missing_row = f"  > {'-':>5}  {(fd.name or '<root>')[-width:]:<{width}} {fd.call:>4}  missing    (did not run; expected here)"
+        missing_row = f"  > {'-':>5}  {display_name(fd.name)[-width:]:<{width}} {fd.call:>4}  missing    (did not run; expected here)"
         for j, layer in enumerate(live[lo:hi], start=lo):
             if insert_at == j:
                 out.append(missing_row)
             mark = ">" if layer is fd else " "
-            nm = (layer.name or "<root>")[-width:]
+            nm = display_name(layer.name)[-width:]
             row = f"  {mark} {(layer.position or 0) + 1:>5}  {nm:<{width}} {layer.call:>4}  {layer.status:<10} {fmt_diff(layer.max_abs_diff):>9} {fmt_diff(layer.max_rel_diff):>9}"
             if calibrated:  # error as a multiple of the calibrated noise allowance (fails above 1)
                 row += f" {'-' if layer.error_multiple is None else f'{layer.error_multiple:.3g}':>10}"

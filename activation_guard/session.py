@@ -228,40 +228,13 @@ def route_options(
     return rec, cmp_
 
 
-_BOOL_OPTIONS = ("fail_fast", "allow_dtype_change", "calibrate")
-
-
 def validate_options(opts: ResolvedOptions) -> None:
     """Check option values before anything runs, so a bad value fails with one line naming the
     option and where it was set (also under ``--ag-update``, which would otherwise record a
-    golden that every later comparison rejects)."""
-    from .api import _compile_rename
-    from .capture import normalize_patterns
-    from .tolerances import ToleranceResolver
+    golden that every later comparison rejects). The spec is the one validation path."""
+    from .spec import build_specs
 
-    v = opts.values
-
-    def where(*keys: str) -> str:
-        return ", ".join(f"{k}={v[k]!r} ({opts.sources[k]})" for k in keys if k in v)
-
-    checks: list[tuple[tuple[str, ...], Callable[[], Any]]] = [
-        (("rtol", "atol", "tolerances"), lambda: ToleranceResolver(v.get("rtol"), v.get("atol"), v.get("tolerances"))),
-        (("rename",), lambda: _compile_rename(v.get("rename"))),
-        (("include",), lambda: normalize_patterns(v.get("include"), "include")),
-        (("exclude",), lambda: normalize_patterns(v.get("exclude"), "exclude")),
-    ]
-    for keys, fn in checks:
-        if not any(k in v for k in keys):
-            continue
-        try:
-            fn()
-        except (TypeError, ValueError) as e:
-            raise OptionError(f"bad option value: {e} [{where(*keys)}]") from None
-    if "tolerance" in v and v["tolerance"] not in ("strict", "calibrated"):
-        raise OptionError(f"bad option value: tolerance must be 'strict' or 'calibrated' [{where('tolerance')}]")
-    for k in _BOOL_OPTIONS:
-        if k in v and not isinstance(v[k], bool):
-            raise OptionError(f"bad option value: {k} must be True or False [{where(k)}]")
+    build_specs(opts.values, opts.sources)
 
 
 # --------------------------------------------------------------------------- records

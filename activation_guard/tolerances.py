@@ -1,19 +1,22 @@
 """Which rtol/atol applies to a layer: dtype defaults, device-pair defaults, overrides.
 
 Precedence (highest first): a per-layer glob pattern in ``tolerances`` (most specific pattern
-wins), the global ``rtol``/``atol`` arguments, the device-pair default (a CUDA run checked
+wins), the global ``rtol``/``atol`` options, the device-pair default (a CUDA run checked
 against a CPU golden gets looser float defaults), the dtype default of
 ``torch.testing.assert_close``. Integers and bools always compare exactly.
+
+Values were validated when the :class:`~activation_guard.spec.CompareSpec` was built; this module
+only decides which numbers apply where, and says why (the ``source`` shown in reports).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .capture import match_any
+from .selection import matches
+from .spec import ARGUMENT, CompareSpec, ToleranceRule
 
 # torch.testing.assert_close defaults; float8 ones follow the same "about one unit in the last
 # place" reasoning (e4m3 has a 3-bit mantissa, e5m2 a 2-bit one).
@@ -54,74 +57,35 @@ class Tolerance:
     rtol: float
     atol: float
     source: str  # why these numbers, shown in the report
+    rule: ToleranceRule | None = None  # the tolerances pattern that set them, if any
 
     def to_dict(self) -> dict[str, Any]:
         return {"rtol": self.rtol, "atol": self.atol, "source": self.source}
 
 
-def _check_value(v: Any, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{what} must be a number, got {v!r}")
-    f = float(v)
-    if not math.isfinite(f) or f < 0:
-        raise ValueError(f"{what} must be a finite number >= 0, got {v!r}")
-    return f
-
-
-def _parse_spec(pattern: str, spec: Any) -> tuple[float | None, float | None]:
-    where = f"tolerances[{pattern!r}]"
-    if isinstance(spec, Mapping):
-        unknown = set(spec) - {"rtol", "atol"}
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; use rtol and atol")
-        r, a = spec.get("rtol"), spec.get("atol")
-    elif isinstance(spec, (tuple, list)) and len(spec) == 2:
-        r, a = spec
-    else:
-        raise TypeError(f"{where} must be a dict(rtol=..., atol=...) or an (rtol, atol) pair, got {spec!r}")
-    if r is None and a is None:
-        raise ValueError(f"{where} sets neither rtol nor atol")
-    return (
-        None if r is None else _check_value(r, f"{where} rtol"),
-        None if a is None else _check_value(a, f"{where} atol"),
-    )
-
-
-def specificity(pattern: str) -> tuple[int, int]:
-    """Rank patterns: exact names beat globs, then more literal characters win."""
-    wild = sum(pattern.count(c) for c in "*?[")
-    return (1 if wild == 0 else 0, len(pattern) - wild)
-
-
 class ToleranceResolver:
-    def __init__(
-        self,
-        rtol: float | None = None,
-        atol: float | None = None,
-        tolerances: Mapping[str, Any] | None = None,
-        golden_device: str | None = None,
-        live_device: str | None = None,
-    ):
-        self.rtol = None if rtol is None else _check_value(rtol, "rtol")
-        self.atol = None if atol is None else _check_value(atol, "atol")
-        if tolerances is not None and not isinstance(tolerances, Mapping):
-            raise TypeError(f"tolerances must be a dict of glob pattern -> dict(rtol=, atol=), got {type(tolerances).__name__}")
-        specs = []
-        for pat, spec in (tolerances or {}).items():
-            if not isinstance(pat, str):
-                raise TypeError(f"tolerances keys must be glob strings, got {pat!r}")
-            specs.append((pat, *_parse_spec(pat, spec)))
-        # most specific first; stable for ties (dict order)
-        self.patterns = sorted(specs, key=lambda s: specificity(s[0]), reverse=True)
+    """Which numbers a spec gives each layer, on this pair of devices."""
+
+    def __init__(self, spec: CompareSpec, golden_device: str | None = None, live_device: str | None = None):
+        self.spec = spec
         gd = (golden_device or "cpu").split(":")[0]
         ld = (live_device or gd).split(":")[0]
         self.cross_device = gd != ld
         self.device_pair = f"{gd}->{ld}"
+        self._option_label = {k: "rtol/atol option" + ("" if spec.source(k) == ARGUMENT else f" ({spec.source(k)})")
+                              for k in ("rtol", "atol")}
 
-    def unmatched(self, names: Any) -> list[str]:
+    def unmatched(self, names: Iterable[str]) -> list[str]:
         """The ``tolerances`` patterns that match none of ``names`` (a typo loosens nothing)."""
         names = list(names)
-        return [p for p, _, _ in self.patterns if not any(match_any(n, [p]) for n in names)]
+        return [r.pattern for r in self.spec.tolerances if not any(matches(n, r.pattern) for n in names)]
+
+    def rule_for(self, name: str) -> ToleranceRule | None:
+        """The most specific ``tolerances`` pattern naming layer ``name``."""
+        for rule in self.spec.tolerances:
+            if matches(name, rule.pattern):
+                return rule
+        return None
 
     def base(self, dtype_name: str) -> Tolerance:
         if self.cross_device and dtype_name in CROSS_DEVICE_DEFAULTS:
@@ -138,16 +102,15 @@ class ToleranceResolver:
         # number it did not set
         r, a = base.rtol, base.atol
         r_src = a_src = base.source
-        if self.rtol is not None:
-            r, r_src = self.rtol, "rtol/atol option"
-        if self.atol is not None:
-            a, a_src = self.atol, "rtol/atol option"
-        for pat, pr, pa in self.patterns:
-            if match_any(name, [pat]):
-                if pr is not None:
-                    r, r_src = pr, f"tolerances[{pat!r}]"
-                if pa is not None:
-                    a, a_src = pa, f"tolerances[{pat!r}]"
-                break
+        if self.spec.rtol is not None:
+            r, r_src = self.spec.rtol, self._option_label["rtol"]
+        if self.spec.atol is not None:
+            a, a_src = self.spec.atol, self._option_label["atol"]
+        rule = self.rule_for(name)
+        if rule is not None:
+            if rule.rtol is not None:
+                r, r_src = rule.rtol, rule.label
+            if rule.atol is not None:
+                a, a_src = rule.atol, rule.label
         src = r_src if r_src == a_src else f"rtol: {r_src}; atol: {a_src}"
-        return Tolerance(r, a, src)
+        return Tolerance(r, a, src, rule)

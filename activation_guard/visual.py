@@ -22,9 +22,9 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
-from .compare import LayerResult
 from .errors import ActivationGuardError
 from .report import WHY, Report, fmt_diff, fmt_pair
+from .results import LayerResult
 
 INSTALL_HINT = "pip install 'activation_guard[plot]' (or: pip install matplotlib)"
 

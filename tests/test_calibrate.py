@@ -22,6 +22,7 @@ from torch import nn
 
 import activation_guard as ag
 from activation_guard import calibrate as cal
+from activation_guard import devices, tf32
 from activation_guard.errors import ActivationGuardError, GoldenFormatError
 
 # --------------------------------------------------------------------------- models
@@ -78,21 +79,21 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @given(st.floats(width=32, allow_nan=False, allow_infinity=False))
 def test_tf32_round_keeps_10_mantissa_bits_and_rounds_to_nearest(v: float) -> None:
     x = torch.tensor([v], dtype=torch.float32)
-    r = cal.tf32_round(x)
+    r = tf32.tf32_round(x)
     assert r.dtype == torch.float32
     if math.isfinite(float(r)):
         assert int(r.view(torch.int32)) & 0x1FFF == 0
         assert abs(float(r) - v) <= max(2.0**-11 * abs(v), 2.0**-137)  # half a TF32 ulp (subnormal: absolute)
-        assert torch.equal(cal.tf32_round(r), r)  # idempotent
+        assert torch.equal(tf32.tf32_round(r), r)  # idempotent
 
 
 def test_tf32_round_leaves_non_float32_and_non_finite_alone() -> None:
     d = torch.tensor([1.0 + 2**-30], dtype=torch.float64)
-    assert cal.tf32_round(d) is d
+    assert tf32.tf32_round(d) is d
     special = torch.tensor([math.inf, -math.inf, math.nan], dtype=torch.float32)
-    out = cal.tf32_round(special)
+    out = tf32.tf32_round(special)
     assert out[0] == math.inf and out[1] == -math.inf and math.isnan(out[2])
-    assert cal.tf32_round(3) == 3
+    assert tf32.tf32_round(3) == 3
 
 
 def test_emulate_tf32_changes_float32_matmuls_only() -> None:
@@ -100,7 +101,7 @@ def test_emulate_tf32_changes_float32_matmuls_only() -> None:
     lin = nn.Linear(64, 64)
     x = torch.randn(8, 64)
     exact = lin(x)
-    with cal.emulate_tf32():
+    with tf32.emulate_tf32():
         emulated = lin(x)
         emulated_mm = x @ lin.weight.T
         emulated64 = lin.double()(x.double())
@@ -160,7 +161,7 @@ def test_shadow_does_not_consume_the_models_random_numbers(tmp_path: Path) -> No
 
 def test_tf32_run_fails_strict_and_passes_calibrated(golden: Path) -> None:
     model, x = tiny_transformer(), tiny_input()
-    with cal.emulate_tf32():
+    with tf32.emulate_tf32():
         strict = ag.compare(model, x, path=golden)
         calibrated = ag.compare(model, x, path=golden, tolerance="calibrated")
     assert not strict.ok
@@ -198,7 +199,7 @@ def _weight(m: TinyTransformer) -> None:
 def test_real_bug_in_a_tf32_run_fails_at_its_layer(golden: Path, bug, layer: str) -> None:
     model = tiny_transformer()
     bug(model)
-    with cal.emulate_tf32():
+    with tf32.emulate_tf32():
         report = ag.compare(model, tiny_input(), path=golden, tolerance="calibrated")
     fd = report.first_divergence
     assert fd is not None and fd.name == layer, str(report)
@@ -225,7 +226,7 @@ def test_cnn_tf32_passes_calibrated_and_a_scaled_conv_fails_there(tmp_path: Path
     p = tmp_path / "cnn.h5"
     model, x = build_cnn(), cnn_input()
     ag.record(model, x, path=p, calibrate=True)
-    with cal.emulate_tf32():
+    with tf32.emulate_tf32():
         assert not ag.compare(model, x, path=p).ok
         assert ag.compare(model, x, path=p, tolerance="calibrated").ok
         bad = copy.deepcopy(model)
@@ -237,7 +238,7 @@ def test_cnn_tf32_passes_calibrated_and_a_scaled_conv_fails_there(tmp_path: Path
 
 def test_compare_models_calibrated(tmp_path: Path) -> None:
     ref, x = tiny_transformer(), tiny_input()
-    with cal.emulate_tf32():
+    with tf32.emulate_tf32():
         assert ag.compare_models(ref, copy.deepcopy(ref), x, tolerance="calibrated").ok
         cand = copy.deepcopy(ref)
         _act(cand)
@@ -258,7 +259,7 @@ def test_calibrated_needs_a_calibrated_golden(tmp_path: Path) -> None:
 
 
 def test_unknown_tolerance_mode_is_refused(golden: Path) -> None:
-    with pytest.raises(ValueError, match="tolerance must be 'strict' or 'calibrated'"):
+    with pytest.raises(ValueError, match=r"tolerance='loose' .*must be 'strict' or 'calibrated'"):
         ag.compare(tiny_transformer(), tiny_input(), path=golden, tolerance="loose")
 
 
@@ -319,7 +320,7 @@ def test_outputs_without_a_floor_fall_back_to_strict_and_say_so(tmp_path: Path) 
     report = ag.compare(model, x, path=p, tolerance="calibrated")
     assert report.ok
     root = next(layer for layer in report.layers if layer.name == "")
-    assert root.error_multiple is None and root.tolerance_source == "float32 default"
+    assert root.error_multiple is None and root.tolerance_source == "float32 default; strict: no noise floor"
     assert any("used strict tolerances" in n and "<root>[0]" in n for n in report.notes)
 
 
@@ -391,17 +392,17 @@ def test_models_that_cannot_be_copied_get_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_reference_device_falls_back_to_cpu_without_float64(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert cal.reference_device(None) == torch.device("cpu")
-    assert cal.reference_device("cpu") == torch.device("cpu")
-    assert cal.reference_device("mps") == torch.device("cpu")  # MPS has no float64
+    assert devices.reference_device(None) == torch.device("cpu")
+    assert devices.reference_device("cpu") == torch.device("cpu")
+    assert devices.reference_device("mps") == torch.device("cpu")  # MPS has no float64
 
     def no_float64(*a, **kw):
         raise RuntimeError("float64 is not supported on this device")
 
-    monkeypatch.setattr(cal, "_F64_SUPPORT", {})
+    monkeypatch.setattr(devices, "_F64_SUPPORT", {})
     monkeypatch.setattr(torch, "ones", no_float64)
-    assert not cal.supports_float64("xla:0")  # probed, and the probe failed
-    assert cal.reference_device("xla:0") == torch.device("cpu")
+    assert not devices.supports_float64("xla:0")  # probed, and the probe failed
+    assert devices.reference_device("xla:0") == torch.device("cpu")
 
 
 def test_supports_float64_probes_once_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -412,21 +413,21 @@ def test_supports_float64_probes_once_per_device(monkeypatch: pytest.MonkeyPatch
         calls.append(kw.get("device"))
         return real_ones(*a, dtype=kw.get("dtype"))
 
-    monkeypatch.setattr(cal, "_F64_SUPPORT", {})
+    monkeypatch.setattr(devices, "_F64_SUPPORT", {})
     monkeypatch.setattr(torch, "ones", fake_ones)
-    assert cal.supports_float64("cuda:3") and cal.supports_float64("cuda:3")
-    assert cal.reference_device("cuda:3") == torch.device("cuda:3")
+    assert devices.supports_float64("cuda:3") and devices.supports_float64("cuda:3")
+    assert devices.reference_device("cuda:3") == torch.device("cuda:3")
     assert len(calls) == 1
 
 
 def test_transfer_plan() -> None:
     cpu, gpu, gpu1 = torch.device("cpu"), torch.device("cuda:0"), torch.device("cuda:1")
-    assert cal.transfer_plan(cpu, cpu) == "same"
-    assert cal.transfer_plan(cpu, gpu) == "pinned"  # page-locked buffer, non-blocking copy
-    assert cal.transfer_plan(gpu, cpu) == "plain"
-    assert cal.transfer_plan(gpu, gpu1) == "plain"
+    assert devices.transfer_plan(cpu, cpu) == "same"
+    assert devices.transfer_plan(cpu, gpu) == "pinned"  # page-locked buffer, non-blocking copy
+    assert devices.transfer_plan(gpu, cpu) == "plain"
+    assert devices.transfer_plan(gpu, gpu1) == "plain"
     t = torch.ones(3)
-    assert cal.to_device(t, cpu) is t
+    assert devices.to_device(t, cpu) is t
 
 
 def test_diff_stats_values_and_non_finite_handling() -> None:

@@ -24,8 +24,8 @@ from hypothesis.extra import numpy as hnp
 import activation_guard as ag
 from activation_guard.cli import main
 from activation_guard.demo import BUGS, build, run_demo
-from activation_guard.diff import diff
-from activation_guard.inspect import tensor_stats
+from activation_guard.diff import diff_recordings as diff
+from activation_guard.inspection import tensor_stats
 
 
 @pytest.fixture(scope="module")
@@ -245,16 +245,19 @@ def test_diff_notes_input_and_structure_changes(tmp_path, capsys):
 
 def test_diff_bad_options_exit_2_naming_the_option(demo, capsys, tmp_path):
     bad = tmp_path / "t.json"
-    for content, needle in [("{nope", "is not valid JSON"), ("[1, 2]", "must hold a JSON object"),
-                            ('{"x": {"rtol": -1}}', "tolerances['x'] rtol must be a finite number >= 0")]:
+    for content, head, needle in [
+        ("{nope", f"tolerances file {bad}: ", "is not valid JSON"),
+        ("[1, 2]", f"tolerances file {bad}: ", "must hold a JSON object"),
+        ('{"x": {"rtol": -1}}', "option tolerances=", f"(--tolerances {bad}): tolerances['x']: rtol must be a finite number >= 0"),
+    ]:
         bad.write_text(content)
         rc, out, err = run(capsys, "diff", demo.golden, demo.refactored, "--tolerances", bad)
         assert rc == 2 and out == ""
-        assert err.startswith(f"activation-guard: error: tolerances file {bad}: ") and needle in err
+        assert err.startswith(f"activation-guard: error: {head}") and needle in err
     rc, _, err = run(capsys, "diff", demo.golden, demo.refactored, "--tolerances", tmp_path / "none.json")
     assert rc == 2 and "none.json: does not exist" in err
     rc, _, err = run(capsys, "diff", demo.golden, demo.refactored, "--rtol", "nan")
-    assert rc == 2 and "--rtol must be a finite number >= 0" in err
+    assert rc == 2 and "option rtol='nan' (--rtol): must be a finite number >= 0, got nan" in err
     rc, out, err = run(capsys, "diff", demo.golden, demo.refactored, "--include", "blokcs.*")
     assert rc == 2 and out == "" and "selected no layer call" in err  # not "OK, 0 layer calls match"
     rc, _, err = run(capsys, "diff", demo.golden, demo.refactored, "--plot", tmp_path / "no" / "p.png")

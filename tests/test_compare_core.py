@@ -14,8 +14,13 @@ from models import one_thread, scale_weight, shared_loop, tiny_mlp
 from torch import nn
 
 import activation_guard as ag
-from activation_guard.compare import compare_tensors
+from activation_guard.kernel import compare_tensors
+from activation_guard.spec import CompareSpec
 from activation_guard.tolerances import DTYPE_DEFAULTS, ToleranceResolver
+
+
+def _resolver(golden_device=None, live_device=None, **options):
+    return ToleranceResolver(CompareSpec.build(options), golden_device=golden_device, live_device=live_device)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -297,19 +302,19 @@ def test_per_layer_patterns_most_specific_wins(mlp_golden):
 
 
 def test_resolver_precedence_and_exact_kinds():
-    r = ToleranceResolver(rtol=1e-3, tolerances={"enc.*": (1e-2, None), "enc.*.attn": dict(rtol=1e-4), "enc.0.attn": dict(atol=7.0)})
+    r = _resolver(rtol=1e-3, tolerances={"enc.*": (1e-2, None), "enc.*.attn": dict(rtol=1e-4), "enc.0.attn": dict(atol=7.0)})
     t = r.resolve("enc.0.attn", "float32")
     assert (t.rtol, t.atol) == (1e-3, 7.0)  # exact name wins; unspecified rtol from the global
     t = r.resolve("enc.1.attn", "float32")
     # the source names where each number came from: the pattern set rtol, atol is the default
     assert (t.rtol, t.atol, t.source) == (1e-4, 1e-5, "rtol: tolerances['enc.*.attn']; atol: float32 default")
-    t = ToleranceResolver(rtol=1e-3).resolve("x", "float32")
+    t = _resolver(rtol=1e-3).resolve("x", "float32")
     assert t.source == "rtol: rtol/atol option; atol: float32 default"
-    assert ToleranceResolver(rtol=1e-3, atol=1e-4).resolve("x", "float32").source == "rtol/atol option"
+    assert _resolver(rtol=1e-3, atol=1e-4).resolve("x", "float32").source == "rtol/atol option"
     assert r.resolve("enc.1.mlp", "float16").rtol == 1e-2
     assert r.resolve("dec", "bfloat16").rtol == 1e-3
     assert (r.resolve("enc.0.attn", "int64", "int").rtol, r.resolve("enc.0.attn", "bool", "bool").atol) == (0.0, 0.0)
-    assert ToleranceResolver().resolve("x", "float16") == ag.Tolerance(1e-3, 1e-5, "float16 default")
+    assert _resolver().resolve("x", "float16") == ag.Tolerance(1e-3, 1e-5, "float16 default")
 
 
 @pytest.mark.parametrize(
@@ -317,7 +322,7 @@ def test_resolver_precedence_and_exact_kinds():
     [
         (dict(rtol=-1), ValueError, "rtol"),
         (dict(atol=float("nan")), ValueError, "atol"),
-        (dict(rtol="1e-3"), TypeError, "rtol"),
+        (dict(rtol="1e-3x"), TypeError, r"rtol='1e-3x' \(argument\): must be a number"),
         (dict(tolerances={"a.*": dict(rtool=1)}), ValueError, r"tolerances\['a\.\*'\].*rtool"),
         (dict(tolerances={"a": 0.1}), TypeError, r"tolerances\['a'\]"),
         (dict(tolerances={"a": {}}), ValueError, "neither"),
@@ -558,12 +563,12 @@ def test_a_live_layer_named_like_a_renamed_golden_layer_is_unexpected(tmp_path):
 
 
 def test_exact_compare_reports_the_largest_relative_difference():
-    st_ = compare_tensors(torch.tensor([1000, 1]), torch.tensor([1010, 2]), 0.0, 0.0, exact=True)
+    st_ = compare_tensors(torch.tensor([1000, 1]), torch.tensor([1010, 2]), 0.0, 0.0)
     assert (st_.mismatched, st_.max_abs_diff, st_.worst_flat) == (2, 10.0, 0)
     assert st_.max_rel_diff == 1.0  # element 1: |2 - 1| / 1, not just the worst element's 0.01
-    big = compare_tensors(torch.tensor([2**62, 0]), torch.tensor([2**62 + 1, 0]), 0.0, 0.0, exact=True)
+    big = compare_tensors(torch.tensor([2**62, 0]), torch.tensor([2**62 + 1, 0]), 0.0, 0.0)
     assert big.max_abs_diff == 1.0 and big.max_rel_diff > 0
-    b = compare_tensors(torch.tensor([True, False]), torch.tensor([True, True]), 0.0, 0.0, exact=True)
+    b = compare_tensors(torch.tensor([True, False]), torch.tensor([True, True]), 0.0, 0.0)
     assert b.max_rel_diff == math.inf
 
 

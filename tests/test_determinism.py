@@ -18,11 +18,12 @@ from torch import nn
 
 import activation_guard as ag
 from activation_guard import determinism as det
+from activation_guard import numerics
 
 
 def _observe() -> dict[str, object]:
     """Every setting deterministic() touches, as a comparable snapshot."""
-    p = det.PrecisionFlags.capture()
+    p = numerics.PrecisionFlags.capture()
     return {
         "det": torch.are_deterministic_algorithms_enabled(),
         "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -49,7 +50,7 @@ def _same(a: dict[str, object], b: dict[str, object]) -> bool:
 @pytest.fixture(autouse=True)
 def _guard_global_state():
     """Whatever a test does, leave the process as it found it (xdist workers are shared)."""
-    flags = det.PrecisionFlags.capture()
+    flags = numerics.PrecisionFlags.capture()
     d, w = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     cd, cb = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
     env = os.environ.get(det.CUBLAS_ENV)
@@ -220,7 +221,7 @@ def test_bad_seed() -> None:
 def test_full_fp32_precision_is_scoped() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     before = _observe()
-    with det.full_fp32_precision():
+    with numerics.full_fp32_precision():
         assert not torch.backends.cuda.matmul.allow_tf32
     assert _same(_observe(), before)
 

@@ -14,12 +14,18 @@ def test_every_public_name_resolves_and_is_listed():
         assert getattr(ag, name) is not None
 
 
-def test_submodule_import_does_not_shadow_the_compare_function():
-    import activation_guard.compare as _  # noqa: F401  (binds the submodule on the package)
-    from activation_guard.compare import compare_tensors
+def test_no_submodule_shadows_a_public_name_or_the_standard_library():
+    """Importing a submodule binds it on the package: a module named like a public function
+    (``compare``) would replace that function. None may share a public name or a stdlib name."""
+    import importlib
+    import pkgutil
 
+    names = [m.name for m in pkgutil.iter_modules(ag.__path__) if m.name != "__main__"]
+    for name in names:
+        importlib.import_module(f"activation_guard.{name}")
+    assert not set(names) & set(ag.__all__)
+    assert not set(names) & set(sys.stdlib_module_names)
     assert callable(ag.compare) and ag.compare.__module__ == "activation_guard.api"
-    assert compare_tensors.__module__ == "activation_guard.compare"
 
 
 def test_loading_the_plugin_does_not_import_torch_or_h5py():

@@ -29,7 +29,12 @@ from activation_guard.session import (
     route_options,
     update_command,
 )
+from activation_guard.spec import CompareSpec
 from activation_guard.tolerances import CROSS_DEVICE_DEFAULTS, DTYPE_DEFAULTS, ToleranceResolver
+
+
+def _resolver(golden_device=None, live_device=None, **options):
+    return ToleranceResolver(CompareSpec.build(options), golden_device=golden_device, live_device=live_device)
 
 
 def _settings(tmp_path: Path, **kw: Any) -> Settings:
@@ -116,13 +121,13 @@ def test_golden_dir_that_is_a_file_is_a_usage_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("update", [None, "all"])
 @pytest.mark.parametrize("marker, match", [
-    ({"rtol": "abc"}, r"rtol must be a number.*rtol='abc' \(marker\)"),
-    ({"atol": -1}, r"atol must be a finite number >= 0"),
-    ({"tolerance": "calibrate"}, r"tolerance must be 'strict' or 'calibrated'.*\(marker\)"),
+    ({"rtol": "abc"}, r"^activation_guard: option rtol='abc' \(marker\): must be a number, got 'abc'$"),
+    ({"atol": -1}, r"option atol=-1 \(marker\): must be a finite number >= 0"),
+    ({"tolerance": "calibrate"}, r"option tolerance='calibrate' \(marker\): must be 'strict' or 'calibrated'"),
     ({"tolerances": {"0": {"atl": 1}}}, r"unknown keys \['atl'\]"),
-    ({"rename": {"a": 1}}, r"rename maps golden names"),
-    ({"include": [3]}, r"include must contain glob strings"),
-    ({"fail_fast": "no"}, r"fail_fast must be True or False"),
+    ({"rename": {"a": 1}}, r"option rename=\{'a': 1\} \(marker\): maps golden names to live names"),
+    ({"include": [3]}, r"option include=\[3\] \(marker\): must contain glob strings"),
+    ({"fail_fast": "maybe"}, r"option fail_fast='maybe' \(marker\): must be True or False"),
 ])
 def test_bad_option_values_fail_cleanly_before_anything_runs(tmp_path: Path, update: Any, marker: Any, match: str) -> None:
     """A bad value fails in one line naming option and source, and --ag-update writes nothing."""
@@ -257,9 +262,9 @@ def test_item_key_without_device_is_the_node_id() -> None:
 
 
 def test_cross_device_defaults_apply_only_across_device_types() -> None:
-    same = ToleranceResolver(golden_device="cuda:0", live_device="cuda:1")
+    same = _resolver(golden_device="cuda:0", live_device="cuda:1")
     assert not same.cross_device and same.resolve("l", "float32").rtol == DTYPE_DEFAULTS["float32"][0]
-    cross = ToleranceResolver(golden_device="cpu", live_device="cuda:0")
+    cross = _resolver(golden_device="cpu", live_device="cuda:0")
     assert cross.cross_device and cross.device_pair == "cpu->cuda"
     for dt, (r, a) in CROSS_DEVICE_DEFAULTS.items():
         t = cross.resolve("l", dt)
@@ -267,7 +272,7 @@ def test_cross_device_defaults_apply_only_across_device_types() -> None:
         assert r >= DTYPE_DEFAULTS[dt][0]  # never tighter than the same-device default
     assert cross.resolve("l", "int64", "int").rtol == 0  # integers stay exact
     # explicit options beat the device-pair defaults
-    t = ToleranceResolver(rtol=1e-9, golden_device="cpu", live_device="cuda").resolve("l", "float32")
+    t = _resolver(rtol=1e-9, golden_device="cpu", live_device="cuda").resolve("l", "float32")
     assert t.rtol == 1e-9 and t.atol == CROSS_DEVICE_DEFAULTS["float32"][1]
 
 

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 import activation_guard as ag
 from activation_guard import visual
 from activation_guard.cli import main
-from activation_guard.compare import LayerResult
 from activation_guard.demo import run_demo
 from activation_guard.report import Report
+from activation_guard.results import LayerResult
 
 pytest.importorskip("matplotlib")
 import matplotlib.image

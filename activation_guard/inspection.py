@@ -12,7 +12,6 @@ one chunk beyond the leaf itself. Complex leaves are summarised by their magnitu
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import math
 import os
@@ -25,7 +24,8 @@ import numpy as np
 import torch
 
 from . import dtypes
-from .compare import json_number
+from .results import json_number
+from .selection import match_any
 from .store import FORMAT_VERSION, CallEntry, GoldenReader, LeafEntry
 
 CHUNK = 1 << 20
@@ -150,7 +150,7 @@ def iter_leaves(reader: GoldenReader, layer: str | Sequence[str] | None = None, 
     """
     pats = [layer] if isinstance(layer, str) else list(layer or [])
     for c in reader.calls:
-        if pats and not any(fnmatch.fnmatchcase(c.name, p) for p in pats):
+        if pats and not match_any(c.name, pats):
             continue
         for leaf in c.leaves:
             yield _leaf_info(reader, c, leaf, with_stats)

@@ -1,0 +1,213 @@
+"""The streaming comparator: meets each live layer call with its golden call and asks a judge.
+
+It owns everything about *which* values meet: layer names (under ``rename``), call indices,
+output paths, shapes, dtypes, layers that are missing from the live run or new in it, and where
+each sits in execution order. Whether two tensors that met are close enough is the judge's
+decision (:mod:`activation_guard.judges`), so a new rule never touches this module.
+
+Each call is compared as soon as the live layer returns (inside its forward hook, before an
+in-place op can change the output), reading only that call's golden values: memory stays near
+one layer's worth. :func:`activation_guard.diff` drives the same object from a second recording.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
+
+import torch
+
+from .capture import Leaf, flatten
+from .dtypes import BY_NAME, dtype_name, tensor_bytes, tensor_from_bytes
+from .judges import Judge, LeafContext, dtype_change_allowed
+from .rename import apply_rename, renamed_patterns
+from .results import LayerResult, LeafResult
+from .selection import selected
+from .spec import CompareSpec
+from .store import CallEntry, GoldenReader, LeafEntry
+
+Selection = tuple[Sequence[str] | None, Sequence[str] | None]
+
+
+class StopForward(Exception):
+    """Raised from a hook to end the forward early (``fail_fast``)."""
+
+
+def recorded_selection(meta: Mapping[str, Any]) -> Selection:
+    """The include/exclude patterns a golden was recorded with (ignored unless lists of str)."""
+
+    def pats(value: Any) -> list[str] | None:
+        if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+            return list(value)
+        return None
+
+    return pats(meta.get("include")), pats(meta.get("exclude"))
+
+
+class Comparator:
+    """Compares each live layer call against its golden as soon as the layer returns."""
+
+    def __init__(self, reader: GoldenReader, spec: CompareSpec, judge: Judge, *,
+                 golden_filter: Selection | None = None):
+        """``golden_filter``: the golden's own recorded selection, by golden name, when the hooks
+        could not apply it (under ``rename``): a live layer outside it was never stored, so it is
+        not "unexpected"."""
+        self.reader = reader
+        self.spec = spec
+        self.judge = judge
+        self.golden_filter = golden_filter
+        self.results: list[LayerResult] = []
+        self.seen: set[tuple[str, int]] = set()
+        self.live_to_golden: dict[str, str] = {}
+        self.golden_calls: dict[str, int] = {}
+        rules = spec.rename
+        for c in reader.calls:
+            live = apply_rename(c.name, rules)
+            prev = self.live_to_golden.get(live)
+            if prev is not None and prev != c.name:
+                raise ValueError(f"rename maps golden layers {prev!r} and {c.name!r} both to {live!r}")
+            self.live_to_golden[live] = c.name
+            self.golden_calls[c.name] = max(self.golden_calls.get(c.name, 0), c.call + 1)
+        self.golden_selected = [c for c in reader.calls
+                                if selected(apply_rename(c.name, rules), spec.include, spec.exclude)]
+        self.golden_to_live = {g: live for live, g in self.live_to_golden.items()}
+
+    @staticmethod
+    def default_filter(meta: Mapping[str, Any], spec: CompareSpec) -> Selection | None:
+        """The golden's recorded selection, each pattern also under ``rename`` (for live layers
+        that have no golden counterpart), or None when it recorded every layer."""
+        inc, exc = recorded_selection(meta)
+        if inc is None and exc is None:
+            return None
+        return renamed_patterns(inc, spec.rename), renamed_patterns(exc, spec.rename)
+
+    # ------------------------------------------------------------------ per call
+    def on_output(self, name: str, call: int, module: torch.nn.Module, output: Any) -> None:
+        self.on_leaves(name, call, type(module).__name__, lambda: flatten(output))
+
+    def on_leaves(self, name: str, call: int, tname: str, get_leaves: Callable[[], list[Leaf]]) -> None:
+        """Compare one layer call given its flattened outputs. ``get_leaves`` runs only when the
+        golden has this call."""
+        pos = len(self.results)
+        # a live name no golden name maps to is new, even if a golden layer had that name
+        # before `rename` mapped it elsewhere
+        gname = self.live_to_golden.get(name)
+        entry = None if gname is None else self.reader.by_key.get((gname, call))
+        if entry is None:
+            if self.golden_filter is not None and not selected(gname or name, *self.golden_filter):
+                return
+            known = None if gname is None else self.golden_calls.get(gname)
+            detail = (f"the golden has {known} call(s) of this layer; this is call {call}" if known
+                      else "this layer is not in the golden (new layer, or renamed: see `rename=`)")
+            res = LayerResult(name, call, "unexpected", tname, position=pos, detail=detail)
+        else:
+            self.seen.add((entry.name, call))
+            leaves = self._compare_call(entry, get_leaves(), name)
+            res = LayerResult.from_leaves(name, call, tname, leaves, position=pos, golden_position=entry.position,
+                                          golden_name=entry.name if entry.name != name else None)
+            if entry.type_name and entry.type_name != tname and res.ok:
+                res.detail = f"module type changed {entry.type_name} -> {tname} (values still match)"
+        self.results.append(res)
+        if self.spec.fail_fast and not res.ok:
+            raise StopForward
+
+    def _compare_call(self, entry: CallEntry, leaves: list[Leaf], name: str) -> list[LeafResult]:
+        live = {leaf.path: leaf for leaf in leaves}
+        results: list[LeafResult] = []
+        gpaths = {g.path for g in entry.leaves}
+        for g in entry.leaves:
+            lv = live.get(g.path)
+            if lv is None:
+                results.append(LeafResult(g.path, "structure", f"{_out(g.path)} ({_kind(g)}) is missing from the live output"))
+                continue
+            results.append(self._compare_leaf(g, lv, name, entry))
+        for leaf in leaves:
+            if leaf.path not in gpaths:
+                results.append(LeafResult(leaf.path, "structure", f"{_out(leaf.path)} ({leaf.type_name}) is new in the live output"))
+        return results
+
+    def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry) -> LeafResult:
+        p = g.path
+        if g.kind != lv.kind:
+            return LeafResult(p, "structure", f"{_out(p)} was {_kind(g)}, is now {lv.type_name}")
+        if g.kind == "none":
+            return LeafResult(p, "match")
+        if g.kind == "object":
+            if g.type_name != lv.type_name:
+                return LeafResult(p, "structure", f"{_out(p)} type changed {g.type_name} -> {lv.type_name}")
+            return LeafResult(p, "match", f"{g.type_name} object: recorded by type only")
+        if g.kind == "str":
+            if g.value != lv.value:
+                return LeafResult(p, "diverged", f"{_out(p)} {g.value!r} -> {lv.value!r}")
+            return LeafResult(p, "match")
+        t = lv.tensor
+        assert t is not None and g.dtype is not None
+        ldt = dtype_name(t)
+        lshape = tuple(int(s) for s in t.shape)
+        if lshape != g.shape:
+            return LeafResult(p, "shape", f"{_out(p)} shape {list(g.shape)} -> {list(lshape)}",
+                              dtype=g.dtype, live_dtype=ldt, shape=g.shape, live_shape=lshape, numel=g.numel)
+        if ldt != g.dtype and not (self.spec.allow_dtype_change and dtype_change_allowed(g.dtype, ldt)):
+            return LeafResult(p, "dtype", f"{_out(p)} dtype {g.dtype} -> {ldt}",
+                              dtype=g.dtype, live_dtype=ldt, shape=g.shape, live_shape=lshape, numel=g.numel)
+        ctx = LeafContext(name, entry.name, entry.call, p, g.dtype, ldt)
+        label = ctx.label
+        if g.pack is not None and ldt == g.dtype and t.device.type == "cpu":
+            # small leaves (thousands of tiny layers): settle the common bit-identical case with
+            # one memcmp of the stored bytes against the live ones, before building any tensor
+            graw = self.reader.packed_bytes(g, label)
+            if graw.tobytes() == tensor_bytes(t).tobytes():
+                return self.judge.identical(ctx, t)
+            golden = tensor_from_bytes(graw.copy(), BY_NAME[g.dtype], g.shape)
+        else:
+            golden = self.reader.load(g, label)
+        return self.judge.judge(ctx, golden, t)
+
+    # ------------------------------------------------------------------ end of run
+    def finish(self) -> tuple[list[LayerResult], dict[int, tuple[float, int]]]:
+        """All results: live calls in execution order, then golden calls the live run never made
+        (``missing``), each placed where the live run passed its spot in the golden's order.
+
+        Linear in the number of calls (plus a sort): a golden of 16,000 layers compared through
+        a wrapper (every call missing) must not take minutes."""
+        results = list(self.results)
+        order: dict[int, tuple[float, int]] = {}
+        # for "the first live call that the golden ran after golden position p": live calls
+        # sorted by golden position, with suffix minima of their live positions
+        pairs = sorted((r.golden_position, r.position) for r in results
+                       if r.golden_position is not None and r.position is not None)
+        gpos = [gp for gp, _ in pairs]
+        suffix_min: list[float] = [math.inf] * (len(pairs) + 1)
+        for i in range(len(pairs) - 1, -1, -1):
+            suffix_min[i] = min(float(pairs[i][1]), suffix_min[i + 1])
+        made = Counter(r.name for r in results)
+        for c in self.golden_selected:
+            if (c.name, c.call) in self.seen:
+                continue
+            later = suffix_min[bisect.bisect_right(gpos, c.position)]
+            at = later - 0.5 if math.isfinite(later) else math.inf
+            ran = self.golden_calls.get(c.name, 0)
+            live_name = self.golden_to_live.get(c.name, c.name)
+            n = made[live_name]
+            detail = (f"the live run made {n} call(s) of this layer; the golden has {ran}" if n
+                      else "this layer did not run (removed, renamed, or skipped by control flow)")
+            lr = LayerResult(live_name, c.call, "missing", c.type_name, golden_position=c.position, detail=detail,
+                             golden_name=c.name if c.name != live_name else None)
+            order[len(results)] = (at, c.position)
+            results.append(lr)
+        return results, order
+
+
+def _out(path: str) -> str:
+    """How a report names an output leaf: the bare output, or the one at a path inside it."""
+    return f"output {path}" if path else "the output"
+
+
+def _kind(g: LeafEntry) -> str:
+    if g.kind == "tensor":
+        return f"a {g.dtype} tensor"
+    return g.type_name or g.kind
+

@@ -1,0 +1,123 @@
+"""Judges: given a golden value, a live value and the spec, return a verdict with its numbers.
+
+The comparator decides *which* values meet (layer names, calls, output paths, shapes, dtypes);
+a judge decides whether two values that met are close enough, and records why. Keeping that
+behind one small protocol is what lets new kinds of evidence plug in without touching the
+comparator: the strict rule (rtol/atol), the calibrated rule (noise floors, in
+:mod:`activation_guard.calibrate`), and any later one (fingerprints, replayed own errors).
+
+A judge is built once per comparison and sees every leaf in execution order; it may keep notes
+(``notes()``) that the report prints, and must release what it holds in ``close()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .dtypes import BY_NAME
+from .kernel import compare_tensors
+from .results import LeafResult, leaf_from_stats
+from .tolerances import DTYPE_DEFAULTS, Tolerance, ToleranceResolver
+
+# precision rank for allow_dtype_change: the lower precision's tolerance applies
+PRECISION = {"float64": 4, "float32": 3, "float16": 2, "bfloat16": 1}
+
+
+@dataclass(frozen=True)
+class LeafContext:
+    """Where a leaf sits: the live layer name, the golden name it is compared with (they differ
+    under ``rename``), the call, the output path, and the two dtype names."""
+
+    name: str
+    golden_name: str
+    call: int
+    path: str
+    golden_dtype: str
+    live_dtype: str
+
+    @property
+    def label(self) -> str:
+        return f"layer {self.name or '<root>'!r} call {self.call} output {self.path!r}"
+
+
+class Judge(Protocol):
+    """The verdict rule for tensors that met with the same shape (and an allowed dtype pair)."""
+
+    def judge(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
+        """Compare ``live`` with ``golden``; ``golden`` may sit on another device."""
+        ...
+
+    def identical(self, ctx: LeafContext, live: torch.Tensor) -> LeafResult:
+        """The verdict for a live value whose bytes equal the golden's (the comparator's fast
+        path: no golden tensor is built)."""
+        ...
+
+    def notes(self) -> list[str]:
+        """Lines for the report: the rule applied, what fell back to another rule."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def dtype_change_allowed(golden_dtype: str, live_dtype: str) -> bool:
+    """``allow_dtype_change`` covers changes between floating precisions only."""
+    return golden_dtype in PRECISION and live_dtype in PRECISION
+
+
+class StrictJudge:
+    """``|live - golden| <= atol + rtol * |golden|`` element-wise, with the numbers the spec's
+    tolerances give this layer and dtype (integers and bools exactly)."""
+
+    def __init__(self, resolver: ToleranceResolver):
+        self.resolver = resolver
+
+    def tolerance(self, ctx: LeafContext) -> Tolerance:
+        gdt, ldt = ctx.golden_dtype, ctx.live_dtype
+        info = BY_NAME.get(gdt)
+        kind = info.kind if info is not None else "float"
+        if gdt != ldt and dtype_change_allowed(gdt, ldt):
+            low = gdt if PRECISION[gdt] < PRECISION[ldt] else ldt
+            tol = self.resolver.resolve(ctx.name, low, "float")
+            return Tolerance(tol.rtol, tol.atol, tol.source + f" (dtype change {gdt}->{ldt})", tol.rule)
+        return self.resolver.resolve(ctx.name, gdt, kind)
+
+    def judge(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
+        tol = self.tolerance(ctx)
+        return self.judge_with(ctx, golden, live, tol)
+
+    def judge_with(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor, tol: Tolerance) -> LeafResult:
+        changed = ctx.live_dtype != ctx.golden_dtype
+        if changed:
+            golden, live = golden.float(), live.float()
+        st = compare_tensors(golden, live, tol.rtol, tol.atol)
+        shape = tuple(int(s) for s in live.shape)
+        res = leaf_from_stats(ctx.path, ctx.golden_dtype, ctx.live_dtype, shape, st, tol.rtol, tol.atol, tol.source)
+        if changed:
+            res.detail = f"dtype {ctx.golden_dtype} -> {ctx.live_dtype} allowed (compared in float32)"
+        return res
+
+    def identical(self, ctx: LeafContext, live: torch.Tensor) -> LeafResult:
+        tol = self.tolerance(ctx)
+        shape = tuple(int(s) for s in live.shape)
+        numel = live.numel()
+        first = live.reshape(-1)[0].item() if numel else None
+        return LeafResult(
+            ctx.path, "match", dtype=ctx.golden_dtype, live_dtype=ctx.live_dtype, shape=shape, live_shape=shape,
+            numel=numel, max_abs_diff=0.0, max_rel_diff=0.0,
+            index=tuple(0 for _ in shape) if numel else None, golden_value=first, live_value=first,
+            rtol=tol.rtol, atol=tol.atol, tolerance_source=tol.source,
+        )
+
+    def notes(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def is_exact_dtype(dtype_name: str) -> bool:
+    """Integers and bools compare exactly under every rule."""
+    return dtype_name not in DTYPE_DEFAULTS

@@ -1,0 +1,205 @@
+"""Verdicts: what one output leaf, and one layer call, compared to.
+
+Plain dataclasses with every number a report shows as a field of its own (text, JSON, HTML and
+Markdown reports read fields, never each other's strings), and exact ``to_dict``/``from_dict``
+round trips so a report written by another process (an xdist worker, a CI job) renders the same.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .kernel import TensorStats, unravel
+
+STATUS_ORDER = ("structure", "shape", "dtype", "missing", "unexpected", "nonfinite", "diverged", "match")
+PHASES = ("forward", "backward", "param-grad")
+
+
+def json_number(x: Any) -> Any:
+    """Numbers as JSON allows them (NaN/Inf as strings, complex as [re, im])."""
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, complex):
+        return [json_number(x.real), json_number(x.imag)]
+    if isinstance(x, float):
+        if math.isnan(x) or math.isinf(x):
+            return str(x)
+        return x
+    if isinstance(x, int):
+        return x
+    return str(x)
+
+
+def from_json_number(x: Any) -> Any:
+    """Inverse of :func:`json_number` for values read back from a JSON report."""
+    if isinstance(x, str) and x in ("nan", "inf", "-inf"):
+        return float(x)
+    if isinstance(x, list) and len(x) == 2:
+        return complex(from_json_number(x[0]), from_json_number(x[1]))
+    return x
+
+
+def _fields_from_dict(cls: Any, d: Any) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise TypeError(f"expected a dict for {cls.__name__}, got {type(d).__name__}")
+    names = set(cls.__dataclass_fields__)
+    out = {k: v for k, v in d.items() if k in names}
+    for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple"):
+        if k in out:
+            out[k] = from_json_number(out[k])
+    for k in ("shape", "live_shape", "index"):
+        if isinstance(out.get(k), list):
+            out[k] = tuple(out[k])
+    return out
+
+
+@dataclass
+class LeafResult:
+    """One output leaf of one layer call."""
+
+    path: str
+    status: str
+    detail: str = ""
+    dtype: str | None = None
+    live_dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    live_shape: tuple[int, ...] | None = None
+    numel: int = 0
+    mismatched: int = 0
+    nonfinite_new: int = 0
+    max_abs_diff: float | None = None
+    max_rel_diff: float | None = None
+    index: tuple[int, ...] | None = None
+    golden_value: Any = None
+    live_value: Any = None
+    rtol: float | None = None
+    atol: float | None = None
+    tolerance_source: str | None = None
+    error_multiple: float | None = None  # calibrated mode: error / allowed noise
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple"):
+            d[k] = json_number(d[k])
+        for k in ("shape", "live_shape", "index"):
+            if d[k] is not None:
+                d[k] = list(d[k])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LeafResult:
+        """Rebuild from :meth:`to_dict` output (e.g. a JSON report read back)."""
+        return cls(**_fields_from_dict(cls, d))
+
+
+def worst_status(statuses: list[str]) -> str:
+    for s in STATUS_ORDER:
+        if s in statuses:
+            return s
+    return "match"
+
+
+@dataclass
+class LayerResult:
+    """The verdict for one call of one module.
+
+    ``max_abs_diff``/``max_rel_diff``/``mismatched``/``numel`` aggregate over the call's output
+    leaves; ``path``/``index``/``golden_value``/``live_value`` describe the worst element of the
+    worst leaf, and ``rtol``/``atol`` the tolerance applied to it.
+    """
+
+    name: str
+    call: int
+    status: str
+    type_name: str = ""
+    position: int | None = None  # 0-based index in the live execution order
+    golden_position: int | None = None
+    golden_name: str | None = None  # differs from name when `rename` mapped it
+    detail: str = ""
+    numel: int = 0
+    mismatched: int = 0
+    max_abs_diff: float | None = None
+    max_rel_diff: float | None = None
+    path: str | None = None
+    index: tuple[int, ...] | None = None
+    golden_value: Any = None
+    live_value: Any = None
+    rtol: float | None = None
+    atol: float | None = None
+    tolerance_source: str | None = None
+    error_multiple: float | None = None  # calibrated mode: error / allowed noise
+    nonfinite_new: int = 0  # NaN/Inf values the golden does not have at their places
+    phase: str = "forward"  # one of PHASES
+    leaves: list[LeafResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "match"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name or '<root>'}[{self.call}]"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "leaves"}
+        for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple"):
+            d[k] = json_number(d[k])
+        if d["index"] is not None:
+            d["index"] = list(d["index"])
+        d["leaves"] = [leaf.to_dict() for leaf in self.leaves]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LayerResult:
+        """Rebuild from :meth:`to_dict` output (e.g. a JSON report read back)."""
+        kw = _fields_from_dict(cls, d)
+        kw["leaves"] = [LeafResult.from_dict(x) for x in d.get("leaves") or []]
+        return cls(**kw)
+
+    @classmethod
+    def from_leaves(cls, name: str, call: int, type_name: str, leaves: list[LeafResult], **kw: Any) -> LayerResult:
+        status = worst_status([leaf.status for leaf in leaves]) if leaves else "match"
+        lr = cls(name, call, status, type_name, leaves=leaves, **kw)
+        lr.numel = sum(leaf.numel for leaf in leaves)
+        lr.mismatched = sum(leaf.mismatched for leaf in leaves)
+        lr.nonfinite_new = sum(leaf.nonfinite_new for leaf in leaves)
+        numeric = [leaf for leaf in leaves if leaf.max_abs_diff is not None]
+        if numeric:
+            lr.max_abs_diff = max(leaf.max_abs_diff for leaf in numeric)  # type: ignore[type-var]
+            lr.max_rel_diff = max(leaf.max_rel_diff or 0.0 for leaf in numeric)
+        multiples = [leaf.error_multiple for leaf in leaves if leaf.error_multiple is not None]
+        if multiples:
+            lr.error_multiple = max(multiples)
+        # the leaf to show: first leaf with the worst status, largest excess within it
+        focus = [leaf for leaf in leaves if leaf.status == status] or leaves
+        if focus:
+            best = max(focus, key=lambda x: (x.max_abs_diff if x.max_abs_diff is not None and not math.isnan(x.max_abs_diff) else -1.0))
+            if status != "match":
+                best = next((x for x in focus if x.status == status and x.mismatched), best)
+            lr.path = best.path
+            lr.index = best.index
+            lr.golden_value = best.golden_value
+            lr.live_value = best.live_value
+            lr.rtol, lr.atol, lr.tolerance_source = best.rtol, best.atol, best.tolerance_source
+            if not lr.detail:
+                lr.detail = best.detail
+        return lr
+
+
+def leaf_from_stats(path: str, dtype: str, live_dtype: str, shape: tuple[int, ...], st: TensorStats,
+                    rtol: float, atol: float, source: str) -> LeafResult:
+    """A leaf verdict from kernel statistics. ``detail`` stays empty: the mismatch count, new
+    NaN/Inf count and worst element are fields the report renders itself."""
+    status = "match"
+    if st.mismatched:
+        status = "nonfinite" if st.nonfinite_new else "diverged"
+    return LeafResult(
+        path=path, status=status, dtype=dtype, live_dtype=live_dtype,
+        shape=shape, live_shape=shape, numel=st.numel, mismatched=st.mismatched,
+        nonfinite_new=st.nonfinite_new, max_abs_diff=st.max_abs_diff, max_rel_diff=st.max_rel_diff,
+        index=unravel(st.worst_flat, shape) if st.worst_flat is not None and st.numel else None,
+        golden_value=st.golden_value, live_value=st.live_value, rtol=rtol, atol=atol,
+        tolerance_source=source,
+    )

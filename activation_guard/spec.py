@@ -1,0 +1,323 @@
+"""Every record and compare option, validated once: :class:`RecordSpec` and :class:`CompareSpec`.
+
+Options reach the engine from five places: keyword arguments of the Python API, the pytest
+marker, ``check()`` arguments, ``--ag-*`` flags and ini keys, and the command line's ``diff``.
+Each of them builds a spec with :func:`build_specs` (or ``CompareSpec.build``), and nothing else
+checks an option's value. A bad value therefore gets the same message wherever it was set, and
+that message names the option, the value and where it came from (its *source*)::
+
+    activation_guard option rtol=-1 (marker): must be a finite number >= 0, got -1
+
+Specs are frozen: the comparator, judges and reports read them and never change them. Options
+given as text (ini keys, command-line flags) are parsed here too, so ``"1e-3"`` from an ini file
+and ``1e-3`` from Python are one value with one set of rules.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from .errors import OptionError
+
+ARGUMENT = "argument"  # the source of a keyword argument of record/compare/compare_models
+TOLERANCE_MODES = ("strict", "calibrated")
+COMPRESSIONS = (None, "gzip", "lzf")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class _Bad(Exception):
+    """A parser's complaint; :func:`_parse` turns it into an :class:`OptionError`."""
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    return repr(v)
+
+
+# --------------------------------------------------------------------------- value parsers
+
+
+def _number(v: Any) -> float:
+    if isinstance(v, str):
+        try:
+            v = float(v.strip())
+        except ValueError:
+            raise _Bad(f"must be a number, got {v!r}") from None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise _Bad(f"must be a number, got {v!r}")
+    f = float(v)
+    if not math.isfinite(f) or f < 0:
+        raise _Bad(f"must be a finite number >= 0, got {_fmt(f)}")
+    return f
+
+
+def _optional_number(v: Any) -> float | None:
+    if v is None or (isinstance(v, str) and not v.strip()):
+        return None
+    return _number(v)
+
+
+def _flag(v: Any) -> bool:
+    if isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
+        return v.strip().lower() in _TRUE
+    if not isinstance(v, bool):
+        raise _Bad(f"must be True or False, got {v!r}")
+    return v
+
+
+def _patterns(v: Any) -> tuple[str, ...] | None:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return (v,)
+    if isinstance(v, (bytes, Mapping)):
+        raise _Bad(f"must be a glob string or a list of them, got {v!r}")
+    try:
+        pats = tuple(v)
+    except TypeError:
+        raise _Bad(f"must be a glob string or a list of them, got {v!r}") from None
+    for p in pats:
+        if not isinstance(p, str):
+            raise _Bad(f"must contain glob strings, got {p!r}")
+    return pats
+
+
+def _choice(options: tuple[Any, ...]) -> Callable[[Any], Any]:
+    def parse(v: Any) -> Any:
+        if v not in options:
+            shown = " or ".join(repr(o) for o in options)
+            raise _Bad(f"must be {shown}, got {v!r}")
+        return v
+
+    return parse
+
+
+@dataclass(frozen=True)
+class ToleranceRule:
+    """One ``tolerances`` entry: a layer glob and the rtol and/or atol it sets."""
+
+    pattern: str
+    rtol: float | None
+    atol: float | None
+
+    @property
+    def label(self) -> str:
+        return f"tolerances[{self.pattern!r}]"
+
+
+def specificity(pattern: str) -> tuple[int, int]:
+    """Rank patterns: exact names beat globs, then more literal characters win."""
+    wild = sum(pattern.count(c) for c in "*?[")
+    return (1 if wild == 0 else 0, len(pattern) - wild)
+
+
+def _tolerances(v: Any) -> tuple[ToleranceRule, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, Mapping):
+        raise _Bad(f"must be a dict of layer glob -> dict(rtol=..., atol=...), got {type(v).__name__}")
+    rules = []
+    for pat, rule in v.items():
+        if not isinstance(pat, str):
+            raise _Bad(f"keys must be glob strings, got {pat!r}")
+        where = f"tolerances[{pat!r}]"
+        if isinstance(rule, Mapping):
+            unknown = set(rule) - {"rtol", "atol"}
+            if unknown:
+                raise _Bad(f"{where}: unknown keys {sorted(map(str, unknown))}; use rtol and atol")
+            r, a = rule.get("rtol"), rule.get("atol")
+        elif isinstance(rule, (tuple, list)) and len(rule) == 2:
+            r, a = rule
+        else:
+            raise _Bad(f"{where} must be a dict(rtol=..., atol=...) or an (rtol, atol) pair, got {rule!r}")
+        if r is None and a is None:
+            raise _Bad(f"{where} sets neither rtol nor atol")
+        rules.append(ToleranceRule(pat, _rule_number(r, where, "rtol"), _rule_number(a, where, "atol")))
+    # most specific first; stable for ties (dict order)
+    return tuple(sorted(rules, key=lambda r: specificity(r.pattern), reverse=True))
+
+
+def _rule_number(v: Any, where: str, what: str) -> float | None:
+    if v is None:
+        return None
+    try:
+        return _number(v)
+    except _Bad as e:
+        raise _Bad(f"{where}: {what} {e}") from None
+
+
+@dataclass(frozen=True)
+class RenameRule:
+    """``rename`` entry: golden layer names matching ``source`` are compared with live ``target``.
+
+    A source with ``*``/``?`` is a glob whose wildcards the target may reuse in order; otherwise it
+    renames a prefix of whole dotted components (``encoder.layer`` -> ``encoder.layers`` also
+    renames ``encoder.layer.0.attn``)."""
+
+    source: str
+    target: str
+    regex: re.Pattern[str] = field(compare=False, repr=False)
+    replacement: str = field(compare=False, repr=False)
+
+
+def _rename(v: Any) -> tuple[RenameRule, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, Mapping):
+        raise _Bad(f"must map golden layer names to live names (a dict of str -> str), got {type(v).__name__}")
+    rules = []
+    for src, dst in v.items():
+        if not isinstance(src, str) or not isinstance(dst, str):
+            raise _Bad(f"maps golden names to live names (str -> str), got {src!r}: {dst!r}")
+        if any(c in src for c in "*?"):
+            rx = "".join("(.*)" if c == "*" else "(.)" if c == "?" else re.escape(c) for c in src)
+            nstar = src.count("*") + src.count("?")
+            if dst.count("*") + dst.count("?") not in (0, nstar):
+                raise _Bad(f"rename[{src!r}]: the target {dst!r} must use as many wildcards as the pattern")
+            k = iter(range(1, nstar + 1))
+            repl = "".join(f"\\g<{next(k)}>" if c in "*?" else c.replace("\\", "\\\\") for c in dst)
+            rules.append(RenameRule(src, dst, re.compile(rx + r"\Z"), repl))
+        else:  # prefix rule on whole dotted components
+            rules.append(RenameRule(src, dst, re.compile(re.escape(src) + r"(?=\.|\Z)"), dst.replace("\\", "\\\\")))
+    return tuple(rules)
+
+
+# --------------------------------------------------------------------------- the option table
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    parse: Callable[[Any], Any]
+    record: bool  # RecordSpec has it
+    compare: bool  # CompareSpec has it
+    help: str
+
+
+OPTIONS: dict[str, Option] = {o.name: o for o in (
+    Option("rtol", _optional_number, False, True, "relative tolerance for every float output"),
+    Option("atol", _optional_number, False, True, "absolute tolerance for every float output"),
+    Option("tolerances", _tolerances, False, True, "per-layer {glob: dict(rtol=, atol=)}; most specific wins"),
+    Option("include", _patterns, True, True, "only layers matching these globs"),
+    Option("exclude", _patterns, True, True, "skip layers matching these globs"),
+    Option("rename", _rename, False, True, "{golden name or glob: live name}: compare renamed layers"),
+    Option("fail_fast", _flag, False, True, "stop at the first diverging layer call"),
+    Option("allow_dtype_change", _flag, False, True, "compare float outputs whose dtype changed, in float32"),
+    Option("tolerance", _choice(TOLERANCE_MODES), False, True, "'strict' rtol/atol or 'calibrated' noise floors"),
+    Option("compression", _choice(COMPRESSIONS), True, False, "HDF5 compression of large outputs: gzip or lzf"),
+    Option("calibrate", _flag, True, False, "also store float64 noise floors (for tolerance='calibrated')"),
+)}
+
+
+def _parse(name: str, value: Any, source: str) -> Any:
+    opt = OPTIONS[name]
+    try:
+        return opt.parse(value)
+    except _Bad as e:
+        raise OptionError(name, value, source, str(e)) from None
+
+
+def _source_of(sources: Mapping[str, str] | str, key: str) -> str:
+    return sources if isinstance(sources, str) else sources.get(key, ARGUMENT)
+
+
+class _SpecBase:
+    """Shared construction: parse each given option, remember where it came from."""
+
+    sources: Mapping[str, str]
+    given: Mapping[str, Any]
+
+    @classmethod
+    def build(cls, values: Mapping[str, Any] | None = None, sources: Mapping[str, str] | str = ARGUMENT) -> Any:
+        """A spec from option values (``None`` means "not set": the default applies)."""
+        values = values or {}
+        mine = {f.name for f in fields(cls)} - {"sources", "given"}  # type: ignore[arg-type]
+        unknown = sorted(k for k in values if k not in mine)
+        if unknown:
+            k = unknown[0]
+            raise OptionError(k, values[k], _source_of(sources, k),
+                              f"is not an option of {cls.__name__} (it takes {', '.join(sorted(mine))})")
+        kw: dict[str, Any] = {}
+        src: dict[str, str] = {}
+        given: dict[str, Any] = {}
+        for k, v in values.items():
+            if v is None:
+                continue
+            s = _source_of(sources, k)
+            kw[k] = _parse(k, v, s)
+            src[k] = s
+            given[k] = v
+        return cls(**kw, sources=src, given=given)  # type: ignore[call-arg]
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, "default")
+
+    def describe(self) -> str:
+        """The options set explicitly, with their sources: "rtol=0.001 (marker), ..."."""
+        if not self.sources:
+            return "defaults"
+        return ", ".join(f"{k}={_fmt(self.given[k])} ({s})" for k, s in sorted(self.sources.items()))
+
+
+@dataclass(frozen=True)
+class RecordSpec(_SpecBase):
+    """How a golden is recorded."""
+
+    include: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] | None = None
+    compression: str | None = None
+    calibrate: bool = False
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class CompareSpec(_SpecBase):
+    """How a live run (or a second recording) is judged against a golden.
+
+    ``tolerance="calibrated"`` judges float outputs against noise floors; there, explicit numbers
+    keep a precise meaning (docs/architecture.md): a layer matched by a ``tolerances`` pattern is
+    judged strictly with that pattern's numbers, and ``rtol``/``atol`` are the strict numbers for
+    outputs that have no noise floor. The report says which rule judged each output.
+    """
+
+    rtol: float | None = None
+    atol: float | None = None
+    tolerances: tuple[ToleranceRule, ...] = ()
+    include: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] | None = None
+    rename: tuple[RenameRule, ...] = ()
+    fail_fast: bool = False
+    allow_dtype_change: bool = False
+    tolerance: str = "strict"
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.tolerance == "calibrated"
+
+    def with_selection(self, include: Iterable[str] | None, exclude: Iterable[str] | None) -> CompareSpec:
+        """A copy selecting these layers (the golden's recorded selection, applied by default)."""
+        return replace(self, include=None if include is None else tuple(include),
+                                   exclude=None if exclude is None else tuple(exclude))
+
+
+def build_specs(values: Mapping[str, Any], sources: Mapping[str, str] | str = ARGUMENT) -> tuple[RecordSpec, CompareSpec]:
+    """Split one set of options (a marker's, a ``check()``'s, merged) into both specs.
+
+    An option neither spec knows is an error naming it and its source."""
+    for k, v in values.items():
+        if k not in OPTIONS:
+            raise OptionError(k, v, _source_of(sources, k),
+                              f"is not an activation_guard option (options: {', '.join(sorted(OPTIONS))})")
+    rec = RecordSpec.build({k: v for k, v in values.items() if OPTIONS[k].record}, sources)
+    cmp_ = CompareSpec.build({k: v for k, v in values.items() if OPTIONS[k].compare}, sources)
+    return rec, cmp_
