@@ -77,13 +77,6 @@ def info_for(dtype: torch.dtype) -> DtypeInfo:
         ) from None
 
 
-def info_by_name(name: str) -> DtypeInfo:
-    try:
-        return BY_NAME[name]
-    except KeyError:
-        raise UnsupportedDtypeError(f"unknown dtype name {name!r} in golden") from None
-
-
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     """Contiguous CPU bytes of ``t`` as a uint8 numpy array (no copy when already contiguous).
 
@@ -118,12 +111,6 @@ def tensor_from_bytes(raw: np.ndarray, info: DtypeInfo, shape: tuple[int, ...]) 
         return torch.empty(shape, dtype=info.torch_dtype)
     base = torch.from_numpy(raw.copy() if not raw.flags.writeable else raw)
     return base.view(info.torch_dtype).reshape(shape)
-
-
-def storage_array(t: torch.Tensor, info: DtypeInfo) -> np.ndarray:
-    """The array written to a dedicated HDF5 dataset: native dtype where numpy has it."""
-    raw = tensor_bytes(t)
-    return raw.view(info.storage).reshape(tuple(t.shape))
 
 
 def tensor_from_storage(arr: np.ndarray, info: DtypeInfo) -> torch.Tensor:
