@@ -1,10 +1,14 @@
-"""Exception types. Every error about a golden names the file and says how to fix it."""
+"""Exception types. Every error about a golden names the file and says how to fix it.
+
+The fix is worded for any caller (API, CLI, plugin), so these messages never name pytest or a plugin
+flag: front ends that know their own re-record command append it.
+"""
 
 from __future__ import annotations
 
 import os
 
-UPDATE_HINT = "re-record it (`pytest --ag-update`, or `activation_guard.record(...)`)"
+UPDATE_HINT = "re-record the golden"  # neutral: the plugin and the CLI append their own command
 
 
 class ActivationGuardError(Exception):

@@ -18,6 +18,7 @@ from torch import nn
 
 import activation_guard as ag
 from activation_guard import store
+from activation_guard.store import writer
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -183,7 +184,7 @@ def test_failed_replace_keeps_old_golden(tmp_path, monkeypatch):
     def no_replace(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store.os, "replace", no_replace)
+    monkeypatch.setattr(writer.os, "replace", no_replace)
     with pytest.raises(ag.GoldenWriteError, match="previous golden") as ei:
         ag.record(tiny_mlp(seed=3), X, path=path)
     assert ei.value.path == str(path)
@@ -280,3 +281,80 @@ def test_external_link_is_refused(tmp_path):
         f["packs"]["0001"] = h5py.ExternalLink(str(other), "/x")
     with pytest.raises(ag.GoldenSecurityError, match="ExternalLink"):
         ag.read_golden(path)
+
+
+# --------------------------------------------------------------------------- layering
+
+
+def _run_isolated(code: str) -> str:
+    """Run ``code`` in a fresh interpreter that imports this checkout's package."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ag.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+
+
+def test_store_is_the_bottom_layer():
+    """The store imports only ``dtypes`` and ``errors`` from the package: never capture, the
+    comparator, the API or the pytest layer (or pytest itself)."""
+    code = (
+        "import sys, activation_guard\n"
+        "before = set(sys.modules)\n"
+        "import activation_guard.store as s\n"
+        "print(s.__file__)\n"
+        "print(' '.join(sorted(m for m in set(sys.modules) - before if m.startswith('activation_guard'))))\n"
+        "print('pytest' in sys.modules)\n"
+    )
+    where, mods, has_pytest = _run_isolated(code).splitlines()
+    assert where == os.path.join(os.path.dirname(os.path.abspath(ag.__file__)), "store", "__init__.py")
+    added = set(mods.split())
+    assert "activation_guard.capture" not in added
+    assert {m for m in added if not m.startswith("activation_guard.store")} == {
+        "activation_guard.dtypes",
+        "activation_guard.errors",
+    }
+    assert {"activation_guard.store.writer", "activation_guard.store.safety"} <= added  # the import ran here
+    assert has_pytest == "False"
+
+
+def test_writer_takes_plain_leaves(tmp_path):
+    """Any object with the LeafLike attributes is recorded exactly as a capture.Leaf is."""
+    from dataclasses import dataclass
+
+    from activation_guard.capture import Leaf
+
+    @dataclass(frozen=True)
+    class Plain:
+        path: str
+        kind: str
+        tensor: torch.Tensor | None = None
+        type_name: str = ""
+        value: str | None = None
+
+    t = torch.arange(20000, dtype=torch.float32)  # 80 KB: its own dataset
+    fields = [("a", "tensor", t[:3], "Tensor", None), ("b", "tensor", t, "Parameter", None),
+              ("c", "str", None, "str", "v1"), ("d", "none", None, "None", None), ("e", "object", None, "Gen", None)]
+    digests = []
+    for cls in (Leaf, Plain):
+        w = store.GoldenWriter(tmp_path / f"{cls.__name__}.h5")
+        w.add_call("layer", 0, "Linear", [cls(*f) for f in fields])
+        w.commit({"note": "plain"})
+        digests.append(hashlib.sha256((tmp_path / f"{cls.__name__}.h5").read_bytes()).hexdigest())
+    assert digests[0] == digests[1]
+    with store.GoldenReader(tmp_path / "Plain.h5") as r:
+        (call,) = r.calls
+        assert [(e.path, e.kind, e.type_name, e.value) for e in call.leaves] == [
+            ("a", "tensor", "Tensor", None), ("b", "tensor", "Parameter", None), ("c", "str", "str", "v1"),
+            ("d", "none", "None", None), ("e", "object", "Gen", None)]
+        assert torch.equal(r.load(call.leaves[1]), t) and call.leaves[1].dataset is not None
+
+
+def test_store_errors_do_not_name_pytest(tmp_path):
+    """The default fix is neutral; front ends append their own command."""
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not a golden")
+    with pytest.raises(ag.GoldenFormatError) as ei:
+        store.GoldenReader(bad)
+    msg = str(ei.value)
+    assert msg.endswith("; to fix: re-record the golden") and str(bad) in msg
+    rest = msg.replace(str(bad), "")  # tmp_path itself contains "pytest"
+    assert "pytest" not in rest and "--ag-" not in rest

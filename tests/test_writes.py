@@ -28,6 +28,7 @@ from torch import nn
 
 import activation_guard as ag
 from activation_guard import store
+from activation_guard.store import tempfiles, writer
 from activation_guard.testing import golden_files
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
@@ -187,7 +188,7 @@ def recorder(path: Path, seed: int, pause_at: int | None = None, patch_replace: 
                 if patch_replace == "after":
                     handshake(to_parent, from_parent, b"after-rename")
 
-            store.os.replace = replace  # type: ignore[attr-defined]  (only in this child)
+            writer.os.replace = replace  # type: ignore[attr-defined]  (only in this child)
         ag.record(model(seed, pause_at, (to_parent, from_parent)), X, path=path)
         return "recorded"
 
@@ -447,7 +448,7 @@ def test_another_hosts_fresh_temp_is_never_removed(tmp_path):
     path = tmp_path / "g.h5"
     foreign = tmp_path / f".g.h5.abc.h-other-machine{store.TMP_MARK}1"
     old_foreign = tmp_path / f".g.h5.def.h-other-machine{store.TMP_MARK}2"
-    dead_local = tmp_path / f".g.h5.ghi.h-{store._host_tag()}{store.TMP_MARK}{2**22 + 12345}"
+    dead_local = tmp_path / f".g.h5.ghi.h-{tempfiles.host_tag()}{store.TMP_MARK}{2**22 + 12345}"
     for f in (foreign, old_foreign, dead_local):
         f.write_bytes(b"partial")
     day_ago = _time.time() - store.STALE_FOREIGN_SECONDS - 60

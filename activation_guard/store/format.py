@@ -1,0 +1,154 @@
+"""The golden file format, version 1: its constants, its index entries, and the index codec.
+
+Layout (documented for users in docs/format.md)::
+
+    /            attrs: ag_format="activation_guard.golden", ag_format_version=1,
+                        index_crc32, meta_crc32
+    /meta        uint8[]  UTF-8 JSON: versions, device, model class, input fingerprint, environment
+    /index       uint8[]  UTF-8 JSON: layer calls in execution order, each with its leaves
+    /packs/NNNN  uint8[]  small leaves' raw bytes packed back to back (<= PACK_BYTES each)
+    /data/NNNNNN one dataset per large leaf, in its numpy dtype (or an unsigned view of the
+                 same width for bfloat16/float8/complex32), shape as the tensor
+
+Small leaves are packed because HDF5 costs ~60-80 us per dataset; large ones get their own
+dataset so plain h5py users can slice them. Every stored leaf carries a CRC32 of its bytes in the
+index, so a flipped bit in the file is reported as a corrupt golden, never as a model divergence.
+
+Why one module: the writer and the reader must agree on every name, size and field here, and a
+format change (a new leaf kind, a version bump) should be a change to this file first. The index
+is decoded here too, so the rules for what a valid entry is sit next to the entry types.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .. import dtypes
+from ..errors import GoldenFormatError
+
+FORMAT_NAME = "activation_guard.golden"
+FORMAT_VERSION = 1
+PACK_BYTES = 8 * 1024 * 1024  # small leaves are packed into datasets of at most this size
+SMALL_LEAF_BYTES = 64 * 1024  # leaves up to this size go into packs
+MAX_JSON_BYTES = 256 * 1024 * 1024
+LFS_SIGNATURE = b"version https://git-lfs"
+# HDF5 filter ids a golden may use: deflate, shuffle, fletcher32, lzf. Anything else would make
+# libhdf5 look for a filter plugin on disk and run its code.
+ALLOWED_FILTERS = {1, 2, 3, 32000}
+COMPRESSIONS = {None, "gzip", "lzf"}
+ROOT_MEMBERS = ("index", "meta", "packs", "data")
+LEAF_KINDS = ("tensor", "none", "str", "object")
+_DATASET_NAME = re.compile(r"data/\d{6}")
+
+
+def json_bytes(obj: Any) -> bytes:
+    """Canonical JSON (sorted keys, no spaces, no NaN): the same record always gives the same
+    bytes, which is what makes re-recording an unchanged model byte-identical."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+@dataclass
+class LeafEntry:
+    """One leaf of a recorded layer call, as the index describes it (no values)."""
+
+    path: str
+    kind: str  # tensor | none | str | object
+    dtype: str | None = None
+    shape: tuple[int, ...] = ()
+    nbytes: int = 0
+    crc32: int = 0
+    pack: int | None = None
+    offset: int = 0
+    dataset: str | None = None
+    type_name: str = ""
+    value: str | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class CallEntry:
+    """One recorded layer call and its leaves, in the golden's execution order."""
+
+    name: str
+    call: int
+    type_name: str
+    leaves: list[LeafEntry]
+    position: int  # 0-based position in the golden's execution order
+
+
+def parse_calls(path: str, calls: list[Any]) -> list[CallEntry]:
+    """Decode the index's ``calls`` list, refusing any entry the writer could not have produced.
+
+    The index passed its checksum, so a malformed entry means a foreign or hand-edited file; each
+    error names the layer call and leaf path at fault. Storage locations are checked for shape
+    here and for existence by the reader when the leaf is loaded.
+    """
+    return [_parse_call(path, c, i) for i, c in enumerate(calls)]
+
+
+def _parse_call(p: str, c: Any, position: int) -> CallEntry:
+    if not isinstance(c, dict):
+        raise GoldenFormatError(p, f"index entry #{position} is malformed")
+    name, call, tname, leaves = c.get("name"), c.get("call"), c.get("type", ""), c.get("leaves")
+    if (
+        not isinstance(name, str)
+        or not isinstance(call, int)
+        or isinstance(call, bool)
+        or call < 0
+        or not isinstance(leaves, list)
+        or not isinstance(tname, str)
+    ):
+        raise GoldenFormatError(p, f"index entry #{position} is malformed")
+    return CallEntry(name, call, tname, [_parse_leaf(p, leaf, name, call) for leaf in leaves], position)
+
+
+def _parse_leaf(p: str, e: Any, lname: str, call: int) -> LeafEntry:
+    where = f"layer {lname!r} call {call}"
+    if not isinstance(e, dict) or not isinstance(e.get("path"), str) or e.get("kind") not in LEAF_KINDS:
+        raise GoldenFormatError(p, f"index entry for {where} has a malformed leaf")
+    kind = e["kind"]
+    if kind == "none":
+        return LeafEntry(e["path"], kind, type_name="None")
+    if kind == "object":
+        return LeafEntry(e["path"], kind, type_name=str(e.get("type", "")))
+    if kind == "str":
+        v = e.get("value")
+        if not isinstance(v, str):
+            raise GoldenFormatError(p, f"index entry for {where} has a malformed string leaf")
+        return LeafEntry(e["path"], kind, type_name=str(e.get("py", "str")), value=v)
+    at = f"{where} path {e['path']!r}"
+    dt, shape, nbytes, crc = e.get("dtype"), e.get("shape"), e.get("nbytes"), e.get("crc32")
+    if dt not in dtypes.BY_NAME:
+        raise GoldenFormatError(p, f"{at} has unknown dtype {dt!r}")
+    if (
+        not isinstance(shape, list)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+        or len(shape) > 64
+    ):
+        raise GoldenFormatError(p, f"{at} has a malformed shape {shape!r}")
+    info = dtypes.BY_NAME[dt]
+    n = 1
+    for s in shape:
+        n *= s
+    if not isinstance(nbytes, int) or nbytes != n * info.storage.itemsize or not isinstance(crc, int):
+        raise GoldenFormatError(p, f"{at} has an inconsistent size or checksum record")
+    entry = LeafEntry(e["path"], kind, dt, tuple(shape), nbytes, crc, type_name=str(e.get("py", "Tensor")))
+    if "pack" in e:
+        pk, off = e.get("pack"), e.get("offset")
+        if not isinstance(pk, int) or not isinstance(off, int) or pk < 0 or off < 0:
+            raise GoldenFormatError(p, f"{at} has a malformed pack location")
+        entry.pack, entry.offset = pk, off
+    elif isinstance(e.get("dataset"), str) and _DATASET_NAME.fullmatch(e["dataset"]):
+        entry.dataset = e["dataset"]
+    else:
+        raise GoldenFormatError(p, f"{at} has no valid storage location")
+    return entry

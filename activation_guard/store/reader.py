@@ -1,0 +1,299 @@
+"""Reading one golden: opened defensively, then served one leaf at a time (streaming compare).
+
+Opening vets the whole file's structure once (through :mod:`.safety`), checks the index and meta
+checksums and decodes the index (:func:`.format.parse_calls`); loading a leaf then costs one read
+and one CRC32. Two tricks keep compare fast without weakening that: a contiguous, unfiltered
+dataset is read with one ``pread`` at the offset vetted at open (no HDF5 call per leaf), and the
+last pack read is cached, so consecutive small leaves cost one memcmp-ready slice each
+(:meth:`GoldenReader.packed_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from .. import dtypes
+from ..errors import GoldenCorruptError, GoldenError, GoldenFormatError, GoldenNotFoundError
+from .format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LFS_SIGNATURE,
+    MAX_JSON_BYTES,
+    PACK_BYTES,
+    ROOT_MEMBERS,
+    CallEntry,
+    LeafEntry,
+    parse_calls,
+)
+from .memory import TrimCounter
+from .safety import (
+    VLEN_UNREAD,
+    check_dataset,
+    check_storage,
+    direct_location,
+    hard_member,
+    scalar_attr,
+)
+
+CORRUPT_VALUES = "stored values fail their checksum (the file was modified or damaged after recording)"
+
+
+def is_lfs_pointer(path: str) -> bool:
+    """Whether ``path`` is a Git LFS pointer file (the golden was checked out without ``git lfs pull``)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(LFS_SIGNATURE)) == LFS_SIGNATURE
+    except OSError:
+        return False
+
+
+def _pread_into(path: str, fd: int, arr: np.ndarray, offset: int, what: str) -> None:
+    view = arr.reshape(-1).view(np.uint8).data
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise GoldenCorruptError(path, f"{what}: the file ends before the stored values do (truncated)")
+        done += n
+
+
+class GoldenReader:
+    """Opens a golden defensively and serves leaves one at a time (streaming compare).
+
+    Every object is reached through hard links only (checked at every level), datasets are
+    checked for external storage, virtual layout and unexpected filters before any data is
+    read, and nothing is allocated beyond the size the index declares and the caller asked for.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        p = self.path
+        if not os.path.exists(p):
+            raise GoldenNotFoundError(p, "file does not exist")
+        if os.path.isdir(p):
+            raise GoldenFormatError(p, "is a directory, not a golden file", fix="pass the path of a .h5 golden")
+        if is_lfs_pointer(p):
+            raise GoldenFormatError(
+                p, "is a Git LFS pointer, not the golden itself", fix="run `git lfs pull` to fetch the real file"
+            )
+        size = os.path.getsize(p)
+        if size == 0:
+            raise GoldenFormatError(p, "is empty (0 bytes)")
+        self.file_size = size
+        try:
+            self.f = h5py.File(p, "r", locking=False)
+        except OSError as e:
+            msg = str(e)
+            if "truncated" in msg:
+                raise GoldenCorruptError(p, f"is truncated ({msg})") from None
+            raise GoldenFormatError(p, f"is not a readable HDF5 file ({msg})") from None
+        try:
+            self._open()
+        except GoldenError:
+            self.f.close()
+            raise
+        except Exception as e:
+            self.f.close()
+            raise GoldenCorruptError(p, f"is damaged or inconsistent ({type(e).__name__}: {e})") from None
+        self._pack_cache: tuple[int, np.ndarray] | None = None
+        self._trim = TrimCounter()  # keeps compare's RSS bounded (see memory.release_freed_memory)
+        self._fd: int | None = None  # libhdf5's own descriptor (sec2 driver), for direct reads
+        if hasattr(os, "preadv"):
+            with contextlib.suppress(Exception):
+                fd = self.f.id.get_vfd_handle()
+                self._fd = fd if isinstance(fd, int) and fd >= 0 else None
+
+    # -- validation
+    def _open(self) -> None:
+        p, f = self.path, self.f
+        fmt = scalar_attr(p, f, "ag_format", "str")
+        if isinstance(fmt, bytes):
+            fmt = fmt.decode(errors="replace")
+        if fmt is not VLEN_UNREAD and fmt != FORMAT_NAME:
+            raise GoldenFormatError(
+                p,
+                "is an HDF5 file but not an activation_guard golden (no ag_format attribute)",
+                fix="point at a golden written by activation_guard, or re-record it",
+            )
+        ver = scalar_attr(p, f, "ag_format_version", "int")
+        if not isinstance(ver, (int, np.integer)):
+            raise GoldenFormatError(p, f"has a malformed ag_format_version attribute ({ver!r})")
+        if int(ver) > FORMAT_VERSION:
+            raise GoldenFormatError(
+                p,
+                f"was written in golden format version {int(ver)}, newer than this activation_guard understands "
+                f"({FORMAT_VERSION})",
+                fix="upgrade activation_guard (pip install -U activation_guard)",
+            )
+        if int(ver) < 1:
+            raise GoldenFormatError(p, f"has an invalid format version {int(ver)}")
+        root: dict[str, Any] = {}  # each root object opened once: a lookup by name costs ~50 us
+        for key in f:
+            if key not in ROOT_MEMBERS:
+                raise GoldenFormatError(p, f"contains an unexpected object /{key}")
+            root[key] = hard_member(p, f, key, "/")
+        self._groups: dict[str, h5py.Group] = {}
+        self._direct: dict[str, tuple[int, int, tuple[int, ...], np.dtype]] = {}
+        for grp_name in ("packs", "data"):
+            g = root.get(grp_name)
+            if g is None:
+                continue
+            if not isinstance(g, h5py.Group):
+                raise GoldenFormatError(p, f"/{grp_name} should be a group")
+            self._groups[grp_name] = g
+            for key in g:
+                obj = hard_member(p, g, key, f"/{grp_name}/")
+                if not isinstance(obj, h5py.Dataset):
+                    raise GoldenFormatError(p, f"/{grp_name}/{key} should be a dataset")
+                check_dataset(p, obj, f"/{grp_name}/{key}")  # refuse hostile files at open
+                if grp_name == "data":
+                    loc = direct_location(obj)
+                    if loc is not None:
+                        self._direct[key] = loc
+        self.meta = self._read_json("meta", root.get("meta"))
+        index = self._read_json("index", root.get("index"))
+        if not isinstance(self.meta, dict) or not isinstance(index, dict) or not isinstance(index.get("calls"), list):
+            raise GoldenFormatError(p, "has a malformed index or meta record")
+        self.calls = parse_calls(p, index["calls"])
+        self.by_key: dict[tuple[str, int], CallEntry] = {}
+        for c in self.calls:
+            if (c.name, c.call) in self.by_key:
+                raise GoldenFormatError(p, f"lists layer {c.name!r} call {c.call} twice")
+            self.by_key[(c.name, c.call)] = c
+
+    def _read_json(self, key: str, ds: Any) -> Any:
+        p = self.path
+        if ds is None:
+            raise GoldenFormatError(p, f"has no /{key} record (incomplete or not written by activation_guard)")
+        if not isinstance(ds, h5py.Dataset) or ds.dtype != np.uint8 or ds.ndim != 1:
+            raise GoldenFormatError(p, f"/{key} has the wrong type")
+        check_dataset(p, ds, f"/{key}")
+        if ds.size > min(MAX_JSON_BYTES, self.file_size) or ds.id.get_storage_size() != ds.size:
+            raise GoldenCorruptError(p, f"/{key} declares {ds.size} bytes but stores {ds.id.get_storage_size()}")
+        raw = ds[()].tobytes()
+        want = scalar_attr(p, self.f, f"{key}_crc32", "int")
+        if not isinstance(want, (int, np.integer)):
+            raise GoldenFormatError(p, f"has a malformed {key}_crc32 attribute ({want!r})")
+        if zlib.crc32(raw) != int(want):
+            raise GoldenCorruptError(p, f"/{key} fails its checksum (the file was modified or damaged)")
+        try:
+            return json.loads(raw.decode())
+        except (UnicodeDecodeError, ValueError) as e:
+            raise GoldenCorruptError(p, f"/{key} is not valid JSON ({e})") from None
+
+    # -- data
+    def _pack_bytes(self, pack: int) -> np.ndarray:
+        if self._pack_cache is not None and self._pack_cache[0] == pack:
+            return self._pack_cache[1]
+        p = self.path
+        key = f"{pack:04d}"
+        ds = self._member("packs", key)  # every member was walked (hard links only) in _open
+        if ds is None:
+            raise GoldenCorruptError(p, f"pack /packs/{key} referenced by the index is missing")
+        if ds.dtype != np.uint8 or ds.ndim != 1 or ds.size > PACK_BYTES * 4:
+            raise GoldenFormatError(p, f"/packs/{key} has the wrong type or size")
+        check_storage(p, ds, int(ds.size), self.file_size, f"/packs/{key}")
+        arr = ds[()]
+        self._pack_cache = (pack, arr)
+        return arr
+
+    def _member(self, group: str, key: str) -> Any:
+        """``/group/key`` with one HDF5 lookup. ``_open`` walked every member (hard links only)
+        and vetted it with ``check_dataset``, so reads do not repeat those checks."""
+        g = self._groups.get(group)
+        if g is None:
+            return None
+        try:
+            return g[key]
+        except KeyError:
+            return None
+
+    def packed_bytes(self, entry: LeafEntry, where: str = "") -> np.ndarray:
+        """The checksum-verified raw bytes of a packed (small) leaf, without copying them: lets
+        the comparator settle bit-identical outputs with one memcmp, no tensor built."""
+        p = self.path
+        assert entry.pack is not None
+        label = where or entry.path
+        buf = self._pack_bytes(entry.pack)
+        if entry.offset + entry.nbytes > buf.size:
+            raise GoldenCorruptError(p, f"{label}: pack /packs/{entry.pack:04d} is shorter than the index says")
+        raw = buf[entry.offset : entry.offset + entry.nbytes]
+        if entry.nbytes and zlib.crc32(raw.data) != entry.crc32:
+            raise GoldenCorruptError(p, f"{label}: {CORRUPT_VALUES}")
+        return raw
+
+    def load(self, entry: LeafEntry, where: str = "") -> torch.Tensor:
+        """Read one leaf, verify its checksum, return a CPU tensor of its recorded dtype."""
+        p = self.path
+        assert entry.kind == "tensor" and entry.dtype is not None
+        info = dtypes.BY_NAME[entry.dtype]
+        label = where or entry.path
+        try:
+            if entry.pack is not None:
+                return dtypes.tensor_from_bytes(self.packed_bytes(entry, label).copy(), info, entry.shape)
+            assert entry.dataset is not None
+            at = f"{label}: /{entry.dataset}"
+            key = entry.dataset.split("/", 1)[1]
+            loc = self._direct.get(key) if self._fd is not None else None
+            if loc is not None:  # contiguous and unfiltered, vetted in _open: one pread, no HDF5
+                off, stored, shape, dt = loc
+                if shape != entry.shape or dt != info.storage:
+                    raise GoldenCorruptError(
+                        p, f"{at} has shape {shape} dtype {dt}, index says {entry.shape} {info.storage}"
+                    )
+                if stored != entry.nbytes or off + stored > self.file_size:
+                    raise GoldenCorruptError(
+                        p,
+                        f"{at} stores {stored} bytes at offset {off} of a {self.file_size}-byte file; "
+                        f"the index says {entry.nbytes}",
+                    )
+            else:
+                ds = self._member("data", key)
+                if ds is None:
+                    raise GoldenCorruptError(p, f"{label}: dataset /{entry.dataset} is missing")
+                if ds.shape != entry.shape or ds.dtype != info.storage:
+                    raise GoldenCorruptError(
+                        p, f"{at} has shape {ds.shape} dtype {ds.dtype}, index says {entry.shape} {info.storage}"
+                    )
+                check_storage(p, ds, entry.nbytes, self.file_size, at)
+            self._trim.add(entry.nbytes)
+            arr = np.empty(entry.shape, dtype=info.storage)
+            if arr.size and loc is not None:
+                assert self._fd is not None
+                _pread_into(p, self._fd, arr, off, at)
+            elif arr.size:
+                ds.read_direct(arr)
+            if entry.nbytes and zlib.crc32(arr.reshape(-1).view(np.uint8).data) != entry.crc32:
+                raise GoldenCorruptError(p, f"{label}: {CORRUPT_VALUES}")
+            return dtypes.tensor_from_storage(arr, info)
+        except GoldenError:
+            raise
+        except Exception as e:
+            raise GoldenCorruptError(p, f"{label}: could not read stored values ({type(e).__name__}: {e})") from None
+
+    def iter_tensors(self) -> Iterator[tuple[CallEntry, LeafEntry, torch.Tensor]]:
+        """Every tensor leaf in execution order, each loaded and checksum-verified."""
+        for c in self.calls:
+            for leaf in c.leaves:
+                if leaf.kind == "tensor":
+                    yield c, leaf, self.load(leaf, f"layer {c.name!r} call {c.call} path {leaf.path!r}")
+
+    def close(self) -> None:
+        self._pack_cache = None
+        with contextlib.suppress(Exception):
+            self.f.close()
+
+    def __enter__(self) -> GoldenReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,130 @@
+"""The checks that decide whether an object in a golden file may be touched at all.
+
+A golden is an HDF5 file from anywhere (a pull request, a downloaded artifact), and HDF5 can do
+far more than a golden needs: external links and virtual datasets read other files, external
+storage reads raw bytes from other paths, filter ids load plugins from disk and run their code,
+a few bytes can declare terabytes, and some damaged attributes crash or hang libhdf5 when read.
+Goldens use none of that, so the reader refuses every such file before reading any value.
+
+Why one module: this is the one place that vets a file's HDF5 objects. The reader calls these
+checks on every object when it opens a golden and on every size before it allocates; a new
+reader path must go through them too, and a reviewer can audit the whole policy here. (The JSON
+index is vetted by :func:`.format.parse_calls`; every stored byte by its CRC32 in the reader.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import h5py
+import numpy as np
+
+from ..errors import GoldenCorruptError, GoldenFormatError, GoldenSecurityError
+from .format import ALLOWED_FILTERS
+
+DELETE_FIX = "delete this file and re-record the golden"
+# deflate cannot exceed ~1032:1 and lzf far less; a dataset claiming more is an allocation bomb
+MAX_COMPRESSION_RATIO = 1100
+_ATTR_CLASSES = {"int": h5py.h5t.INTEGER, "str": h5py.h5t.STRING}
+VLEN_UNREAD = object()  # a variable-length string attribute whose value was deliberately not read
+
+
+def scalar_attr(path: str, obj: h5py.HLObject, name: str, kind: str) -> Any:
+    """Read a root attribute only after checking its declared type and shape.
+
+    A damaged or hostile file can declare an attribute of another type class (a bit flip in
+    the datatype message turned ``ag_format`` into a vlen sequence, and reading it segfaulted
+    libhdf5) or an absurd size; both are refused before any value is read.
+
+    Variable-length strings are never read: their bytes live in the file's global heap, and
+    libhdf5 loops forever on a global heap whose object size byte was flipped (measured with
+    HDF5 2.0). Such an attribute returns :data:`VLEN_UNREAD`; its presence and type are checked.
+    """
+    if name not in obj.attrs:
+        return None
+    aid = obj.attrs.get_id(name)
+    tid = aid.get_type()
+    cls = tid.get_class()
+    size = tid.get_size()
+    if aid.shape != () or cls != _ATTR_CLASSES[kind] or size > 1024 or (kind == "int" and size not in (1, 2, 4, 8)):
+        raise GoldenFormatError(
+            path, f"attribute {name!r} has the wrong type or shape (a golden stores a scalar {kind})"
+        )
+    if kind == "str" and tid.is_variable_str():
+        return VLEN_UNREAD
+    return obj.attrs[name]
+
+
+def hard_member(path: str, group: h5py.Group, key: str, where: str) -> Any:
+    """``group[key]`` when it is reached by a hard link, else an error: soft and external links
+    (which can point into other files) are refused before they are followed."""
+    link = group.get(key, getlink=True)
+    if link is None:
+        return None
+    if not isinstance(link, h5py.HardLink):
+        raise GoldenSecurityError(
+            path,
+            f"{where}{key} is a {type(link).__name__}; goldens contain only plain datasets and groups",
+            fix=DELETE_FIX,
+        )
+    return group[key]
+
+
+def check_dataset(path: str, ds: h5py.Dataset, what: str) -> None:
+    """Refuse a dataset that would read other files (virtual layout, external storage) or load
+    code (a filter outside :data:`.format.ALLOWED_FILTERS`) when its values are read."""
+    dcpl = ds.id.get_create_plist()
+    if dcpl.get_layout() == h5py.h5d.VIRTUAL:
+        raise GoldenSecurityError(
+            path, f"{what} is a virtual dataset (it would read other files); goldens never use them", fix=DELETE_FIX
+        )
+    if dcpl.get_external_count() > 0:
+        raise GoldenSecurityError(
+            path, f"{what} uses external raw storage (it would read other files); goldens never use it", fix=DELETE_FIX
+        )
+    for i in range(dcpl.get_nfilters()):
+        fid = dcpl.get_filter(i)[0]
+        if fid not in ALLOWED_FILTERS:
+            raise GoldenSecurityError(
+                path,
+                f"{what} uses HDF5 filter id {fid}, which goldens never use (it would load a plugin from disk)",
+                fix=DELETE_FIX,
+            )
+
+
+def check_storage(path: str, ds: h5py.Dataset, nbytes: int, file_size: int, what: str) -> None:
+    """Refuse a dataset whose declared size the bytes it stores cannot back, before allocating.
+
+    A 3.7 KB file can declare a 4 TiB gzip dataset (unwritten chunks read as fill value), and a
+    contiguous layout can declare storage past the end of the file; both are caught here.
+    """
+    stored = ds.id.get_storage_size()
+    if stored > file_size:
+        raise GoldenCorruptError(path, f"{what} claims {stored} stored bytes in a {file_size}-byte file")
+    if ds.compression is None:
+        if stored != nbytes:
+            raise GoldenCorruptError(path, f"{what} declares {nbytes} bytes but stores {stored}")
+    elif nbytes > stored * MAX_COMPRESSION_RATIO + 4096:
+        raise GoldenSecurityError(
+            path,
+            f"{what} declares {nbytes} bytes backed by only {stored} stored bytes (an allocation bomb or a damaged "
+            "file); refusing to allocate it",
+            fix=DELETE_FIX,
+        )
+
+
+def direct_location(ds: h5py.Dataset) -> tuple[int, int, tuple[int, ...], np.dtype] | None:
+    """(file offset, stored bytes, shape, dtype) of a contiguous, unfiltered dataset, or None.
+
+    Why: reopening a dataset through HDF5 to read it costs ~100-200 us plus h5py's property calls;
+    for a contiguous dataset without filters the bytes sit at one offset, so the reader reads them
+    with one ``pread`` (the checksum in the index still verifies every byte). Only call this on a
+    dataset that passed :func:`check_dataset`; the reader still bounds offset + size by the file.
+    """
+    dcpl = ds.id.get_create_plist()
+    if dcpl.get_layout() != h5py.h5d.CONTIGUOUS or dcpl.get_nfilters() or dcpl.get_external_count():
+        return None
+    off = ds.id.get_offset()
+    if off is None:  # storage never allocated (empty dataset): read through HDF5
+        return None
+    return int(off), int(ds.id.get_storage_size()), tuple(int(n) for n in ds.shape), ds.dtype

@@ -1,0 +1,216 @@
+"""Writing one golden: leaves as they are captured, then an atomic, byte-reproducible commit.
+
+Byte-reproducible: datasets carry no timestamps, names are counters, JSON is canonical, and
+attributes are fixed-length, so recording an unchanged model gives an identical file (a clean
+``git diff``). Atomic: everything goes to a temp file next to the target (see
+:mod:`.tempfiles`), which is fsynced and renamed over the old golden only when complete.
+
+The writer takes plain data (:class:`LeafLike`), not capture's types: the store is the bottom
+layer, and anything with these five attributes (a capture ``Leaf``, a replayed or synthesized
+leaf) can be recorded without a conversion step per leaf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import zlib
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import h5py
+import numpy as np
+import torch
+
+from .. import dtypes
+from ..errors import GoldenWriteError
+from .format import (
+    COMPRESSIONS,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    PACK_BYTES,
+    SMALL_LEAF_BYTES,
+    json_bytes,
+)
+from .memory import TrimCounter
+from .tempfiles import create_temp, default_mode
+
+WRITE_FIX = "free disk space or fix permissions, then re-record"
+
+
+class LeafLike(Protocol):
+    """What the writer needs of one leaf of a layer's output.
+
+    ``kind`` is ``tensor`` (``tensor`` set), ``str`` (``value`` set), ``none`` or ``object``
+    (recorded by ``type_name`` only). ``capture.Leaf`` has exactly these attributes.
+    """
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def tensor(self) -> torch.Tensor | None: ...
+    @property
+    def type_name(self) -> str: ...
+    @property
+    def value(self) -> str | None: ...
+
+
+class GoldenWriter:
+    """Writes one golden into a temporary file next to the target, then atomically replaces it.
+
+    Leaves are written as they are captured (inside the forward hook), so the bytes on disk are
+    the snapshot: later in-place ops on the live tensors cannot change them, and nothing needs
+    to be cloned.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, compression: str | None = None):
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {sorted(map(str, COMPRESSIONS))}, got {compression!r}")
+        self.path = os.path.abspath(os.fspath(path))
+        self.compression = compression
+        self.tmp = ""
+        try:
+            self.tmp = create_temp(self.path)
+            self.f = h5py.File(self.tmp, "w")
+        except OSError as e:
+            if self.tmp:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.tmp)
+            d = os.path.dirname(self.path)
+            raise GoldenWriteError(
+                self.path, f"cannot create a temporary file in {d}: {e}", fix="check the folder exists and is writable"
+            ) from e
+        self.calls: list[dict[str, Any]] = []
+        self._pack: list[bytes] = []
+        self._pack_len = 0
+        self._pack_id = 0
+        self._data_id = 0
+        self._packs_group: h5py.Group | None = None
+        self._data_group: h5py.Group | None = None
+        self.nbytes = 0
+        self.nleaves = 0
+        self._trim = TrimCounter()
+        self._closed = False
+
+    # -- leaves
+    def _flush_pack(self) -> None:
+        if not self._pack:
+            return
+        if self._packs_group is None:
+            self._packs_group = self.f.create_group("packs")
+        buf = np.frombuffer(b"".join(self._pack), dtype=np.uint8)
+        self._packs_group.create_dataset(f"{self._pack_id:04d}", data=buf, track_times=False)
+        self._pack_id += 1
+        self._pack = []
+        self._pack_len = 0
+
+    def _write_tensor(self, t: torch.Tensor) -> dict[str, Any]:
+        info = dtypes.info_for(t.dtype)
+        raw = dtypes.tensor_bytes(t)
+        nbytes = int(raw.size)
+        crc = zlib.crc32(raw.data) if nbytes else 0
+        entry: dict[str, Any] = {
+            "kind": "tensor",
+            "dtype": info.name,
+            "shape": [int(s) for s in t.shape],
+            "nbytes": nbytes,
+            "crc32": crc,
+        }
+        if nbytes <= SMALL_LEAF_BYTES:
+            if self._pack_len + nbytes > PACK_BYTES:
+                self._flush_pack()
+            entry["pack"] = self._pack_id
+            entry["offset"] = self._pack_len
+            self._pack.append(raw.tobytes())  # copy: the snapshot
+            self._pack_len += nbytes
+        else:
+            if self._data_group is None:
+                self._data_group = self.f.create_group("data")
+            name = f"{self._data_id:06d}"
+            self._data_id += 1
+            arr = raw.view(info.storage).reshape(tuple(t.shape))
+            kw: dict[str, Any] = {"track_times": False}
+            if self.compression is not None:
+                kw["compression"] = self.compression
+                kw["shuffle"] = True
+            self._data_group.create_dataset(name, data=arr, **kw)
+            entry["dataset"] = f"data/{name}"
+            self._trim.add(nbytes)
+        self.nbytes += nbytes
+        return entry
+
+    def add_call(self, name: str, call: int, module_type: str, leaves: Iterable[LeafLike]) -> None:
+        """Record one layer call (``name``, 0-based ``call`` count) with its leaves, in order."""
+        out = []
+        for leaf in leaves:
+            if leaf.kind == "tensor":
+                assert leaf.tensor is not None
+                try:
+                    e = self._write_tensor(leaf.tensor)
+                except OSError as err:  # disk full, file size limit, I/O error: not a model problem
+                    raise GoldenWriteError(
+                        self.path,
+                        f"could not write layer {name or '<root>'!r} call {call} ({err}); "
+                        "the previous golden, if any, is unchanged",
+                        fix=WRITE_FIX,
+                    ) from err
+                if leaf.type_name != "Tensor":
+                    e["py"] = leaf.type_name
+            elif leaf.kind == "str":
+                e = {"kind": "str", "value": leaf.value, "py": leaf.type_name}
+            else:
+                e = {"kind": leaf.kind, "type": leaf.type_name}
+            e["path"] = leaf.path
+            out.append(e)
+            self.nleaves += 1
+        self.calls.append({"name": name, "call": call, "type": module_type, "leaves": out})
+
+    # -- finishing
+    def commit(self, meta: dict[str, Any]) -> None:
+        """Write the index and ``meta``, then fsync and rename over the target; on any failure
+        the temp file is removed and the previous golden, if any, is left as it was."""
+        try:
+            self._flush_pack()
+            index = {"calls": self.calls}
+            ib = json_bytes(index)
+            mb = json_bytes(meta)
+            self.f.create_dataset("index", data=np.frombuffer(ib, dtype=np.uint8), track_times=False)
+            self.f.create_dataset("meta", data=np.frombuffer(mb, dtype=np.uint8), track_times=False)
+            # fixed-length ASCII: no global-heap object for a reader to trip over (see safety.scalar_attr)
+            self.f.attrs["ag_format"] = np.bytes_(FORMAT_NAME)
+            self.f.attrs["ag_format_version"] = np.int64(FORMAT_VERSION)
+            self.f.attrs["index_crc32"] = np.int64(zlib.crc32(ib))
+            self.f.attrs["meta_crc32"] = np.int64(zlib.crc32(mb))
+            self.f.close()
+            self._closed = True
+            os.chmod(self.tmp, default_mode(self.path))
+            with open(self.tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(self.tmp, self.path)
+        except (OSError, RuntimeError) as e:  # h5py reports a failed flush on close as RuntimeError
+            self.abort()
+            raise GoldenWriteError(
+                self.path, f"could not write the golden ({e}); the previous golden, if any, is unchanged", fix=WRITE_FIX
+            ) from e
+        except BaseException:
+            self.abort()
+            raise
+        try:  # make the rename itself durable
+            dfd = os.open(os.path.dirname(self.path), os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass
+
+    def abort(self) -> None:
+        """Drop the temp file; the target is untouched. Safe to call more than once."""
+        if not self._closed:
+            with contextlib.suppress(Exception):
+                self.f.close()
+            self._closed = True
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp)
