@@ -38,6 +38,7 @@ _LAZY: dict[str, str] = {
     "GoldenSecurityError": "errors",
     "GoldenWriteError": "errors",
     "SelectionError": "errors",
+    "UncalibratedGoldenError": "errors",
     "UnsupportedModelError": "errors",
     "Report": "report",
     "CROSS_DEVICE_DEFAULTS": "tolerances",
@@ -65,6 +66,7 @@ __all__ = [
     "Report",
     "SelectionError",
     "Tolerance",
+    "UncalibratedGoldenError",
     "UnsupportedModelError",
     "__version__",
     "check_determinism",
@@ -91,6 +93,7 @@ if TYPE_CHECKING:
         GoldenWriteError,
         OptionError,
         SelectionError,
+        UncalibratedGoldenError,
         UnsupportedModelError,
     )
     from .report import Report

@@ -43,7 +43,7 @@ import torch
 from .capture import Leaf, flatten, hooked, run_forward
 from .devices import reference_device, stats_device, to_device
 from .dtypes import dtype_name
-from .errors import ActivationGuardError, GoldenFormatError
+from .errors import ActivationGuardError, GoldenFormatError, UncalibratedGoldenError
 from .judges import PRECISION, LeafContext, StrictJudge
 from .kernel import CHUNK, compare_tensors
 from .numerics import full_fp32_precision
@@ -164,10 +164,9 @@ class FloorTable:
         """Read the floors of a golden; a clear error when it has none or they are malformed."""
         rec = meta.get(META_KEY) if isinstance(meta, Mapping) else None
         if rec is None:
-            raise GoldenFormatError(
+            raise UncalibratedGoldenError(
                 path, 'has no calibrated noise floors, which tolerance="calibrated" needs',
-                fix="re-record it with calibration: `activation_guard.record(..., calibrate=True)` "
-                    "or `pytest --ag-update --ag-calibrate`",
+                fix="re-record the golden with calibration (record option calibrate=True)",
             )
         bad = GoldenFormatError(path, f"has a malformed {META_KEY!r} record in its meta", fix="re-record it with calibrate=True")
         if not isinstance(rec, Mapping) or not isinstance(rec.get("floors"), Mapping):
@@ -392,7 +391,12 @@ class CalibratedJudge:
 
     def identical(self, ctx: LeafContext, live: torch.Tensor) -> LeafResult:
         res = self.strict.identical(ctx, live)
-        if ctx.golden_dtype not in CALIBRATED_DTYPES or self.strict.tolerance(ctx).rule is not None:
+        if ctx.golden_dtype not in CALIBRATED_DTYPES:
+            return res
+        rule = self.strict.tolerance(ctx).rule
+        if rule is not None:
+            self.explicit[rule.pattern] = self.explicit.get(rule.pattern, 0) + 1
+            res.tolerance_source = f"{res.tolerance_source}; strict: a tolerances pattern overrides calibration"
             return res
         if self.golden.get(ctx.golden_name, ctx.call, ctx.path) is None:
             self.fallbacks.append(f"{_where(ctx)}: the golden has no finite noise floor")

@@ -44,6 +44,11 @@ class GoldenFormatError(GoldenError):
     """Not a golden, a golden of an unknown/newer format version, or inconsistent contents."""
 
 
+class UncalibratedGoldenError(GoldenFormatError):
+    """``tolerance="calibrated"`` met a golden recorded without noise floors: re-recording it
+    needs calibration on (the plugin adds ``--ag-calibrate`` to the command it prints)."""
+
+
 class GoldenCorruptError(GoldenError):
     """Stored bytes fail their checksum: the file was damaged after it was written."""
 
