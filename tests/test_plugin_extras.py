@@ -100,7 +100,8 @@ def test_mlp(activation_guard):
     ag.runpytest("--ag-update").assert_outcomes(passed=1)
     res = ag.runpytest("--ag-check-determinism")
     res.assert_outcomes(passed=1)  # reported, not failed
-    res.stdout.fnmatch_lines(["*NONDETERMINISTIC test_mlp.py::test_mlp: * layer call(s) differ between two runs: 1[[]0[]]*"])
+    res.stdout.fnmatch_lines(
+        ["*NONDETERMINISTIC test_mlp.py::test_mlp: * layer call(s) differ between two runs: 1[[]0[]]*"])
 
 
 def test_ag_deterministic_fixture_restores_settings(ag: pytest.Pytester) -> None:
