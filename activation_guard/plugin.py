@@ -1,13 +1,14 @@
-"""pytest plugin glue: options, ini keys, the marker, fixtures and hooks.
+"""pytest plugin glue: command-line options, ini keys, the marker, fixtures and hooks.
 
-Everything with logic lives in :mod:`activation_guard.session` (settings, option precedence,
-bookkeeping, summary, unused goldens) and :mod:`activation_guard.paths` (node id -> golden file);
-this module only wires them to pytest. Registered through the ``pytest11`` entry point.
+Only wiring lives here (as in syrupy): :mod:`activation_guard.options` holds settings and option
+precedence, :mod:`activation_guard.session` the run's bookkeeping, summary and ``--ag-report``,
+:mod:`activation_guard.check` the fixture object and the test item -> golden key mapping, and
+:mod:`activation_guard.paths` the golden file names. Registered through the ``pytest11`` entry
+point; importing it must not import torch (a project that never checks a model pays nothing).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,15 +16,10 @@ from typing import Any
 import pytest
 
 from . import paths
-from .session import (
-    DEVICE_FIXTURE,
-    RECORD_DEVICE,
-    GoldenCheck,
-    GuardSession,
-    OptionError,
-    Settings,
-    marker_options,
-)
+from .check import GoldenCheck, item_key
+from .errors import OptionError as SpecOptionError
+from .options import DEVICE_FIXTURE, RECORD_DEVICE, OptionError, Settings, marker_options, prefixed
+from .session import ALERT_PREFIXES, GuardSession, partial_modules
 
 SESSION_KEY = pytest.StashKey[GuardSession]()
 WORKER_KEY = "activation_guard"
@@ -39,34 +35,43 @@ MARKER_DOC = (
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("activation_guard", "activation_guard: layer-by-layer activation goldens")
     g.addoption("--ag-update", action="store_const", const="all", dest="ag_update", default=None,
-                help="(re)write the goldens of the tests that run; those tests pass and the summary lists what was written.")
+                help="(re)write the goldens of the tests that run instead of comparing; those tests pass and the "
+                     "summary lists what was written (non-cpu ag_device variants run but are not compared).")
     g.addoption("--ag-update=missing", action="store_const", const="missing", dest="ag_update",
                 help="only create goldens that do not exist yet; existing ones are compared as usual.")
     g.addoption("--ag-golden-dir", dest="ag_golden_dir", default=None, metavar="DIR",
                 help="golden directory (relative to the invocation directory); overrides ini ag_golden_dir.")
-    g.addoption("--ag-rtol", dest="ag_rtol", type=float, default=None, metavar="RTOL",
-                help="relative tolerance for every float layer; overrides ini ag_rtol, overridden by markers and check() arguments.")
-    g.addoption("--ag-atol", dest="ag_atol", type=float, default=None, metavar="ATOL",
-                help="absolute tolerance for every float layer; overrides ini ag_atol, overridden by markers and check() arguments.")
+    g.addoption("--ag-rtol", dest="ag_rtol", default=None, metavar="RTOL",
+                help="relative tolerance for float layers not matched by a tolerances= pattern; overrides ini "
+                     "ag_rtol, overridden by markers and check() arguments.")
+    g.addoption("--ag-atol", dest="ag_atol", default=None, metavar="ATOL",
+                help="absolute tolerance for float layers not matched by a tolerances= pattern; overrides ini "
+                     "ag_atol, overridden by markers and check() arguments.")
     g.addoption("--ag-fail-fast", dest="ag_fail_fast", action="store_true", default=False,
                 help="stop each comparison at its first diverging layer (faster, less context).")
     g.addoption("--ag-report", dest="ag_report", default=None, metavar="PATH",
-                help="write a JSON report of every check (per-layer results) to PATH, e.g. for CI artefacts.")
+                help="after the run, write every check's per-layer results to PATH, by suffix: .html one "
+                     "self-contained HTML page, .md a Markdown summary for CI job pages (error-by-layer plots as "
+                     "PNG files beside it), anything else JSON.")
     g.addoption("--ag-unused", action="store_const", const="fail", dest="ag_unused", default=None,
-                help="list golden files that no test that ran used, and fail the run if there are any. "
-                     "Deselected, skipped and failed tests never make a golden unused.")
+                help="list golden files that no test that ran used, and fail the run (exit status 1) if there "
+                     "are any. Deselected, skipped and failed tests never make a golden unused.")
     g.addoption("--ag-unused=list", action="store_const", const="list", dest="ag_unused",
                 help="like --ag-unused but only list them; the exit status is unchanged.")
     g.addoption("--ag-calibrate", dest="ag_calibrate", action="store_true", default=False,
-                help="when recording, also store each layer's float64 noise floor (needed by --ag-tolerance=calibrated).")
-    g.addoption("--ag-tolerance", dest="ag_tolerance", choices=("strict", "calibrated"), default=None,
+                help="when recording, also store each layer's float64 noise floor (needed by "
+                     "--ag-tolerance=calibrated, which also turns this on when recording).")
+    g.addoption("--ag-tolerance", dest="ag_tolerance", default=None, metavar="{strict,calibrated}",
                 help="strict: per-dtype/per-layer rtol+atol (default); calibrated: judge each layer's error against "
                      "the golden's and the live run's float64 noise floors (cross-device, TF32, reduced precision).")
     g.addoption("--ag-check-determinism", dest="ag_check_determinism", action="store_true", default=False,
-                help="run each checked forward twice and list layers whose outputs differ between runs (reported, not failed).")
+                help="run each checked forward twice more and list layers whose outputs differ between runs "
+                     "(reported in the summary, never failed).")
     parser.addini("ag_golden_dir", "activation_guard golden directory, relative to the rootdir", default="golden")
-    parser.addini("ag_rtol", "activation_guard default rtol for float layers (default: per-dtype, as torch.testing)", default="")
-    parser.addini("ag_atol", "activation_guard default atol for float layers (default: per-dtype, as torch.testing)", default="")
+    parser.addini("ag_rtol", "activation_guard default rtol for float layers (default: per-dtype, as torch.testing)",
+                  default="")
+    parser.addini("ag_atol", "activation_guard default atol for float layers (default: per-dtype, as torch.testing)",
+                  default="")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -90,8 +95,8 @@ def pytest_configure(config: pytest.Config) -> None:
             cli_tolerance=o.ag_tolerance,
             check_determinism=o.ag_check_determinism,
         )
-    except OptionError as e:
-        raise pytest.UsageError(f"activation_guard: {e}") from None
+    except (OptionError, SpecOptionError) as e:
+        raise pytest.UsageError(prefixed(str(e))) from None
     gs = GuardSession(settings, is_worker=hasattr(config, "workerinput"))
     config.stash[SESSION_KEY] = gs
     if settings.unused is not None and not gs.is_worker:
@@ -125,6 +130,7 @@ def _device_already_parametrized(metafunc: pytest.Metafunc) -> bool:
             names = [n.strip() for n in names.split(",")]
         if DEVICE_FIXTURE in names:
             return True
+    # pytest has no public view of a fixture's definitions; without it a params= override is missed
     defs = list(getattr(metafunc, "_arg2fixturedefs", {}).get(DEVICE_FIXTURE) or ())
     return bool(defs) and getattr(defs[-1], "params", None) is not None  # a user's params= override
 
@@ -153,39 +159,6 @@ def ag_device(request: pytest.FixtureRequest) -> str:
     return str(getattr(request, "param", RECORD_DEVICE))
 
 
-def item_key(item: pytest.Item) -> tuple[paths.NodeKey, str | None, str]:
-    """(golden key without the ag_device id, device type or None, node id that records).
-
-    The device's id is found in the callspec's id list (one entry per parametrize call); if
-    pytest ever drops that private list, the bracket text is parsed instead.
-    """
-    key = paths.NodeKey.parse(item.nodeid)
-    callspec = getattr(item, "callspec", None)
-    if callspec is None or DEVICE_FIXTURE not in callspec.params:
-        return key, None, item.nodeid
-    dev = callspec.params[DEVICE_FIXTURE]
-    dev_s = str(dev)
-    dev_type = dev_s.split(":")[0]
-    base = getattr(item, "originalname", None) or item.name.split("[", 1)[0]
-    ids = getattr(callspec, "_idlist", None)
-    if ids is None:
-        inner = item.name[len(base) + 1 : -1] if item.name.startswith(base + "[") else ""
-        ids = [inner] if inner else []
-        if inner == dev_s or inner.startswith(dev_s + "-"):
-            ids = [dev_s, *([inner[len(dev_s) + 1 :]] if inner != dev_s else [])]
-    ids = [str(i) for i in ids]
-    candidates = [dev_s, f"{DEVICE_FIXTURE}{callspec.indices.get(DEVICE_FIXTURE, -1)}"]
-    pos = next((i for i, s in enumerate(ids) if s in candidates), None)
-    if pos is None:  # cannot tell which id is the device: keep it (separate goldens per device)
-        return key, dev_type, item.nodeid
-    rest = ids[:pos] + ids[pos + 1 :]
-    last = base + (f"[{'-'.join(rest)}]" if rest else "")
-    stripped = paths.NodeKey(key.module, (*key.parts[:-1], last))
-    rec_ids = [*ids[:pos], RECORD_DEVICE, *ids[pos + 1 :]] if ids[pos] == dev_s else ids
-    record_nodeid = item.nodeid[: len(item.nodeid) - len(item.name)] + f"{base}[{'-'.join(rec_ids)}]"
-    return stripped, dev_type, record_nodeid
-
-
 # --------------------------------------------------------------------------- the check fixture
 
 
@@ -203,9 +176,9 @@ def activation_guard(request: pytest.FixtureRequest) -> GoldenCheck:
     except OptionError as e:
         problem = str(e)
     if problem is not None:
-        pytest.fail(f"activation_guard: {problem}", pytrace=False)
+        pytest.fail(prefixed(problem), pytrace=False)
     return GoldenCheck(_session(request.config), item.nodeid, key, marker=marker, device=device,
-                       record_nodeid=record_nodeid)
+                       record_nodeid=record_nodeid, user_properties=item.user_properties)
 
 
 @pytest.fixture
@@ -257,21 +230,6 @@ class _OutcomeTracker:
         self.session.note_outcome(report.nodeid, report.when, report.outcome, xfail=hasattr(report, "wasxfail"))
 
 
-def _partial_modules(config: pytest.Config) -> set[str]:
-    """Modules narrowed to single tests on the command line (``file.py::test``)."""
-    out = set()
-    root = Path(config.rootpath)
-    for arg in config.args:
-        if "::" not in arg:
-            continue
-        f = Path(config.invocation_params.dir, arg.split("::", 1)[0])
-        try:
-            out.add(Path(os.path.abspath(f)).relative_to(root).as_posix())
-        except ValueError:
-            out.add(arg.split("::", 1)[0])
-    return out
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
     """xdist controller: merge a finished worker's checks (JSON) into the session."""
@@ -287,8 +245,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         config.workeroutput[WORKER_KEY] = s.to_worker_output()  # type: ignore[attr-defined]
         return
     if s.settings.unused is not None:
-        unused = s.find_unused(_partial_modules(config))
-        if unused and s.settings.unused == "fail" and session.exitstatus == pytest.ExitCode.OK:
+        s.find_unused(partial_modules(config.args, Path(config.invocation_params.dir), Path(config.rootpath)))
+        if s.unused_fail_the_run() and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
     try:
         s.write_report()
@@ -305,7 +263,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         return
     terminalreporter.section("activation_guard")
     for line in lines:
-        markup = {"red": True} if line.startswith(("DIVERGED", "MISSING", "ERROR", "UNUSED")) else {}
+        markup = {"red": True} if line.startswith(ALERT_PREFIXES) else {}
         terminalreporter.line(line, **markup)
     if s.report_error:
         terminalreporter.line(s.report_error, red=True)

@@ -259,11 +259,18 @@ class _SpecBase:
     def source(self, name: str) -> str:
         return self.sources.get(name, "default")
 
+    def explicit(self) -> dict[str, tuple[str, str]]:
+        """Each option set explicitly: ``name -> (value as shown, source)``. Scalars are shown
+        parsed (``--ag-rtol 1e-5`` is ``1e-05``), structures as given."""
+        out = {}
+        for k, src in self.sources.items():
+            v = getattr(self, k)
+            out[k] = (_fmt(v) if v is None or isinstance(v, (bool, int, float, str)) else _fmt(self.given[k]), src)
+        return out
+
     def describe(self) -> str:
         """The options set explicitly, with their sources: "rtol=0.001 (marker), ..."."""
-        if not self.sources:
-            return "defaults"
-        return ", ".join(f"{k}={_fmt(self.given[k])} ({s})" for k, s in sorted(self.sources.items()))
+        return describe(self)
 
 
 @dataclass(frozen=True)
@@ -308,6 +315,16 @@ class CompareSpec(_SpecBase):
         """A copy selecting these layers (the golden's recorded selection, applied by default)."""
         return replace(self, include=None if include is None else tuple(include),
                                    exclude=None if exclude is None else tuple(exclude))
+
+
+def describe(*specs: _SpecBase) -> str:
+    """The options set explicitly in any of ``specs``, with their sources, sorted by name."""
+    items: dict[str, tuple[str, str]] = {}
+    for spec in specs:
+        items.update(spec.explicit())
+    if not items:
+        return "defaults"
+    return ", ".join(f"{k}={v} ({src})" for k, (v, src) in sorted(items.items()))
 
 
 def build_specs(values: Mapping[str, Any], sources: Mapping[str, str] | str = ARGUMENT) -> tuple[RecordSpec, CompareSpec]:

@@ -72,7 +72,8 @@ class ToleranceResolver:
         ld = (live_device or gd).split(":")[0]
         self.cross_device = gd != ld
         self.device_pair = f"{gd}->{ld}"
-        self._option_label = {k: "rtol/atol option" + ("" if spec.source(k) == ARGUMENT else f" ({spec.source(k)})")
+        # an argument of compare() is "rtol/atol option"; elsewhere the place it was set
+        self._option_label = {k: "rtol/atol option" if spec.source(k) == ARGUMENT else spec.source(k)
                               for k in ("rtol", "atol")}
 
     def unmatched(self, names: Iterable[str]) -> list[str]:

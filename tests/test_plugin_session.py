@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,20 +18,18 @@ from hypothesis import strategies as st
 
 import activation_guard as ag
 from activation_guard import paths
-from activation_guard.plugin import item_key
-from activation_guard.session import (
-    CheckRecord,
-    GoldenCheck,
-    GuardSession,
+from activation_guard.check import GoldenCheck, item_key
+from activation_guard.errors import OptionError as SpecOptionError
+from activation_guard.options import (
     OptionError,
     Settings,
-    jsonable,
+    engine_specs,
     marker_options,
+    rerecord_command,
     resolve_options,
-    route_options,
-    update_command,
 )
-from activation_guard.spec import CompareSpec
+from activation_guard.session import CheckRecord, GuardSession, jsonable
+from activation_guard.spec import CompareSpec, RecordSpec
 from activation_guard.tolerances import CROSS_DEVICE_DEFAULTS, DTYPE_DEFAULTS, ToleranceResolver
 
 
@@ -43,7 +43,7 @@ def _settings(tmp_path: Path, **kw: Any) -> Settings:
 
 # ---------------------------------------------------------------------------- options
 
-LEVELS = ("ini", "command line", "marker", "check()")
+LEVELS = ("ini ag_rtol", "command line --ag-rtol", "marker", "check()")
 
 
 @given(st.lists(st.one_of(st.none(), st.floats(0, 1)), min_size=4, max_size=4))
@@ -59,9 +59,11 @@ def test_precedence_is_per_key_highest_set_level(vals: list[float | None]) -> No
 
 
 def test_precedence_merges_keys_across_levels() -> None:
-    r = resolve_options({"rtol": 1e-1, "atol": 0.0}, {"rtol": 1e-2, "fail_fast": True}, {"rtol": 1e-3}, {"include": "enc*"})
+    r = resolve_options({"rtol": 1e-1, "atol": 0.0}, {"rtol": 1e-2, "fail_fast": True}, {"rtol": 1e-3},
+                        {"include": "enc*"})
     assert r.values == {"rtol": 1e-3, "atol": 0.0, "fail_fast": True, "include": "enc*"}
-    assert r.sources == {"rtol": "marker", "atol": "ini", "fail_fast": "command line", "include": "check()"}
+    assert r.sources == {"rtol": "marker", "atol": "ini ag_atol", "fail_fast": "command line --ag-fail-fast",
+                         "include": "check()"}
     assert "rtol=0.001 (marker)" in r.describe()
 
 
@@ -76,36 +78,38 @@ def test_marker_merge_closest_wins() -> None:
         marker_options([mark(1e-3)], "t")
 
 
-def test_routing_passes_unknown_engine_options_through() -> None:
-    """Options the engine gains later (tolerance=, calibrate=...) work without plugin changes."""
-
-    def record(model: Any, args: Any = (), kwargs: Any = None, *, path: Any, include: Any = None, calibrate: bool = False) -> None: ...
-    def compare(model: Any, args: Any = (), kwargs: Any = None, *, path: Any, rtol: Any = None, include: Any = None, tolerance: Any = None) -> None: ...
-
-    opts = resolve_options({}, {}, {"tolerance": "calibrated"}, {"calibrate": True, "include": "a*", "rtol": 0.1})
-    rec, cmp_ = route_options(opts, record, compare)
-    assert rec == {"calibrate": True, "include": "a*"}
-    assert cmp_ == {"tolerance": "calibrated", "include": "a*", "rtol": 0.1}
-    with pytest.raises(OptionError, match=r"unknown activation_guard option\(s\): nope \(marker\)"):
-        route_options(resolve_options({}, {}, {"nope": 1}, {}), record, compare)
-
-    def compare_any(model: Any, *, path: Any, **kw: Any) -> None: ...
-    assert route_options(resolve_options({}, {}, {"nope": 1}, {}), record, compare_any)[1] == {"nope": 1}
+def test_engine_specs_route_options_and_imply_calibration() -> None:
+    """Options reach the record and compare specs by the spec's own table; a calibrated
+    comparison records noise floors; an unknown option names itself and where it was set."""
+    opts = resolve_options({}, {}, {"tolerance": "calibrated"}, {"include": "a*", "rtol": 0.1})
+    rec, cmp_ = engine_specs(opts)
+    assert rec == RecordSpec(include=("a*",), calibrate=True)
+    assert rec.source("calibrate") == "implied by tolerance='calibrated' (marker)"
+    assert cmp_ == CompareSpec(tolerance="calibrated", include=("a*",), rtol=0.1)
+    assert cmp_.source("rtol") == "check()"
+    rec, _ = engine_specs(resolve_options({}, {}, {"tolerance": "calibrated"}, {"calibrate": False}))
+    assert rec.calibrate is False  # an explicit choice wins
+    with pytest.raises(SpecOptionError, match=r"option nope=1 \(marker\): is not an activation_guard option"):
+        engine_specs(resolve_options({}, {}, {"nope": 1}, {}))
     with pytest.raises(OptionError, match="set by the plugin"):
-        route_options(resolve_options({}, {}, {}, {"path": "x"}), record, compare_any)
+        engine_specs(resolve_options({}, {}, {}, {"path": "x"}))
 
 
 def test_settings_paths_and_validation(tmp_path: Path) -> None:
     inv = tmp_path / "sub"
     s = Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="refs", ini_rtol=" ", ini_atol="0")
-    assert s.golden_dir == tmp_path / "refs" and s.ini_options == {"atol": 0.0} and s.cli_options == {}
+    assert s.golden_dir == tmp_path / "refs" and s.ini_options == {"atol": "0"} and s.cli_options == {}
     s = Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="refs", ini_rtol="", ini_atol="",
-                       cli_golden_dir="g", cli_rtol=1e-3, cli_fail_fast=True, report_path="r.json")
+                       cli_golden_dir="g", cli_rtol="1e-3", cli_fail_fast=True, report_path="r.json")
     assert s.golden_dir == inv / "g" and s.report_path == inv / "r.json"
-    assert s.cli_options == {"rtol": 1e-3, "fail_fast": True}
-    for bad in ("abc", "-1", "nan", "inf"):
-        with pytest.raises(OptionError, match="ini option ag_rtol must be a"):
+    assert s.cli_options == {"rtol": "1e-3", "fail_fast": True}  # raw: judged (again) by the spec, one way
+    for bad, problem in (("abc", "must be a number, got 'abc'"), ("-1", "must be a finite number >= 0, got -1"),
+                         ("nan", "must be a finite number >= 0, got nan"), ("inf", "must be a finite number >= 0")):
+        with pytest.raises(SpecOptionError, match=f"option rtol='{bad}' \\(ini ag_rtol\\): {re.escape(problem)}"):
             Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="g", ini_rtol=bad, ini_atol="")
+        with pytest.raises(SpecOptionError, match=f"\\(command line --ag-rtol\\): {re.escape(problem)}"):
+            Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="g", ini_rtol="", ini_atol="",
+                           cli_rtol=bad)
     with pytest.raises(OptionError, match="ag_golden_dir is empty"):
         Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir=" ", ini_rtol="", ini_atol="")
     with pytest.raises(OptionError, match="--ag-update"):
@@ -129,7 +133,8 @@ def test_golden_dir_that_is_a_file_is_a_usage_error(tmp_path: Path) -> None:
     ({"include": [3]}, r"option include=\[3\] \(marker\): must contain glob strings"),
     ({"fail_fast": "maybe"}, r"option fail_fast='maybe' \(marker\): must be True or False"),
 ])
-def test_bad_option_values_fail_cleanly_before_anything_runs(tmp_path: Path, update: Any, marker: Any, match: str) -> None:
+def test_bad_option_values_fail_cleanly_before_anything_runs(tmp_path: Path, update: Any, marker: Any,
+                                                             match: str) -> None:
     """A bad value fails in one line naming option and source, and --ag-update writes nothing."""
     s = GuardSession(_settings(tmp_path, update=update))
     gc = GoldenCheck(s, "t.py::test_a", paths.NodeKey.parse("t.py::test_a"), marker=marker)
@@ -144,10 +149,33 @@ def test_not_a_module_fails_cleanly(tmp_path: Path) -> None:
         gc.check(lambda t: t, (torch.ones(1, 3),))
 
 
-def test_update_command_quotes_for_the_shell() -> None:
-    assert update_command("t.py::test_a") == "pytest --ag-update t.py::test_a"
-    assert update_command("t.py::test_a[cpu-x y]") == "pytest --ag-update 't.py::test_a[cpu-x y]'"
-    assert update_command("t.py::t", missing_only=True) == "pytest --ag-update=missing t.py::t"
+def test_rerecord_command_carries_the_options_that_change_recording(tmp_path: Path) -> None:
+    plain = _settings(tmp_path)
+    assert rerecord_command(plain, None, "t.py::test_a") == "pytest --ag-update t.py::test_a"
+    assert rerecord_command(plain, None, "t.py::test_a[cpu-x y]") == "pytest --ag-update 't.py::test_a[cpu-x y]'"
+    assert rerecord_command(plain, None, "t.py::t", missing_only=True) == "pytest --ag-update=missing t.py::t"
+    assert rerecord_command(plain, missing_only=True) == "pytest --ag-update=missing"
+    cli = {"tolerance": "calibrated", "rtol": 1e-3}  # tolerances do not change what is recorded
+    s = _settings(tmp_path, cli_golden_dir="/x y", cli_options=cli)
+    opts = resolve_options({}, cli, {}, {})
+    assert rerecord_command(s, opts, "t.py::a") == "pytest --ag-update '--ag-golden-dir=/x y' --ag-calibrate t.py::a"
+    assert rerecord_command(s, None, "t.py::a") == rerecord_command(s, opts, "t.py::a")  # session-wide options
+    # a calibrated comparison set by a marker or check() also needs a calibrated golden
+    for marker, call in (({"tolerance": "calibrated"}, {}), ({}, {"calibrate": True})):
+        assert rerecord_command(plain, resolve_options({}, {}, marker, call), "t.py::a") == \
+            "pytest --ag-update --ag-calibrate t.py::a"
+    # check() can turn a command-line calibrated comparison back to strict
+    strict = resolve_options({}, cli, {}, {"tolerance": "strict"})
+    assert "--ag-calibrate" not in rerecord_command(s, strict, "t.py::a")
+
+
+@given(st.text(min_size=1), st.one_of(st.none(), st.text(min_size=1)), st.booleans())
+def test_rerecord_command_survives_the_shell(nodeid: str, gdir: str | None, calibrated: bool) -> None:
+    s = Settings(golden_dir=Path("/g"), rootdir=Path("/"), cli_golden_dir=gdir)
+    opts = resolve_options({}, {}, {"tolerance": "calibrated"} if calibrated else {}, {})
+    argv = shlex.split(rerecord_command(s, opts, nodeid))
+    assert argv[:2] == ["pytest", "--ag-update"] and argv[-1] == nodeid
+    assert (f"--ag-golden-dir={gdir}" in argv) == bool(gdir) and ("--ag-calibrate" in argv) == calibrated
 
 
 # ---------------------------------------------------------------------------- records, xdist
@@ -183,13 +211,15 @@ def test_claim_rejects_shared_and_case_colliding_files(tmp_path: Path) -> None:
 
 
 def test_jsonable_is_strict() -> None:
-    assert jsonable({"a": [math.inf, -math.inf, math.nan, 1.5], 2: (None, Path("p"))}) == {"a": ["inf", "-inf", "nan", 1.5], "2": [None, "p"]}
+    got = jsonable({"a": [math.inf, -math.inf, math.nan, 1.5], 2: (None, Path("p"))})
+    assert got == {"a": ["inf", "-inf", "nan", 1.5], "2": [None, "p"]}
 
 
 def test_find_unused_rules(tmp_path: Path) -> None:
     s = GuardSession(_settings(tmp_path, unused="fail"))
     gd = s.settings.golden_dir
-    for rel in ("m/test_ok.h5", "m/test_ok--dec.h5", "m/test_skip.h5", "m/test_gone.h5", "other/test_x.h5", "m/.test_ok.h5.x.ag-tmp.1"):
+    for rel in ("m/test_ok.h5", "m/test_ok--dec.h5", "m/test_skip.h5", "m/test_gone.h5", "other/test_x.h5",
+                "m/.test_ok.h5.x.ag-tmp.1"):
         (gd / rel).parent.mkdir(parents=True, exist_ok=True)
         (gd / rel).write_bytes(b"")
     s.note_items([(n, paths.NodeKey.parse(n)) for n in ("m.py::test_ok", "m.py::test_skip")])
@@ -229,27 +259,42 @@ def test_non_cpu_variant_defers_recording(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- ag_device id stripping
 
 
-def _item(nodeid: str, name: str, original: str, params: dict[str, Any], idlist: list[str] | None) -> Any:
-    cs = SimpleNamespace(params=params, indices={k: 0 for k in params})
-    if idlist is not None:
-        cs._idlist = idlist
+def _item(nodeid: str, name: str, original: str, params: dict[str, Any], cid: str) -> Any:
+    """Only the public attributes item_key may read (dict order = parametrisation order)."""
+    cs = SimpleNamespace(params=params, indices={k: 0 for k in params}, id=cid)
     return SimpleNamespace(nodeid=nodeid, name=name, originalname=original, callspec=cs)
 
 
-@pytest.mark.parametrize("with_idlist", [True, False])
-def test_item_key_strips_the_device(with_idlist: bool) -> None:
-    it = _item("t.py::T::test_a[cuda-p1]", "test_a[cuda-p1]", "test_a", {"ag_device": "cuda", "n": 1},
-               ["cuda", "p1"] if with_idlist else None)
+def test_item_key_strips_the_device() -> None:
+    it = _item("t.py::T::test_a[cuda-p1]", "test_a[cuda-p1]", "test_a", {"ag_device": "cuda", "n": 1}, "cuda-p1")
     key, dev, rec = item_key(it)
     assert key == paths.NodeKey("t.py", ("T", "test_a[p1]")) and dev == "cuda" and rec == "t.py::T::test_a[cpu-p1]"
-    it = _item("t.py::test_b[cpu]", "test_b[cpu]", "test_b", {"ag_device": "cpu"}, ["cpu"] if with_idlist else None)
+    it = _item("t.py::test_b[cpu]", "test_b[cpu]", "test_b", {"ag_device": "cpu"}, "cpu")
     assert item_key(it)[0] == paths.NodeKey("t.py", ("test_b",))
+    # a user's own ag_device parametrisation made last: the device id trails
+    it = _item("t.py::test_c[p-1-cuda:1]", "test_c[p-1-cuda:1]", "test_c", {"n": "p-1", "ag_device": "cuda:1"},
+               "p-1-cuda:1")
+    assert item_key(it) == (paths.NodeKey("t.py", ("test_c[p-1]",)), "cuda", "t.py::test_c[p-1-cpu]")
+    # a device object without an id of its own gets pytest's generated one
+    it = _item("t.py::test_d[ag_device0-x]", "test_d[ag_device0-x]", "test_d", {"ag_device": object(), "k": "x"},
+               "ag_device0-x")
+    assert item_key(it)[0].parts == ("test_d[x]",) and item_key(it)[2] == "t.py::test_d[ag_device0-x]"
 
 
 def test_item_key_user_param_named_like_a_device() -> None:
-    # ours is parametrised first (tryfirst), so the first matching id is the device's
-    it = _item("t.py::test_c[cpu-cpu]", "test_c[cpu-cpu]", "test_c", {"ag_device": "cpu", "kind": "cpu"}, ["cpu", "cpu"])
+    # ours is parametrised first (tryfirst), so the leading id is the device's
+    it = _item("t.py::test_c[cpu-cpu]", "test_c[cpu-cpu]", "test_c", {"ag_device": "cpu", "kind": "cpu"}, "cpu-cpu")
     assert item_key(it)[0].parts == ("test_c[cpu]",)
+
+
+def test_item_key_keeps_a_device_it_cannot_place() -> None:
+    """A device id in the middle of three (or hidden behind a custom id) cannot be cut out
+    reliably: the key keeps it, so each device gets its own golden rather than a wrong shared one."""
+    it = _item("t.py::test_m[a-cuda-b]", "test_m[a-cuda-b]", "test_m", {"x": "a", "ag_device": "cuda", "y": "b"},
+               "a-cuda-b")
+    assert item_key(it) == (paths.NodeKey("t.py", ("test_m[a-cuda-b]",)), "cuda", "t.py::test_m[a-cuda-b]")
+    it = _item("t.py::test_n[GPU]", "test_n[GPU]", "test_n", {"ag_device": "cuda"}, "GPU")
+    assert item_key(it)[0].parts == ("test_n[GPU]",)
 
 
 def test_item_key_without_device_is_the_node_id() -> None:
@@ -276,7 +321,8 @@ def test_cross_device_defaults_apply_only_across_device_types() -> None:
     assert t.rtol == 1e-9 and t.atol == CROSS_DEVICE_DEFAULTS["float32"][1]
 
 
-def test_golden_recorded_on_cuda_is_checked_with_device_pair_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_golden_recorded_on_cuda_is_checked_with_device_pair_defaults(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     import activation_guard.env as envmod
 
     m = _model()

@@ -1,0 +1,280 @@
+"""The per-test object behind the ``activation_guard`` fixture, and how a test item maps to its
+golden.
+
+:class:`GoldenCheck` records or compares one check, turns the outcome into one clean failure text
+(the engine's report, the options in force, the command that re-records), and leaves a
+:class:`~activation_guard.session.CheckRecord` for the summary and ``--ag-report``. The engine
+(torch) is imported on the first check, never when pytest starts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from . import paths
+from .errors import UPDATE_HINT, ActivationGuardError, GoldenError, UnsupportedModelError
+from .options import (
+    DEVICE_FIXTURE,
+    RECORD_DEVICE,
+    OptionError,
+    ResolvedOptions,
+    engine_specs,
+    prefixed,
+    rerecord_command,
+    resolve_options,
+)
+from .session import CheckRecord, GuardSession
+from .spec import describe
+
+if TYPE_CHECKING:
+    from .report import Report
+    from .spec import CompareSpec
+
+PROPERTY_PREFIX = "activation_guard."
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+# --------------------------------------------------------------------------- test item -> golden key
+
+
+def item_key(item: Any) -> tuple[paths.NodeKey, str | None, str]:
+    """(golden key without the ag_device id, device type or None, node id that records).
+
+    The cpu and cuda variants of a test share one golden, so the device's id is cut out of the
+    test id. Only public attributes are read: ``callspec.id`` joins one id per parametrisation
+    in the order they were made, which is also the order of ``callspec.params``. Our own
+    ``pytest_generate_tests`` runs first, so the device id normally leads; a user's own
+    ``ag_device`` parametrisation may lead or trail. When the device id cannot be told apart,
+    it stays in the key (separate goldens per device, never a wrong shared one).
+    """
+    key = paths.NodeKey.parse(item.nodeid)
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or DEVICE_FIXTURE not in callspec.params:
+        return key, None, item.nodeid
+    dev_s = str(callspec.params[DEVICE_FIXTURE])
+    dev_type = dev_s.split(":")[0]
+    full = str(callspec.id)
+    order = list(callspec.params)
+    for cand in (dev_s, f"{DEVICE_FIXTURE}{callspec.indices.get(DEVICE_FIXTURE, -1)}"):
+        if full == cand:
+            before, after = "", ""
+        elif order[0] == DEVICE_FIXTURE and full.startswith(cand + "-"):
+            before, after = "", full[len(cand) + 1:]
+        elif order[-1] == DEVICE_FIXTURE and full.endswith("-" + cand):
+            before, after = full[: -len(cand) - 1], ""
+        else:
+            continue
+        break
+    else:  # cannot tell which part is the device: keep it (separate goldens per device)
+        return key, dev_type, item.nodeid
+    base = getattr(item, "originalname", None) or item.name.split("[", 1)[0]
+    rest = "-".join(x for x in (before, after) if x)
+    stripped = paths.NodeKey(key.module, (*key.parts[:-1], base + (f"[{rest}]" if rest else "")))
+    rec_id = "-".join(x for x in (before, RECORD_DEVICE if cand == dev_s else cand, after) if x)
+    record_nodeid = item.nodeid[: len(item.nodeid) - len(item.name)] + f"{base}[{rec_id}]"
+    return stripped, dev_type, record_nodeid
+
+
+# --------------------------------------------------------------------------- the fixture object
+
+
+def _golden_error_fix(e: Exception) -> bool:
+    """Whether the engine's fix for this error is the generic "re-record the golden", so the
+    plugin adds its command; a specific fix (``git lfs pull``) stands alone."""
+    fix = getattr(e, "fix", None) if isinstance(e, GoldenError) else None
+    return isinstance(fix, str) and fix.startswith(UPDATE_HINT)
+
+
+def divergence_properties(report: Report) -> list[tuple[str, Any]]:
+    """``user_properties`` of a diverged check (``--junitxml`` shows them): the first divergence,
+    its origin and numbers. ``origin`` stays None until reports carry one."""
+    fd = report.first_divergence
+    head = report.headline().replace("activation_guard: ", "", 1)
+    props: list[tuple[str, Any]] = [("status", "diverged"), ("first_divergence", head)]
+    if fd is not None:
+        props += [
+            ("layer", fd.name or "<root>"),
+            ("call", fd.call),
+            ("origin", None),
+            ("max_abs_diff", fd.max_abs_diff),
+            ("max_rel_diff", fd.max_rel_diff),
+            ("rtol", fd.rtol),
+            ("atol", fd.atol),
+        ]
+    return [(PROPERTY_PREFIX + k, v) for k, v in props]
+
+
+class GoldenCheck:
+    """What the ``activation_guard`` fixture returns: bound to one test and its golden file(s).
+
+    ``check(model, args, kwargs=None, *, name=None, **options)`` runs the model once and returns
+    its output. With ``--ag-update`` (or ``--ag-update=missing`` and no golden yet) it records;
+    otherwise it compares and fails the test with the engine's report, which names the first
+    diverging layer, and ends with the command that re-records the golden if the change was
+    intended. Several checks per test need distinct ``name=`` values.
+    """
+
+    def __init__(
+        self,
+        session: GuardSession,
+        nodeid: str,
+        key: paths.NodeKey,
+        *,
+        marker: Mapping[str, Any] | None = None,
+        device: str | None = None,
+        record_nodeid: str | None = None,
+        user_properties: list[tuple[str, object]] | None = None,
+    ):
+        self._session = session
+        self.nodeid = nodeid
+        self.key = key
+        self.device = device
+        self.marker = dict(marker or {})
+        # the node id whose --ag-update writes this test's golden (the cpu variant under ag_device)
+        self.record_nodeid = record_nodeid or nodeid
+        # the test report's user_properties (pytest's item.user_properties), for --junitxml
+        self.user_properties = user_properties if user_properties is not None else []
+
+    @property
+    def update(self) -> str | None:
+        return self._session.settings.update
+
+    def path(self, name: str | None = None) -> Path:
+        """The golden file of this test's check called ``name`` (None: the unnamed check)."""
+        return paths.golden_path(self._session.settings.golden_dir, self.key, name)
+
+    def options(self, **call: Any) -> ResolvedOptions:
+        s = self._session.settings
+        return resolve_options(s.ini_options, s.cli_options, self.marker, call)
+
+    def rerecord_command(self, opts: ResolvedOptions | None = None) -> str:
+        return rerecord_command(self._session.settings, opts, self.record_nodeid)
+
+    def _property(self, key: str, value: Any) -> None:
+        self.user_properties.append((PROPERTY_PREFIX + key, value))
+
+    def check(
+        self,
+        model: Any,
+        args: Any = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        name: str | None = None,
+        **options: Any,
+    ) -> Any:
+        __tracebackhide__ = True
+        from . import api  # lazy: torch is imported by the first check, not by pytest start-up
+        from .capture import check_model
+
+        s = self._session
+        problem = None
+        try:
+            path = self.path(name)
+            s.claim(path, self.nodeid, name, owner=self.key.nodeid)
+            opts = self.options(**options)
+            rec_spec, cmp_spec = engine_specs(opts)
+            check_model(model)  # a lambda, torch.compile or TorchScript model: one line, not a traceback
+        except (OptionError, ValueError, UnsupportedModelError) as e:
+            problem = str(e)
+        if problem is not None:  # outside the except block: no chained traceback in the report
+            pytest.fail(prefixed(problem), pytrace=False)
+        shown = s.settings.display(path)
+        base = CheckRecord(self.nodeid, name, str(path), "error", device=self.device)
+        t0 = now()
+
+        def done(status: str, **kw: Any) -> None:
+            base.status = status
+            base.seconds = round(now() - t0, 6)
+            for k, v in kw.items():
+                setattr(base, k, v)
+            s.add(base)
+            if status in ("missing", "error"):
+                self._property("status", status)
+                self._property("golden", shown)
+                if base.message:
+                    self._property("message", base.message)
+
+        exists = path.is_file()
+        mode = self.update
+        if mode == "all" or (mode == "missing" and not exists):
+            if self.device not in (None, RECORD_DEVICE):
+                import torch
+
+                with torch.no_grad():  # as record/compare run it
+                    out = model(*(tuple(args) if isinstance(args, (tuple, list)) else (args,)), **dict(kwargs or {}))
+                done("deferred", message=f"golden is recorded by the {RECORD_DEVICE} variant: {self.record_nodeid}")
+                return out
+            try:
+                summary = api.record_spec(model, args, kwargs, path=path, spec=rec_spec)
+            except ActivationGuardError as e:  # ours (unwritable folder, bad selection...): the message says the fix
+                done("error", message=f"recording failed: {e}")
+                problem = str(e)
+            except Exception as e:  # the model's own error: keep its traceback
+                done("error", message=f"recording failed: {type(e).__name__}: {e}")
+                raise
+            if problem is not None:
+                pytest.fail(prefixed(problem), pytrace=False)
+            done("written")
+            return summary.output
+        if not exists:
+            done("missing")
+            pytest.fail(
+                prefixed(
+                    f"no golden for this check: {shown}\n"
+                    f"  nothing was written (goldens are only written when asked). To create it, run:\n"
+                    f"    {self.rerecord_command(opts)}\n"
+                    f"  or create every missing golden with `{rerecord_command(s.settings, missing_only=True)}`."
+                ),
+                pytrace=False,
+            )
+        if s.settings.check_determinism:
+            base.nondeterministic = self._unstable_layers(model, args, kwargs, cmp_spec)
+        try:
+            report = api.compare_spec(model, args, kwargs, path=path, spec=cmp_spec)
+        except ActivationGuardError as e:  # a bad golden, a bad selection, an uncalibrated golden...
+            done("error", message=str(e))
+            problem = str(e)
+            if _golden_error_fix(e):
+                problem += f"\n  re-record it with: {self.rerecord_command(opts)}"
+        except Exception as e:  # the model's own error: keep the traceback
+            done("error", message=f"{type(e).__name__}: {e}")
+            if hasattr(e, "add_note"):
+                e.add_note(f"activation_guard options in force: {describe(rec_spec, cmp_spec)}")
+            raise
+        if problem is not None:
+            pytest.fail(prefixed(problem), pytrace=False)
+        report_dict = report.to_dict() if s.settings.report_path is not None else None
+        if report.ok:
+            done("passed", report=report_dict)
+            return report.output
+        headline = report.headline().replace("activation_guard: ", "", 1)
+        done("diverged", first_divergence=headline, report=report_dict)
+        self.user_properties.extend(divergence_properties(report))
+        self._property("golden", shown)
+        pytest.fail(
+            prefixed(
+                f"{report}\n\n"
+                f"  options in force: {describe(rec_spec, cmp_spec)}\n"
+                f"  If this change is intended, re-record the golden: {self.rerecord_command(opts)}"
+            ),
+            pytrace=False,
+        )
+
+    @staticmethod
+    def _unstable_layers(model: Any, args: Any, kwargs: Any, spec: CompareSpec) -> list[str]:
+        from .determinism import check_determinism
+
+        unstable = check_determinism(model, args, kwargs, include=spec.include, exclude=spec.exclude)
+        out = []
+        for r in unstable:
+            diff = f" (max abs diff {r.max_abs_diff:.3g})" if r.max_abs_diff is not None else ""
+            out.append(f"{r.name or '<root>'}[{r.call}]{diff}")
+        return out
