@@ -16,6 +16,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -71,7 +72,8 @@ class Browser:
                 "--disable-dev-shm-usage", "--hide-scrollbars", "--mute-audio", f"--window-size={width},{height}",
                 "about:blank"]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, close_fds=False, preexec_fn=wire)
+                                     stderr=subprocess.DEVNULL, close_fds=False, preexec_fn=wire,
+                                     start_new_session=True)  # its helper processes share this group
         os.close(to_child_r)
         os.close(from_child_w)
         try:
@@ -187,8 +189,8 @@ class Browser:
                     self._send({"id": 0, "method": "Browser.close", "params": {}})
                 try:
                     self.proc.wait(timeout=self.timeout)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
+                except subprocess.TimeoutExpired:  # a hung browser: end its process group, helpers too
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                     self.proc.wait()
         finally:
             for fd in (self._to_child, self._from_child):
