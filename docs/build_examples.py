@@ -44,6 +44,9 @@ changed, added or removed line, word, count or column is.
 Timings are not examples: where the docs state one, the prose names the machine it came from.
 The benchmark output in docs/performance.md is recorded output of ``benchmarks/run.py`` (minutes
 long, with its machine stated) and is not rebuilt here.
+
+One file of about 500 lines on purpose: a script run from a checkout (``python docs/...``), whose
+examples, cutting rules and normalization are read together when a block changes.
 """
 
 from __future__ import annotations
