@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote
 
-from .results import LayerResult
 from .report import WHY, Report, fmt_diff
+from .results import LayerResult
 
 STATUS = {
     "passed": "✅ passed",

@@ -323,7 +323,7 @@ def describe(*specs: _SpecBase) -> str:
     for spec in specs:
         items.update(spec.explicit())
     if not items:
-        return "defaults"
+        return "engine defaults"
     return ", ".join(f"{k}={v} ({src})" for k, (v, src) in sorted(items.items()))
 
 

@@ -10,16 +10,24 @@ matplotlib is an optional extra (``pip install 'activation_guard[plot]'``); it i
 here, lazily, with the non-interactive Agg canvas (no pyplot, no global backend switch), so
 importing activation_guard never needs it. Without it, :func:`write_plot` raises
 :class:`PlotUnavailableError` and :func:`write_html` still writes the page, minus the picture.
+
+The page is one file people open from a CI artefact, so it is self-contained: its stylesheet and
+its small script (``assets/report.css``, ``assets/report.js``, kept as files so they can be read
+and linted as what they are) are inlined, the plot is a base64 PNG. The module is a little over
+400 lines because the plot and the page are one presentation of a report with one optional
+dependency; splitting them would put the page's plot call behind an import cycle.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import io
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from importlib import resources
 from typing import Any, Union
 
 from .errors import ActivationGuardError
@@ -181,24 +189,27 @@ def write_plot(report: Report, path: str | os.PathLike[str], *, title: str | Non
 
 ReportsArg = Union[Report, Sequence[Report], Mapping[str, Report], Sequence[tuple[str, Report]]]
 
-CSS = """
-body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1600px}
-h1{font-size:20px;margin:0 0 8px} h2{font-size:16px;margin:28px 0 6px}
-.ok{color:#17692b} .bad{color:#b3261e}
-pre{background:#f6f8fa;padding:10px;border-radius:4px;overflow-x:auto;font-size:12px}
-table{border-collapse:collapse;font-size:12px;margin:8px 0}
-th,td{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top}
-th{background:#f0f0f0;position:sticky;top:0}
-td.num{text-align:right;font-variant-numeric:tabular-nums;font-family:ui-monospace,monospace}
-tr.fail td{background:#fdecea}
-tr.first td{background:#f8c9c4;font-weight:600}
-tr.first td:first-child{border-left:4px solid #b3261e}
-img{max-width:100%;border:1px solid #eee}
-.note{color:#555;font-style:italic}
-"""
+# (header, kind): "num" columns sort numerically (largest first on the first click, except "#"
+# and "call"), the others as text. "x allowed" is added for calibrated reports only.
+COLUMN_KINDS: tuple[tuple[str, str], ...] = (
+    ("#", "num"), ("layer", "text"), ("call", "num"), ("type", "text"), ("status", "text"),
+    ("max abs", "num"), ("max rel", "num"), ("mismatched", "num"), ("rtol", "num"), ("atol", "num"),
+    ("worst: golden / live", "text"), ("detail", "text"),
+)
+COLUMNS = tuple(c for c, _ in COLUMN_KINDS)
+ALLOWED_COLUMN = ("x allowed", "num")
+# A table longer than this opens filtered to its diverged rows (the unfiltered table is one click
+# away): a 5,000-row table is slow to scroll through and the diverged rows are what is read.
+BIG_TABLE = 500
+FIRST_ID = "first-divergence"  # the page's first divergence (of the first diverged check): a stable URL
 
-COLUMNS = ("#", "layer", "call", "type", "status", "max abs diff", "max rel diff", "mismatched",
-           "rtol", "atol", "worst element: golden / live", "detail")
+
+@functools.cache
+def _asset(name: str) -> str:
+    text = resources.files("activation_guard").joinpath("assets", name).read_text(encoding="utf-8")
+    if "</" in text and name.endswith(".js"):  # "</script" would end the inline script early
+        raise AssertionError(f"assets/{name} must not contain '</'")
+    return text
 
 
 def _normalize(reports: ReportsArg) -> list[tuple[str, Report]]:
@@ -215,7 +226,8 @@ def _normalize(reports: ReportsArg) -> list[tuple[str, Report]]:
         elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Report):
             out.append((str(item[0]), item[1]))
         else:
-            raise TypeError(f"write_html needs a Report, a list of Reports, or (label, Report) pairs; got {type(item).__name__}")
+            raise TypeError("write_html needs a Report, a list of Reports, or (label, Report) pairs; "
+                            f"got {type(item).__name__}")
     return out
 
 
@@ -223,85 +235,184 @@ def _e(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _layer_rows(report: Report) -> list[str]:
+def _num(v: float | int | None) -> str:
+    """A sort key JavaScript's Number() reads back exactly ('' for no value)."""
+    if v is None:
+        return ""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+    return repr(v)
+
+
+def _td(text: str, cls: str = "", v: float | int | str | None = None, *, keyed: bool = False) -> str:
+    c = f' class="{cls}"' if cls else ""
+    d = f' data-v="{_e(v if isinstance(v, str) else _num(v))}"' if keyed else ""
+    return f"<td{c}{d}>{_e(text)}</td>"
+
+
+def _head(columns: Sequence[tuple[str, str]], *, plain: Sequence[str] = ()) -> str:
+    cells = []
+    for name, kind in columns:
+        if name in plain:
+            cells.append(f"<th>{_e(name)}</th>")
+            continue
+        first = "descending" if kind == "num" and name not in ("#", "call") else "ascending"
+        cells.append(f'<th data-type="{kind}" data-first="{first}" aria-sort="none">'
+                     f'<button type="button" title="sort by {_e(name)}">{_e(name)}</button></th>')
+    return "<thead><tr>" + "".join(cells) + "</tr></thead>"
+
+
+def _layer_rows(report: Report, fd_id: str, calibrated: bool) -> list[str]:
     fd = report.first_divergence
     ordered = _live_layers(report) + [x for x in report.layers if x.position is None]
     rows = []
     for x in ordered:
-        cls = "first" if x is fd else ("fail" if not x.ok else "")
-        pos = str(x.position + 1) if x.position is not None else "-"
+        name = x.name or "<root>"
         worst = ""
         if (x.golden_value is not None or x.live_value is not None) and (x.max_abs_diff or not x.ok):
             idx = "" if x.index is None else f"{tuple(x.index)}: "
             gv, lv = fmt_pair(x.golden_value, x.live_value)
             worst = f"{idx}{gv} / {lv}"
-        mism = f"{x.mismatched} / {x.numel}" if x.numel else "-"
+        status = x.status if x is not fd else f'<span class="badge">FIRST</span> {_e(x.status)}'
         cells = [
-            (pos, "num"), (x.name or "<root>", ""), (str(x.call), "num"), (x.type_name, ""),
-            (("FIRST: " if x is fd else "") + x.status, ""), (fmt_diff(x.max_abs_diff), "num"),
-            (fmt_diff(x.max_rel_diff), "num"), (mism, "num"),
-            ("-" if x.rtol is None else f"{x.rtol:g}", "num"), ("-" if x.atol is None else f"{x.atol:g}", "num"),
-            (worst, "num"), (x.detail, ""),
+            _td("-" if x.position is None else str(x.position + 1), "num", x.position, keyed=True),
+            f'<td class="name">{_e(name).replace(".", ".<wbr>")}</td>',  # long dotted names wrap at a dot
+            _td(str(x.call), "num", x.call, keyed=True), _td(x.type_name),
+            f'<td data-v="{_e(x.status)}">{status}</td>' if x is fd else _td(x.status),
+            _td(fmt_diff(x.max_abs_diff), "num", x.max_abs_diff, keyed=True),
+            _td(fmt_diff(x.max_rel_diff), "num", x.max_rel_diff, keyed=True),
+            _td(f"{x.mismatched} / {x.numel}" if x.numel else "-", "num", x.mismatched if x.numel else None,
+                keyed=True),
+            _td("-" if x.rtol is None else f"{x.rtol:g}", "num", x.rtol, keyed=True),
+            _td("-" if x.atol is None else f"{x.atol:g}", "num", x.atol, keyed=True),
+            _td(worst, "num wrap"),
+            _td(x.detail, "detail"),  # never the plain mismatch count: that is its own column
         ]
-        tds = "".join(f'<td class="{c}">{_e(v)}</td>' if c else f"<td>{_e(v)}</td>" for v, c in cells)
-        anchor = ' id="first-divergence"' if x is fd else ""
-        rows.append(f'<tr class="{cls}"{anchor}>{tds}</tr>' if cls else f"<tr>{tds}</tr>")
+        if calibrated:
+            em = x.error_multiple
+            cells.append(_td("-" if em is None else f"{em:.3g}", "num", em, keyed=True))
+        cls = "first" if x is fd else ("fail" if not x.ok else "")
+        attrs = f' class="{cls}"' if cls else ""
+        attrs += f' id="{fd_id}"' if x is fd else ""
+        attrs += f' data-name="{_e(name)}" data-bad="{0 if x.ok else 1}"'
+        rows.append(f"<tr{attrs}>{''.join(cells)}</tr>")
     return rows
 
 
-def _section(i: int, label: str, report: Report, with_plot: bool) -> list[str]:
+def _tools(noun: str, only_bad: bool) -> str:
+    """Filter controls; hidden until the script runs (without it they would do nothing)."""
+    checked = " checked" if only_bad else ""
+    return (f'<div class="tools" hidden><input type="search" placeholder="filter {noun} by name (globs: * ?)" '
+            f'aria-label="filter {noun} by name"><label><input type="checkbox" class="only-bad"{checked}> '
+            f'diverged only</label><span class="count" aria-live="polite"></span></div>')
+
+
+def _section(i: int, label: str, report: Report, with_plot: bool, fd_id: str) -> list[str]:
     state = "ok" if report.ok else "bad"
-    out = [f'<section id="report-{i}">', f"<h2>{_e(label)}</h2>",
-           f'<p class="{state}"><b>{_e(report.headline())}</b></p>']
-    text = str(report)
-    if text != report.headline():
-        out.append(f"<pre>{_e(text)}</pre>")
+    out = [f'<section class="report" id="report-{i}">', f"<h2>{_e(label)}</h2>",
+           f'<p class="headline {state}"><b>{_e(report.headline())}</b></p>']
+    fd = report.first_divergence
+    if fd is not None:
+        out.append(f'<p><a href="#{fd_id}">jump to the first divergence in the table</a></p>')
+    body = str(report).split("\n", 1)[1:]  # the text report below its headline, shown just above
+    if body:
+        out.append(f"<pre>{_e(body[0])}</pre>")
     if with_plot:
         try:
             png = render_png(report)
             b64 = base64.b64encode(png).decode("ascii")
-            out.append(f'<img alt="error by layer for {_e(label)}" src="data:image/png;base64,{b64}">')
+            out.append(f'<img class="plot" alt="error by layer for {_e(label)}" src="data:image/png;base64,{b64}">')
         except PlotUnavailableError:
             out.append(f'<p class="note">(no plot: matplotlib is not installed; {_e(INSTALL_HINT)})</p>')
-    head = "".join(f"<th>{_e(c)}</th>" for c in COLUMNS)
-    table = [f"<table class=\"layers\"><thead><tr>{head}</tr></thead><tbody>", *_layer_rows(report), "</tbody></table>"]
+    calibrated = any(x.error_multiple is not None for x in report.layers)
+    columns = COLUMN_KINDS + ((ALLOWED_COLUMN,) if calibrated else ())
     n = len(report.layers)
+    box = ['<div class="table-box">', _tools("layers", only_bad=not report.ok and n > BIG_TABLE),
+           f'<div class="scroll"><table class="ag layers" data-noun="layer calls">{_head(columns)}<tbody>',
+           *_layer_rows(report, fd_id, calibrated), "</tbody></table></div></div>"]
     if report.ok:  # a passing check's table is rarely read: fold it
-        out += [f"<details><summary>{n} layer calls</summary>", *table, "</details>"]
+        out += [f"<details><summary>{n} layer calls</summary>", *box, "</details>"]
     else:
-        out += [f"<p>{n} layer calls; the first divergence is highlighted.</p>", *table]
+        out += [f"<p>{n} layer calls; the first divergence is highlighted.</p>", *box]
     out.append("</section>")
     return out
 
 
-def html_page(reports: ReportsArg, *, title: str = "activation_guard report", plots: str = "auto") -> str:
-    """One self-contained HTML page (inline CSS, plots as base64 PNG, no network assets).
+def _fd_ids(items: list[tuple[str, Report]]) -> list[str]:
+    """Row anchors of each check's first divergence; the page's first one is ``first-divergence``."""
+    ids, taken = [], False
+    for i, (_, r) in enumerate(items):
+        if r.first_divergence is not None and not taken:
+            ids.append(FIRST_ID)
+            taken = True
+        else:
+            ids.append(f"report-{i}-first")
+    return ids
 
-    ``plots``: ``"auto"`` plots a single report, or the failing ones among several (a plot costs
-    a fraction of a second); ``"all"``; ``"none"``.
+
+def _banner(items: list[tuple[str, Report]], fd_ids: list[str]) -> list[str]:
+    nbad = sum(1 for _, r in items if not r.ok)
+    state = "ok" if nbad == 0 else "bad"
+    if len(items) == 1:
+        r = items[0][1]
+        counts = ", ".join(f"{v} {k}" for k, v in r.counts().items()) or "no layer calls"
+        summary = f"{'OK' if r.ok else 'DIVERGED'}: {len(r.layers)} layer calls, {counts}"
+    else:
+        summary = f"{len(items)} checks: {len(items) - nbad} passed, {nbad} diverged"
+    out = [f'<div class="banner {state}">', f'<p class="state">{_e(summary)}</p>']
+    for i, (label, r) in enumerate(items):
+        fd = r.first_divergence
+        if fd is not None:
+            where = f" in {_e(label)}" if len(items) > 1 else ""
+            out.append(f'<p>First divergence: <a href="#{fd_ids[i]}">{_e(fd.label)}</a> '
+                       f"({_e(WHY.get(fd.status, fd.status))}){where}</p>")
+            break
+    out.append("</div>")
+    return out
+
+
+def _checks_table(items: list[tuple[str, Report]], fd_ids: list[str]) -> list[str]:
+    head = _head((("check", "text"), ("result", "text"), ("first divergence", "text")))
+    out = ['<div class="table-box">', _tools("checks", only_bad=len(items) > BIG_TABLE),
+           f'<div class="scroll"><table class="ag checks" data-noun="checks">{head}<tbody>']
+    for i, (label, r) in enumerate(items):
+        fd = r.first_divergence
+        if fd is None:
+            where = "-"
+        else:
+            where = f'<a href="#{fd_ids[i]}">{_e(fd.label)}</a> ({_e(WHY.get(fd.status, fd.status))})'
+        cls = "ok" if r.ok else "bad"
+        out.append(f'<tr data-name="{_e(label)}" data-bad="{0 if r.ok else 1}">'
+                   f'<td><a href="#report-{i}">{_e(label)}</a></td>'
+                   f'<td class="{cls}">{"OK" if r.ok else "DIVERGED"}</td><td>{where}</td></tr>')
+    out.append("</tbody></table></div></div>")
+    return out
+
+
+def html_page(reports: ReportsArg, *, title: str = "activation_guard report", plots: str = "auto") -> str:
+    """One self-contained HTML page: inline CSS and script, plots as base64 PNG, nothing loaded
+    from anywhere else, so it can be archived as a CI artefact and opened offline.
+
+    Every row is in the HTML (readable without the script); the script makes the tables sortable
+    (click a header) and filterable (layer name or glob, "diverged only"), and opens and unfilters
+    whatever an anchor link points at. ``#first-divergence`` is the first diverged check's first
+    divergence, ``#report-N`` the N-th check. ``plots``: ``"auto"`` plots a single report, or the
+    failing ones among several (a plot costs a fraction of a second); ``"all"``; ``"none"``.
     """
     if plots not in ("auto", "all", "none"):
         raise ValueError(f"plots must be 'auto', 'all' or 'none', got {plots!r}")
     items = _normalize(reports)
-    nbad = sum(1 for _, r in items if not r.ok)
+    fd_ids = _fd_ids(items)
     out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
-           f"<title>{_e(title)}</title>", f"<style>{CSS}</style>", "</head>", "<body>", f"<h1>{_e(title)}</h1>"]
-    state = "ok" if nbad == 0 else "bad"
-    out.append(f'<p class="{state}">{len(items)} check(s): {len(items) - nbad} passed, {nbad} diverged</p>')
+           f"<title>{_e(title)}</title>", f"<style>{_asset('report.css')}</style>", "</head>", "<body>",
+           f"<h1>{_e(title)}</h1>", *_banner(items, fd_ids)]
     if len(items) > 1:
-        out.append("<table><thead><tr><th>check</th><th>result</th><th>first divergence</th></tr></thead><tbody>")
-        for i, (label, r) in enumerate(items):
-            fd = r.first_divergence
-            where = "-" if fd is None else f"{fd.label} ({WHY.get(fd.status, fd.status)})"
-            cls = "ok" if r.ok else "bad"
-            out.append(f'<tr><td><a href="#report-{i}">{_e(label)}</a></td><td class="{cls}">{"OK" if r.ok else "DIVERGED"}</td>'
-                       f"<td>{_e(where)}</td></tr>")
-        out.append("</tbody></table>")
+        out += _checks_table(items, fd_ids)
     for i, (label, r) in enumerate(items):
         with_plot = plots == "all" or (plots == "auto" and (len(items) == 1 or not r.ok))
-        out += _section(i, label, r, with_plot)
-    out += ["</body>", "</html>", ""]
+        out += _section(i, label, r, with_plot, fd_ids[i])
+    out += [f"<script>{_asset('report.js')}</script>", "</body>", "</html>", ""]
     return "\n".join(out)
 
 

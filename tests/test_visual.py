@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import re
 import sys
 from html.parser import HTMLParser
@@ -24,8 +25,9 @@ pytest.importorskip("matplotlib")
 import matplotlib.image
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-TEMPLATE_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "p", "b", "pre", "section", "table",
-                 "thead", "tbody", "tr", "th", "td", "details", "summary", "img", "a"}
+TEMPLATE_TAGS = {"html", "head", "meta", "title", "style", "script", "body", "h1", "h2", "p", "b", "pre", "section",
+                 "div", "table", "thead", "tbody", "tr", "th", "td", "details", "summary", "img", "a", "span", "wbr",
+                 "button", "input", "label"}
 VOID = {"meta", "img", "br", "hr", "link", "input", "col", "wbr", "source"}
 
 
@@ -164,7 +166,8 @@ def test_missing_matplotlib_gives_the_install_hint(demo, tmp_path, monkeypatch, 
 
 
 def test_diff_html_and_plot_from_the_cli(demo, tmp_path, capsys):
-    rc = main(["diff", demo.golden, demo.refactored, "--plot", str(tmp_path / "p.png"), "--html", str(tmp_path / "r.html")])
+    rc = main(["diff", demo.golden, demo.refactored, "--plot", str(tmp_path / "p.png"),
+               "--html", str(tmp_path / "r.html")])
     assert rc == 1
     err = capsys.readouterr().err
     assert f"plot written to {tmp_path / 'p.png'}" in err and f"HTML report written to {tmp_path / 'r.html'}" in err
@@ -172,7 +175,8 @@ def test_diff_html_and_plot_from_the_cli(demo, tmp_path, capsys):
     text = (tmp_path / "r.html").read_text(encoding="utf-8")
     assert text.startswith("<!DOCTYPE html>")
     assert not re.search(r"https?://", text), "the page must not load anything from the network"
-    assert "<script" not in text and "<link" not in text
+    assert "<link" not in text and "src=" not in text.replace('src="data:image/png;base64,', "")
+    assert text.count("<script>") == 1 and text.count("</script>") == 1  # one inline script, at the end
     page = parse(text)
     imgs = images(page)
     assert len(imgs) == 1
@@ -180,7 +184,7 @@ def test_diff_html_and_plot_from_the_cli(demo, tmp_path, capsys):
     layer_rows = [(cls, cells) for cls, cells in page.rows if len(cells) == len(visual.COLUMNS) and cells[0] != "#"]
     assert len(layer_rows) == len(demo.report.layers) == 37
     first = [cells for cls, cells in layer_rows if cls == "first"]
-    assert len(first) == 1 and first[0][1] == "blocks.1.mlp.act" and first[0][4] == "FIRST: diverged"
+    assert len(first) == 1 and first[0][1] == "blocks.1.mlp.act" and first[0][4] == "FIRST diverged"
     assert float(first[0][5]) == pytest.approx(demo.report.first_divergence.max_abs_diff, rel=0.01)
     fails = [cells[1] for cls, cells in layer_rows if cls == "fail"]
     assert len(fails) == sum(1 for x in demo.report.layers if not x.ok) - 1
@@ -193,11 +197,14 @@ def test_write_html_many_reports(demo, tmp_path):
     with open(p, encoding="utf-8") as fh:
         page = parse(fh.read())
     links = [a["href"] for tag, a in page.tags if tag == "a"]
-    ids = {a["id"] for tag, a in page.tags if a.get("id")}
-    assert links == ["#report-0", "#report-1"] and {"report-0", "report-1", "first-divergence"} <= ids
+    ids = [a["id"] for tag, a in page.tags if a.get("id")]
+    # banner -> first divergence; checks table -> each check and the first divergence; section -> its row
+    assert links == ["#first-divergence", "#report-0", "#first-divergence", "#report-1", "#first-divergence"]
+    assert ids == ["report-0", "first-divergence", "report-1"]
     assert len(images(page)) == 1  # auto: only the failing report is plotted
     summary = [cells for _, cells in page.rows if len(cells) == 3][1:]  # after the header row
     assert summary == [["test_a", "DIVERGED", "blocks.1.mlp.act[0] (values outside tolerance)"], ["test_b", "OK", "-"]]
+    assert "2 checks: 1 passed, 1 diverged" in "".join(page.text)
     assert any(tag == "details" for tag, _ in page.tags)  # the passing report's table is folded
     p2 = visual.write_html([demo.baseline], tmp_path / "one.html", plots="none")
     with open(p2, encoding="utf-8") as fh:
@@ -217,3 +224,33 @@ def test_html_escapes_any_layer_name_and_label(name, label):
     row = next(cells for cls, cells in page.rows if cls == "first")
     assert row[1] == name and row[11] == f"{name} & <more>"
     assert {tag for tag, _ in page.tags} <= TEMPLATE_TAGS  # nothing from the name became markup
+    names = [a.get("data-name") for tag, a in page.tags if tag == "tr" and "data-bad" in a]
+    assert names == [name, "<ok>"]  # the filter's name, unescaped by the parser: exactly the layer name
+
+
+def test_table_sort_keys_and_defaults(tmp_path):
+    """What the page's script sorts and filters by: numbers JavaScript reads back exactly (inf and
+    NaN included), 'diverged only' preset on big failing tables, the calibrated column when used."""
+    rows = [LayerResult(f"l{i}", 0, "match", "Linear", position=i, numel=4, max_abs_diff=0.0, max_rel_diff=0.0,
+                        rtol=1e-5, atol=1e-8)
+            for i in range(visual.BIG_TABLE)]
+    rows.append(LayerResult("bad", 0, "nonfinite", "Linear", position=len(rows), numel=4, mismatched=1,
+                            max_abs_diff=math.inf, max_rel_diff=math.nan, rtol=1e-5, atol=1e-8, error_multiple=7.5))
+    rows.append(LayerResult("gone", 0, "missing", "ReLU", detail="did not run"))
+    page = parse(visual.html_page(Report(path="g.h5", layers=rows), plots="none"))
+    attrs = [(tag, a) for tag, a in page.tags]
+    only_bad = [a for tag, a in attrs if tag == "input" and a.get("class") == "only-bad"]
+    assert len(only_bad) == 1 and "checked" in only_bad[0]  # > BIG_TABLE rows and diverged: opens filtered
+    heads = next(cells for _, cells in page.rows)
+    assert heads[-1] == "x allowed" and len(heads) == len(visual.COLUMNS) + 1
+    row = next(a for tag, a in attrs if tag == "tr" and a.get("data-name") == "bad")
+    assert row["id"] == "first-divergence" and row["data-bad"] == "1"
+    bad = next(cells for cls, cells in page.rows if cls == "first")
+    assert bad[5] == "inf" and bad[6] == "nan" and bad[-1] == "7.5"
+    assert bad[11] == ""  # no free text: the counts have their own column
+    gone = next(cells for cls, cells in page.rows if cells[1] == "gone")
+    assert gone[0] == "-" and gone[11] == "did not run"
+    text = visual.html_page(Report(path="g.h5", layers=rows), plots="none")
+    assert 'data-v="Infinity"' in text and 'data-v="NaN"' in text and 'data-v="1e-05"' in text
+    small = parse(visual.html_page(Report(path="g.h5", layers=rows[-3:]), plots="none"))
+    assert not any("checked" in a for tag, a in small.tags if tag == "input")  # small tables open unfiltered
