@@ -18,12 +18,13 @@ import torch
 
 from . import calibrate as calmod
 from . import env as envmod
-from .capture import check_model, flatten, hooked, normalize_inputs, run_forward
+from .capture import check_model, hooked, normalize_inputs, run_forward
 from .comparator import Comparator, StopForward, recorded_selection
 from .errors import ActivationGuardError
 from .judges import Judge, StrictJudge
+from .leaves import clone_inputs, flatten
 from .report import Report
-from .selection import nothing_selected
+from .selection import nothing_selected, unmatched
 from .spec import ARGUMENT, CompareSpec, RecordSpec
 from .store import GoldenReader, GoldenWriter
 from .tolerances import ToleranceResolver
@@ -60,7 +61,7 @@ def _build_meta(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         "versions": envmod.versions(),
         "device": envmod.device_info(dev),
         "model_class": f"{m.__module__}.{m.__qualname__}",
-        "training": bool(model.training),
+        **envmod.training_modes(model),
         "inputs": envmod.input_fingerprint(args, kwargs),
         "numerics": envmod.numerics_flags(),
         "include": None if spec.include is None else list(spec.include),
@@ -78,6 +79,7 @@ def record(
     exclude: str | Sequence[str] | None = None,
     compression: str | None = None,
     calibrate: bool = False,
+    grad: bool = False,
 ) -> RecordSummary:
     """Run ``model(*args, **kwargs)`` once and write every layer's outputs to a golden.
 
@@ -85,28 +87,34 @@ def record(
     floor (its error against float64) in the meta under ``"calibration"``, which
     ``compare(..., tolerance="calibrated")`` needs. See docs/cross-device.md.
 
+    ``args`` follows ``torch.export``: a tuple holds the positional arguments, anything else is
+    the one positional argument. The forward runs under ``torch.no_grad()`` unless ``grad=True``
+    (forwards that call ``torch.autograd.grad`` themselves, e.g. forces from an energy).
+
     The write is atomic: the golden at ``path`` is replaced only after the new one is complete,
     so an error or a kill mid-forward leaves the previous golden as it was.
     """
-    spec = RecordSpec.build(dict(include=include, exclude=exclude, compression=compression, calibrate=calibrate))
+    spec = RecordSpec.build(dict(include=include, exclude=exclude, compression=compression, calibrate=calibrate,
+                                 grad=grad))
     return record_spec(model, args, kwargs, path=path, spec=spec)
 
 
 def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
                 path: str | os.PathLike[str], spec: RecordSpec) -> RecordSummary:
     """:func:`record` with its options already in a :class:`RecordSpec` (the plugin's entry)."""
-    model = check_model(model)
+    target = check_model(model)
+    model = target.root
     a, kw = normalize_inputs(args, kwargs)
     inc, exc = spec.include, spec.exclude
     meta = _build_meta(model, a, kw, spec)  # fingerprint inputs before the forward can mutate them
-    shadow = calmod.ShadowRun(model, a, kw, inc, exc, envmod.model_device(model, a, kw)) if spec.calibrate else None
-    floors = calmod.FloorTable()
+    writer = GoldenWriter(golden_path(path), compression=spec.compression)  # a bad path fails before the forward
     try:
-        writer = GoldenWriter(path, compression=spec.compression)
+        shadow = (calmod.ShadowRun(model, a, kw, inc, exc, envmod.model_device(model, a, kw), grad=spec.grad)
+                  if spec.calibrate else None)
     except BaseException:
-        if shadow is not None:
-            shadow.close()
+        writer.abort()
         raise
+    floors = calmod.FloorTable()
     names: list[str] = []
 
     def on_output(name: str, call: int, module: torch.nn.Module, output: Any) -> None:
@@ -123,8 +131,8 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
             names.append(name)
 
     try:
-        with hooked(model, on_output, inc, exc) as state:
-            out = run_forward(model, a, kw, state)
+        with hooked(target, on_output, inc, exc) as state:
+            out = run_forward(target, a, kw, state, grad=spec.grad)
         if not writer.calls:
             raise nothing_selected(inc, exc, [n for n, _ in model.named_modules()])
         meta["layer_calls"] = len(writer.calls)
@@ -159,6 +167,7 @@ def compare(
     rename: Mapping[str, str] | None = None,
     allow_dtype_change: bool = False,
     tolerance: str = "strict",
+    grad: bool = False,
 ) -> Report:
     """Run the model with hooks and compare every layer call against the golden at ``path``.
 
@@ -171,7 +180,7 @@ def compare(
     """
     spec = CompareSpec.build(dict(
         rtol=rtol, atol=atol, tolerances=tolerances, include=include, exclude=exclude, fail_fast=fail_fast,
-        rename=rename, allow_dtype_change=allow_dtype_change, tolerance=tolerance))
+        rename=rename, allow_dtype_change=allow_dtype_change, tolerance=tolerance, grad=grad))
     return compare_spec(model, args, kwargs, path=path, spec=spec)
 
 
@@ -181,17 +190,21 @@ def _judge(spec: CompareSpec, resolver: ToleranceResolver, gmeta: Mapping[str, A
     if not spec.calibrated:
         return strict
     floors = calmod.FloorTable.from_meta(gmeta, path)
-    return calmod.CalibratedJudge(floors, calmod.ShadowRun(model, a, kw, spec.include, spec.exclude, dev), strict)
+    shadow = calmod.ShadowRun(model, a, kw, spec.include, spec.exclude, dev, grad=spec.grad)
+    return calmod.CalibratedJudge(floors, shadow, strict)
 
 
 def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
                  path: str | os.PathLike[str], spec: CompareSpec) -> Report:
     """:func:`compare` with its options already in a :class:`CompareSpec` (the plugin's entry)."""
-    model = check_model(model)
+    target = check_model(model)
+    model = target.root
     a, kw = normalize_inputs(args, kwargs)
     live_inputs = envmod.input_fingerprint(a, kw)
+    live_modes = envmod.training_modes(model)
     dev = envmod.model_device(model, a, kw)
     judge: Judge | None = None
+    path = golden_path(path)
     reader = GoldenReader(path)
     try:
         gmeta = reader.meta
@@ -207,11 +220,11 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         comp = Comparator(reader, spec, judge, golden_filter=golden_filter)
         stopped = False
         out = None
-        with hooked(model, comp.on_output, spec.include, spec.exclude) as state:
-            try:
-                out = run_forward(model, a, kw, state)
-            except StopForward:
-                stopped = True
+        try:
+            with hooked(target, comp.on_output, spec.include, spec.exclude) as state:
+                out = run_forward(target, a, kw, state, grad=spec.grad)
+        except StopForward:
+            stopped = True
         layers, order = comp.finish()
         if not layers:
             raise nothing_selected(spec.include, spec.exclude, [n for n, _ in model.named_modules()])
@@ -231,15 +244,33 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     env_changes += envmod.describe_version_change(gmeta.get("versions"), envmod.versions())
     inputs_raw = gmeta.get("inputs")
     report = Report(
-        path=os.fspath(path), layers=layers, golden_meta=report_meta(gmeta), live_device=str(dev),
+        path=path, layers=layers, golden_meta=report_meta(gmeta), live_device=str(dev),
         input_changes=envmod.describe_input_change(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs),
         env_changes=env_changes, stopped_early=stopped, output=out, _order=order, mode=spec.tolerance,
     )
+    report.mode_changes = envmod.describe_training_change(gmeta, live_modes)
     if resolver.cross_device:
         report.notes.append(f"golden recorded on {gdev}, live run on {dev}: {resolver.device_pair} default tolerances apply")
-    report.notes += [f"tolerances pattern {p!r} matched no layer" for p in resolver.unmatched(r.name for r in layers)]
+    report.notes += selection_notes(spec, resolver, layers)
     report.notes += notes
     return report
+
+
+def selection_notes(spec: CompareSpec, resolver: ToleranceResolver, layers: Sequence[Any]) -> list[str]:
+    """Patterns that matched no layer: a typo would otherwise select or loosen nothing, silently."""
+    names = [r.name for r in layers]
+    out = [f"tolerances pattern {p!r} matched no layer" for p in resolver.unmatched(names)]
+    for option in ("include", "exclude"):
+        pats = spec.given.get(option) and getattr(spec, option)  # patterns the user gave, not the golden's
+        out += [f"{option} pattern {p!r} matched no layer" for p in unmatched(pats, names)]
+    return out
+
+
+def golden_path(path: Any) -> str:
+    """A golden's path as given: ``str``, ``bytes`` or ``os.PathLike``; anything else is refused."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"path must be a str, bytes or os.PathLike naming a golden file, got {type(path).__name__}")
+    return os.fsdecode(path)
 
 
 def report_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -264,10 +295,13 @@ def compare_models(
     spec = CompareSpec.build(options, ARGUMENT)
     # with `rename` the patterns name candidate layers: record all of the reference's
     sel = (None, None) if spec.rename else (spec.include, spec.exclude)
-    rspec = RecordSpec.build(dict(include=sel[0], exclude=sel[1], calibrate=spec.calibrated))
+    rspec = RecordSpec.build(dict(include=sel[0], exclude=sel[1], calibrate=spec.calibrated, grad=spec.grad))
     with tempfile.TemporaryDirectory(prefix="activation_guard-") as d:
         p = os.path.join(d, "reference.h5")
-        record_spec(reference, args, kwargs, path=p, spec=rspec)
+        # the reference runs on its own copy: a forward that changes its inputs in place must
+        # not hand the candidate different inputs
+        a, kw = normalize_inputs(args, kwargs)
+        record_spec(reference, clone_inputs(a), clone_inputs(kw), path=p, spec=rspec)
         report = compare_spec(candidate, args, kwargs, path=p, spec=spec)
     report.path = f"<reference {type(reference).__name__}>"
     return report
@@ -275,4 +309,4 @@ def compare_models(
 
 def read_golden(path: str | os.PathLike[str]) -> GoldenReader:
     """Open a golden for reading (validated; use as a context manager)."""
-    return GoldenReader(path)  # which refuses a golden without a metadata record
+    return GoldenReader(golden_path(path))  # which refuses a golden without a metadata record

@@ -40,11 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .capture import Leaf, flatten, hooked, run_forward
+from .capture import hooked, run_forward
 from .devices import reference_device, stats_device, to_device
 from .dtypes import dtype_name
 from .errors import ActivationGuardError, GoldenFormatError, UncalibratedGoldenError
 from .judges import PRECISION, LeafContext, StrictJudge
+from .leaves import Leaf, flatten
 from .kernel import CHUNK, compare_tensors
 from .numerics import full_fp32_precision
 from .results import LeafResult, leaf_from_stats
@@ -256,8 +257,10 @@ class ShadowRun:
     golden file so memory stays near one layer's worth, as for the real golden."""
 
     def __init__(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 include: Sequence[str] | None, exclude: Sequence[str] | None, live_device: torch.device):
+                 include: Sequence[str] | None, exclude: Sequence[str] | None, live_device: torch.device,
+                 *, grad: bool = False):
         self.live_device = live_device
+        self.grad = grad
         self.device = reference_device(live_device)
         self._tmp = tempfile.TemporaryDirectory(prefix="activation_guard-shadow-")
         self.reader: GoldenReader | None = None
@@ -277,6 +280,9 @@ class ShadowRun:
                 f"calibrated tolerances need a float64 copy of the model, but copy.deepcopy({type(model).__name__}) "
                 f"failed ({type(e).__name__}: {e}); use tolerance='strict' for this model") from e
         try:
+            for m in shadow.modules():  # `m.compile()` in place: its compiled call runs the original
+                if getattr(m, "_compiled_call_impl", None) is not None:
+                    m._compiled_call_impl = None
             if self.device != self.live_device:
                 shadow.to(self.device)
             shadow.double()
@@ -291,7 +297,7 @@ class ShadowRun:
             try:
                 with _isolated_rng(self.live_device), _no_autocast(), full_fp32_precision(), \
                         hooked(shadow, on_output, include, exclude) as state:
-                    run_forward(shadow, a, kw, state)
+                    run_forward(shadow, a, kw, state, grad=self.grad)
                 writer.commit({})
             except BaseException:
                 writer.abort()

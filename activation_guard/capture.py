@@ -1,15 +1,22 @@
-"""Forward hooks on every module, and flattening of arbitrary outputs into addressed leaves.
+"""Forward hooks on every module: which modules, which call, and what each returned.
 
-Capture never keeps references to live tensors beyond the hook call: the consumer (store or
-comparator) either copies the bytes or compares them *inside* the hook, which is what makes a
-later in-place op (``ReLU(inplace=True)``, ``add_``) harmless without cloning every output.
+Eager models are captured *streaming*: the consumer (store or comparator) copies or compares a
+layer's output inside its forward hook, so a later in-place op (``ReLU(inplace=True)``, ``add_``)
+cannot change it and nothing needs cloning. Compiled regions (``torch.compile(model)``,
+``module.compile()``) are captured *staged*: their hooks are traced into the compiled graph, so
+they only clone outputs and append them to a list (work dynamo can trace); the consumer reads the
+list after the forward. Dynamo caches are reset around the capture so the hooks are compiled in,
+and a compiled region whose inner hooks still did not fire is an error, never an empty capture.
+
+Model-level conditions that would make call numbers meaningless are refused with the layer and
+the fix: two modules under one qualified name, and a module called from several threads.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,152 +25,73 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import UnsupportedModelError
+from .errors import ActivationGuardError, UnsupportedModelError
 from .selection import selected
 
-MAX_DEPTH = 32
+ORIG_MOD = "_orig_mod"  # the eager module inside torch.compile's OptimizedModule wrapper
 
 
-@dataclass
-class Leaf:
-    """One addressed value inside a layer's output.
-
-    ``kind`` is ``tensor`` (also used for Python numbers, stored as 0-d tensors), ``none``,
-    ``str`` or ``object`` (anything else: recorded by type name only, never iterated, so a
-    generator or a KV-cache object is neither consumed nor crashes the capture).
-    """
-
-    path: str
-    kind: str
-    tensor: torch.Tensor | None = None
-    type_name: str = ""
-    value: str | None = None
+def _is_optimized(m: torch.nn.Module) -> bool:
+    return type(m).__name__ == "OptimizedModule" and hasattr(m, ORIG_MOD)
 
 
-def _escape(key: str) -> str:
-    return key.replace("%", "%25").replace("/", "%2F")
+def _is_compiled(m: torch.nn.Module) -> bool:
+    """``module.compile()`` (in place) or the ``torch.compile`` wrapper."""
+    return getattr(m, "_compiled_call_impl", None) is not None or _is_optimized(m)
 
 
-def _join(prefix: str, key: str) -> str:
-    return f"{prefix}/{key}" if prefix else key
+@dataclass(frozen=True)
+class Target:
+    """What is called (``runner``: the user's object, e.g. a compiled wrapper) and whose
+    modules are hooked and named (``root``: the eager module tree), with the compiled regions by
+    layer name (``""`` is the root)."""
+
+    runner: torch.nn.Module
+    root: torch.nn.Module
+    compiled: tuple[str, ...]
 
 
-def flatten(obj: Any, prefix: str = "", depth: int = 0) -> list[Leaf]:
-    """Flatten an output into leaves with stable slash-separated paths.
-
-    Tuples/lists are addressed by index, mappings (including Hugging Face ``ModelOutput``) and
-    dataclasses by key/field name. A bare tensor output has the empty path.
-    """
-    out: list[Leaf] = []
-    _flatten_into(obj, prefix, depth, out)
-    return out
+def layer_name(name: str) -> str:
+    """A module's layer name: torch.compile's ``_orig_mod`` components removed, so a compiled
+    model's layers are named (and compared) as in its eager model."""
+    if ORIG_MOD not in name:
+        return name
+    return ".".join(p for p in name.split(".") if p != ORIG_MOD)
 
 
-def _flatten_into(obj: Any, prefix: str, depth: int, out: list[Leaf]) -> None:
-    if isinstance(obj, torch.Tensor):
-        _tensor_leaf(obj, prefix, depth, out)
-        return
-    if obj is None:
-        out.append(Leaf(prefix, "none", type_name="None"))
-        return
-    if isinstance(obj, bool):
-        out.append(Leaf(prefix, "tensor", tensor=torch.tensor(obj), type_name="bool"))
-        return
-    if isinstance(obj, int):
-        if -(2**63) <= obj < 2**63:
-            out.append(Leaf(prefix, "tensor", tensor=torch.tensor(obj, dtype=torch.int64), type_name="int"))
-        else:
-            out.append(Leaf(prefix, "str", type_name="int", value=str(obj)))
-        return
-    if isinstance(obj, float):
-        out.append(Leaf(prefix, "tensor", tensor=torch.tensor(obj, dtype=torch.float64), type_name="float"))
-        return
-    if isinstance(obj, complex):
-        out.append(Leaf(prefix, "tensor", tensor=torch.tensor(obj, dtype=torch.complex128), type_name="complex"))
-        return
-    if isinstance(obj, str):
-        out.append(Leaf(prefix, "str", type_name="str", value=obj))
-        return
-    if depth >= MAX_DEPTH:
-        out.append(Leaf(prefix, "object", type_name=type(obj).__name__))
-        return
-    if isinstance(obj, Mapping):
-        if not obj and prefix:
-            out.append(Leaf(prefix, "object", type_name=f"empty {type(obj).__name__}"))
-        for k, v in obj.items():
-            _flatten_into(v, _join(prefix, _escape(str(k))), depth + 1, out)
-        return
-    if isinstance(obj, (tuple, list)):
-        if not obj:
-            out.append(Leaf(prefix, "object", type_name=f"empty {type(obj).__name__}"))
-        for i, v in enumerate(obj):
-            _flatten_into(v, _join(prefix, str(i)), depth + 1, out)
-        return
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            _flatten_into(getattr(obj, f.name, None), _join(prefix, _escape(f.name)), depth + 1, out)
-        return
-    out.append(Leaf(prefix, "object", type_name=type(obj).__name__))
-
-
-def _tensor_leaf(t: torch.Tensor, prefix: str, depth: int, out: list[Leaf]) -> None:
-    """Plain strided tensors are leaves; other tensor kinds are reduced to what they hold."""
-    if getattr(t, "is_nested", False):
-        _flatten_into(list(t.unbind()), prefix, depth + 1, out)
-        return
-    if t.device.type == "meta":
-        out.append(Leaf(prefix, "object", type_name=f"meta Tensor{list(t.shape)}"))
-        return
-    if t.is_quantized:
-        t = t.dequantize()
-    elif t.layout != torch.strided:
-        t = t.to_dense()
-    out.append(Leaf(prefix, "tensor", tensor=t, type_name="Tensor"))
-
-
-def check_model(model: Any) -> torch.nn.Module:
-    """Refuse models whose submodule hooks would silently not fire."""
+def check_model(model: Any) -> Target:
+    """Refuse models whose hooks would not fire faithfully; find the compiled regions."""
     if not isinstance(model, torch.nn.Module):
-        raise UnsupportedModelError(
-            f"activation_guard needs a torch.nn.Module, got {type(model).__name__}"
-        )
-    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
-        raise UnsupportedModelError(
-            "this model was wrapped by torch.compile; compiled graphs bypass per-module hooks, so "
-            "layer outputs cannot be captured. Check the eager module instead: pass "
-            "`model._orig_mod` (and compare the compiled model's final output separately)."
-        )
-    if isinstance(model, torch.jit.ScriptModule):
+        raise UnsupportedModelError(f"needs a torch.nn.Module, got {type(model).__name__}")
+    root = getattr(model, ORIG_MOD) if _is_optimized(model) else model
+    if isinstance(root, torch.jit.ScriptModule):
         raise UnsupportedModelError(
             "torch.jit.ScriptModule does not support forward hooks (pytorch#29037); check the "
             "original eager nn.Module instead."
         )
-    if isinstance(model, (torch.nn.DataParallel,)):
+    if isinstance(root, torch.nn.DataParallel):
         raise UnsupportedModelError(
             "torch.nn.DataParallel runs hooks on per-device replicas concurrently; pass "
             "`model.module` instead."
         )
-    # The same wrappers nested inside an eager model: installing hooks on a ScriptModule raises a
-    # bare RuntimeError, and layers inside a compiled submodule would silently not be captured.
-    for name, sub in model.named_modules():
+    compiled = [""] if _is_compiled(model) or _is_compiled(root) else []
+    for name, sub in root.named_modules():
         if not name:
             continue
         if isinstance(sub, torch.jit.ScriptModule):
-            why = "a TorchScript module (torch.jit.script/trace), which cannot take forward hooks"
-            fix = "the eager nn.Module it was made from"
-        elif type(sub).__name__ == "OptimizedModule" and hasattr(sub, "_orig_mod"):
-            why = "wrapped by torch.compile, whose graph bypasses the hooks of the layers inside"
-            fix = f"its eager module (`{name}._orig_mod`)"
-        elif isinstance(sub, torch.nn.DataParallel):
-            why = "a torch.nn.DataParallel, which runs hooks on per-device replicas concurrently"
-            fix = "its `.module`"
-        else:
-            continue
-        raise UnsupportedModelError(
-            f"submodule {name!r} ({type(sub).__name__}) is {why}; check a copy of the model "
-            f"with {fix} in its place."
-        )
-    return model
+            raise UnsupportedModelError(
+                f"submodule {name!r} ({type(sub).__name__}) is a TorchScript module (torch.jit.script/trace), "
+                f"which cannot take forward hooks; check a copy of the model with the eager nn.Module it was "
+                f"made from in its place."
+            )
+        if isinstance(sub, torch.nn.DataParallel):
+            raise UnsupportedModelError(
+                f"submodule {name!r} is a torch.nn.DataParallel, which runs hooks on per-device replicas "
+                f"concurrently; check a copy of the model with its `.module` in its place."
+            )
+        if _is_compiled(sub):
+            compiled.append(layer_name(name))
+    return Target(model, root, tuple(compiled))
 
 
 LayerCallback = Callable[[str, int, torch.nn.Module, Any], None]
@@ -171,35 +99,83 @@ LayerCallback = Callable[[str, int, torch.nn.Module, Any], None]
 
 @dataclass
 class HookState:
-    """Per-forward bookkeeping: call counts per module, and the hooked modules by ``id`` (to
-    name the layer an exception came from)."""
+    """Per-forward bookkeeping: call counts per layer, the hooked modules by ``id`` (to name the
+    layer an exception came from), layers called from another thread, and (compiled regions)
+    outputs staged for the consumer."""
 
     calls: dict[str, int] = field(default_factory=dict)
     modules: dict[int, str] = field(default_factory=dict)
+    foreign_threads: dict[str, int] = field(default_factory=dict)
+    staged: list[tuple[str, int, torch.nn.Module, Any]] = field(default_factory=list)
+
+
+def _layers(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Each module once, under its first name, compile wrappers skipped (their eager module is
+    hooked instead); two different modules under one name are refused."""
+    by_name: dict[str, torch.nn.Module] = {}
+    seen: set[int] = set()
+    out = []
+    for raw, mod in root.named_modules():
+        if id(mod) in seen or _is_optimized(mod):
+            continue
+        seen.add(id(mod))
+        name = layer_name(raw)
+        other = by_name.get(name)
+        if other is not None:
+            raise UnsupportedModelError(
+                f"two different modules are registered under the name {name or '<root>'!r}: "
+                f"{type(other).__name__} and {type(mod).__name__} (a name with '.' put into `_modules` "
+                f"collides with a nested module's name); their calls would be merged into one layer. "
+                f"Register one of them under another name.")
+        by_name[name] = mod
+        out.append((name, mod))
+    return out
+
+
+def _snapshot(output: Any) -> Any:
+    """A copy of an output whose tensors are cloned: what a traced hook can do safely."""
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), output)
 
 
 @contextmanager
 def hooked(
-    model: torch.nn.Module,
+    target: Target | torch.nn.Module,
     on_output: LayerCallback,
     include: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
 ) -> Iterator[HookState]:
-    """Install forward hooks on every (selected) module of ``model``; always remove them.
+    """Install forward hooks on every (selected) module; always remove them.
 
-    ``on_output(name, call, module, output)`` runs when a module's forward returns. Modules run
+    ``on_output(name, call, module, output)`` runs when a module's forward returns (eager), or
+    for each staged output after :func:`run_forward` (compiled regions). Modules run
     post-order, so children complete (and are reported) before their parents.
     """
+    if not isinstance(target, Target):
+        target = check_model(target)
     state = HookState()
     handles: list[Any] = []
-    names = state.modules
-    for name, mod in model.named_modules():
-        names.setdefault(id(mod), name)
+    layers = _layers(target.root)
+    for name, mod in layers:
+        state.modules[id(mod)] = name
+    owner = threading.get_ident()
+    staged = bool(target.compiled)
 
     def make_hook(name: str, wanted: bool) -> Callable[..., None]:
+        if staged:
+            def staged_hook(mod: torch.nn.Module, args: Any, output: Any) -> None:
+                k = state.calls.get(name, 0)
+                state.calls[name] = k + 1
+                if wanted:
+                    state.staged.append((name, k, mod, _snapshot(output)))
+
+            return staged_hook
+
         def hook(mod: torch.nn.Module, args: Any, output: Any) -> None:
             k = state.calls.get(name, 0)
             state.calls[name] = k + 1
+            if threading.get_ident() != owner:  # numbered by thread timing: refused after the forward
+                state.foreign_threads[name] = state.foreign_threads.get(name, 0) + 1
+                return
             if wanted:
                 on_output(name, k, mod, output)
 
@@ -213,36 +189,86 @@ def hooked(
     if frozen:
         gc.freeze()
     try:
-        for name, mod in model.named_modules():
-            if id(mod) in names and names[id(mod)] != name:
-                continue
-            wanted = selected(name, include, exclude)
+        for name, mod in layers:
             # no forward pre-hook: it would cost ~3 us per layer call only to name the layer
             # of an exception, which run_forward reads from the traceback instead
-            handles.append(mod.register_forward_hook(make_hook(name, wanted)))
+            handles.append(mod.register_forward_hook(make_hook(name, selected(name, include, exclude))))
+        if staged:
+            _reset_dynamo()  # compile the hooks in (hooks added later are not guarded on)
         yield state
+        if staged:
+            _check_compiled_capture(target, layers, state)
+            for name, k, mod, out in state.staged:
+                on_output(name, k, mod, out)
+            state.staged.clear()
+        if state.foreign_threads:
+            raise _thread_error(state.foreign_threads)
     finally:
         for h in handles:
             h.remove()
+        if staged:
+            _reset_dynamo()  # graphs compiled with our hooks must not outlive them
         if frozen:
             gc.unfreeze()
 
 
+def _reset_dynamo() -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
+def _check_compiled_capture(target: Target, layers: list[tuple[str, torch.nn.Module]], state: HookState) -> None:
+    """A compiled region that ran while none of its inner modules' hooks fired was captured
+    empty (dynamo skipped hooks it had not guarded on): an error, never a pass."""
+    names = [n for n, _ in layers]
+    for region in target.compiled:
+        if not state.calls.get(region):
+            continue
+        inner = [n for n in names if n != region and (region == "" or n.startswith(region + "."))]
+        if inner and not any(state.calls.get(n) for n in inner):
+            raise UnsupportedModelError(
+                f"compiled module {region or '<root>'!r} ran, but the hooks of the {len(inner)} modules inside it "
+                f"did not fire, so their outputs were not captured; torch.compile skipped them. Check the eager "
+                f"module instead (for `torch.compile(m)` pass `m`; for `m.compile()` use a copy without it).")
+
+
+def _thread_error(foreign: Mapping[str, int]) -> ActivationGuardError:
+    shown = ", ".join(f"{n or '<root>'!r} ({c} call(s))" for n, c in list(foreign.items())[:5])
+    return ActivationGuardError(
+        f"layers were called from another thread than the forward's: {shown}. Their call numbers would "
+        f"depend on thread timing, so they cannot be matched with a golden; run those modules on the "
+        f"calling thread (or exclude them with exclude=[...]).")
+
+
+GRAD_HINT = ("this forward needs autograd (torch.autograd.grad or .backward() inside forward), but "
+             "activation_guard runs forwards under torch.no_grad() by default; pass the option grad=True")
+
+
 def run_forward(
-    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], state: HookState
+    target: Target | torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], state: HookState,
+    *, grad: bool = False,
 ) -> Any:
-    """Run the forward under no_grad; name the innermost running layer if it raises."""
+    """Run the forward (under no_grad unless ``grad``); name the innermost running layer if it
+    raises, and say which option fixes a forward that needed autograd."""
+    runner = target.runner if isinstance(target, Target) else target
     try:
-        with torch.no_grad():
-            return model(*args, **kwargs)
+        with torch.set_grad_enabled(grad):
+            return runner(*args, **kwargs)
     except Exception as exc:
-        where = None if getattr(exc, "_ag_noted", False) else innermost_layer(exc.__traceback__, state.modules)
+        if getattr(exc, "_ag_noted", False):
+            raise
+        where = innermost_layer(exc.__traceback__, state.modules)
+        notes = []
         if where is not None:
-            note = f"activation_guard: raised inside layer {where or '<root>'!r}"
+            notes.append(f"activation_guard: raised inside layer {where or '<root>'!r}")
+        if not grad and isinstance(exc, RuntimeError) and "does not require grad" in str(exc):
+            notes.append(f"activation_guard: {GRAD_HINT}")
+        for note in notes:
             if hasattr(exc, "add_note"):
                 exc.add_note(note)
-            with contextlib.suppress(Exception):
-                exc._ag_noted = True  # type: ignore[attr-defined]
+        with contextlib.suppress(Exception):
+            exc._ag_noted = True  # type: ignore[attr-defined]
         raise
 
 
@@ -261,12 +287,9 @@ def innermost_layer(tb: TracebackType | None, modules: Mapping[int, str]) -> str
 
 
 def normalize_inputs(args: Any, kwargs: Mapping[str, Any] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(args, tuple):
-        a = args
-    elif isinstance(args, list):
-        a = tuple(args)
-    else:
-        a = (args,)
+    """``args`` as ``torch.export`` reads it: a tuple is the positional arguments; anything else
+    (a tensor, a list, a dict) is the one positional argument."""
+    a = args if isinstance(args, tuple) else (args,)
     if kwargs is None:
         kw: dict[str, Any] = {}
     elif isinstance(kwargs, Mapping):

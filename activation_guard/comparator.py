@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from .capture import Leaf, flatten
+from .leaves import Leaf, flatten
 from .dtypes import BY_NAME, dtype_name, tensor_bytes, tensor_from_bytes
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .rename import apply_rename, renamed_patterns
@@ -115,6 +115,10 @@ class Comparator:
             raise StopForward
 
     def _compare_call(self, entry: CallEntry, leaves: list[Leaf], name: str) -> list[LeafResult]:
+        if self.reader.version < 2:  # a format-1 golden names leaves by its own (non-injective) paths
+            for leaf in leaves:
+                if leaf.legacy_path is not None:
+                    leaf.path = leaf.legacy_path
         live = {leaf.path: leaf for leaf in leaves}
         results: list[LeafResult] = []
         gpaths = {g.path for g in entry.leaves}
@@ -138,7 +142,18 @@ class Comparator:
         if g.kind == "object":
             if g.type_name != lv.type_name:
                 return LeafResult(p, "structure", f"{_out(p)} type changed {g.type_name} -> {lv.type_name}")
-            return LeafResult(p, "match", f"{g.type_name} object: recorded by type only")
+            if not lv.type_only:  # an empty container: nothing else to compare
+                return LeafResult(p, "match", type_name=lv.type_name)
+            return LeafResult(p, "match", f"{g.type_name} object: compared by type only", type_name=lv.type_name,
+                              type_only=True)
+        if g.kind == "ref":
+            if g.value != lv.value:
+                return LeafResult(p, "structure", f"{_out(p)} was a reference to output {g.value}, "
+                                                  f"is now a reference to output {lv.value}")
+            return LeafResult(p, "match", type_name=lv.type_name)
+        if g.type_name != lv.type_name and g.kind == "tensor":
+            return LeafResult(p, "structure", f"{_out(p)} type changed {g.type_name} -> {lv.type_name}",
+                              type_name=lv.type_name)
         if g.kind == "str":
             if g.value != lv.value:
                 return LeafResult(p, "diverged", f"{_out(p)} {g.value!r} -> {lv.value!r}")
@@ -208,6 +223,8 @@ def _out(path: str) -> str:
 
 def _kind(g: LeafEntry) -> str:
     if g.kind == "tensor":
-        return f"a {g.dtype} tensor"
+        return f"a {g.dtype} tensor" if g.type_name == "Tensor" else f"a {g.dtype} {g.type_name}"
+    if g.kind == "ref":
+        return f"a reference to output {g.value}"
     return g.type_name or g.kind
 

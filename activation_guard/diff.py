@@ -16,7 +16,7 @@ from typing import Any
 
 from . import env as envmod
 from .api import report_meta
-from .capture import Leaf
+from .leaves import Leaf
 from .comparator import Comparator
 from .judges import StrictJudge
 from .report import Report

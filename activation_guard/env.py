@@ -18,7 +18,7 @@ import torch
 
 from . import dtypes
 from ._version import __version__
-from .capture import flatten
+from .leaves import flatten
 
 
 def _safe(fn: Any, default: Any = None) -> Any:
@@ -226,3 +226,35 @@ def describe_device_change(golden: dict[str, Any] | None, live: dict[str, Any]) 
         if golden.get(k) is not None and live.get(k) is not None and golden[k] != live[k]:
             msgs.append(f"{label}: golden {golden[k]}, live {live[k]}")
     return msgs
+
+
+MAX_LISTED_MODES = 50  # module names kept in a golden's training-mode record
+
+
+def training_modes(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's train/eval mode, and the modules whose mode differs from the root's (dropout
+    on in one block of an eval model): both change what a forward computes."""
+    root = bool(model.training)
+    odd = [n for n, m in model.named_modules() if n and bool(m.training) != root]
+    return {"training": root, "training_differs": odd[:MAX_LISTED_MODES], "training_differs_count": len(odd)}
+
+
+def _mode(flag: bool) -> str:
+    return "training" if flag else "eval"
+
+
+def describe_training_change(golden_meta: dict[str, Any], live: dict[str, Any]) -> list[str]:
+    """The first note of a report when the live model runs in another mode than the golden's."""
+    g = golden_meta.get("training")
+    if not isinstance(g, bool):
+        return []
+    if g != live["training"]:
+        return [f"golden recorded in {_mode(g)} mode; the live model is in {_mode(live['training'])} mode: "
+                f"dropout and batch-norm statistics differ"]
+    gd = golden_meta.get("training_differs")
+    if isinstance(gd, list) and gd != live["training_differs"]:
+        changed = sorted(set(map(str, gd)) ^ set(live["training_differs"]))
+        shown = ", ".join(repr(n) for n in changed[:5]) + (", ..." if len(changed) > 5 else "")
+        return [f"modules switched between training and eval mode since the golden was recorded: {shown} "
+                f"(dropout and batch-norm behave differently)"]
+    return []

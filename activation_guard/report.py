@@ -86,6 +86,7 @@ class Report:
     live_device: str = "cpu"
     input_changes: list[str] = field(default_factory=list)
     env_changes: list[str] = field(default_factory=list)
+    mode_changes: list[str] = field(default_factory=list)  # train/eval mode differs from the golden's
     stopped_early: bool = False
     mode: str = "strict"
     notes: list[str] = field(default_factory=list)
@@ -120,6 +121,20 @@ class Report:
         c = Counter(layer.status for layer in self.layers)
         return {s: c.get(s, 0) for s in STATUS_ORDER if c.get(s, 0)}
 
+    def type_only(self) -> Counter[str]:
+        """Outputs whose values were not compared (opaque objects: caches, generators), by type."""
+        return Counter(leaf.type_name or "?" for layer in self.layers for leaf in layer.leaves if leaf.type_only)
+
+    def type_only_text(self) -> str | None:
+        """"3 outputs compared by type only: DynamicCache x2, Foo", or None: an OK always says
+        what it did not check."""
+        c = self.type_only()
+        n = sum(c.values())
+        if not n:
+            return None
+        shown = ", ".join(f"{t} x{k}" if k > 1 else t for t, k in c.most_common())
+        return f"{n} output{'s' if n != 1 else ''} compared by type only: {shown}"
+
     def to_dict(self) -> dict[str, Any]:
         fd = self.first_divergence
         return {
@@ -133,8 +148,10 @@ class Report:
             "stopped_early": self.stopped_early,
             "input_changes": list(self.input_changes),
             "env_changes": list(self.env_changes),
+            "mode_changes": list(self.mode_changes),
             "notes": list(self.notes),
             "golden_meta": self.golden_meta,
+            "type_only": dict(self.type_only()),
             "layers": [layer.to_dict() for layer in self.layers],
             # where golden-only (missing) calls sit in execution order: layer index -> [at, golden pos]
             "missing_order": {str(i): [json_number(a), b] for i, (a, b) in self._order.items()},
@@ -156,6 +173,7 @@ class Report:
             live_device=str(d.get("live_device", "cpu")),
             input_changes=list(d.get("input_changes") or []),
             env_changes=list(d.get("env_changes") or []),
+            mode_changes=list(d.get("mode_changes") or []),
             stopped_early=bool(d.get("stopped_early")),
             mode=str(d.get("mode", "strict")),
             notes=list(d.get("notes") or []),
@@ -169,11 +187,13 @@ class Report:
         if fd is None:
             worst = max((layer.max_abs_diff or 0.0 for layer in self.layers), default=0.0)
             mults = [layer.error_multiple for layer in self.layers if layer.error_multiple is not None]
+            tail = "" if self.type_only_text() is None else f"; {self.type_only_text()}"
             if mults:  # calibrated mode: how close the worst layer came to its noise allowance
-                return (f"activation_guard: OK, {n} layer calls match {self.path} (largest abs diff {fmt_diff(worst)}, "
-                        f"largest error {max(mults):.3g}x the calibrated allowance)")
-            note = "; NOTE inputs differ from the recording" if self.input_changes else ""
-            return f"activation_guard: OK, {n} layer calls match {self.path} (largest abs diff {fmt_diff(worst)}){note}"
+                return (f"activation_guard: OK, {n} layer calls match {self.path} (largest abs diff "
+                        f"{fmt_diff(worst)}, largest error {max(mults):.3g}x the calibrated allowance){tail}")
+            if self.input_changes:
+                tail += "; NOTE inputs differ from the recording"
+            return f"activation_guard: OK, {n} layer calls match {self.path} (largest abs diff {fmt_diff(worst)}){tail}"
         head = f"activation_guard: first divergence at layer {display_name(fd.name)!r} ({fd.type_name or '?'}) call {fd.call}"
         if fd.position is None:
             return (f"{head}, #{(fd.golden_position or 0) + 1} in the golden's execution order: "
@@ -185,6 +205,7 @@ class Report:
         if fd is None:  # a pass is one line; environment notes matter only when explaining a failure
             return self.headline()
         lines = [self.headline()]
+        lines += [f"  NOTE {m}" for m in self.mode_changes]
         if self.input_changes:
             lines.append("  NOTE inputs differ from the recording, so every layer may differ for that reason:")
             lines += [f"    - {m}" for m in self.input_changes[:8]]
@@ -192,6 +213,8 @@ class Report:
             lines.append("  NOTE environment differs from the recording:")
             lines += [f"    - {m}" for m in self.env_changes[:12]]
         lines += [f"  note: {m}" for m in self.notes]
+        if self.type_only_text():
+            lines.append(f"  note: {self.type_only_text()}")
         meta = self.golden_meta
         dev = recorded_device(meta) or "?"
         tv = meta.get("versions", {}).get("torch", "?") if isinstance(meta.get("versions"), dict) else "?"

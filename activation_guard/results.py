@@ -78,6 +78,8 @@ class LeafResult:
     atol: float | None = None
     tolerance_source: str | None = None
     error_multiple: float | None = None  # calibrated mode: error / allowed noise
+    type_name: str | None = None  # the live value's Python type, when it is not a plain tensor
+    type_only: bool = False  # an opaque object (a cache, a generator): only its type was compared
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

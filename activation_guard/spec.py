@@ -213,6 +213,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("tolerance", _choice(TOLERANCE_MODES), False, True, "'strict' rtol/atol or 'calibrated' noise floors"),
     Option("compression", _choice(COMPRESSIONS), True, False, "HDF5 compression of large outputs: gzip or lzf"),
     Option("calibrate", _flag, True, False, "also store float64 noise floors (for tolerance='calibrated')"),
+    Option("grad", _flag, True, True, "run the forward with autograd on (forwards that call torch.autograd.grad)"),
 )}
 
 
@@ -281,6 +282,7 @@ class RecordSpec(_SpecBase):
     exclude: tuple[str, ...] | None = None
     compression: str | None = None
     calibrate: bool = False
+    grad: bool = False
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -304,6 +306,7 @@ class CompareSpec(_SpecBase):
     fail_fast: bool = False
     allow_dtype_change: bool = False
     tolerance: str = "strict"
+    grad: bool = False
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

@@ -320,7 +320,7 @@ def test_writer_takes_plain_leaves(tmp_path):
     """Any object with the LeafLike attributes is recorded exactly as a capture.Leaf is."""
     from dataclasses import dataclass
 
-    from activation_guard.capture import Leaf
+    from activation_guard.leaves import Leaf
 
     @dataclass(frozen=True)
     class Plain:

@@ -1,8 +1,8 @@
-"""The golden file format, version 1: its constants, its index entries, and the index codec.
+"""The golden file format, version 2: its constants, its index entries, and the index codec.
 
 Layout (documented for users in docs/format.md)::
 
-    /            attrs: ag_format="activation_guard.golden", ag_format_version=1,
+    /            attrs: ag_format="activation_guard.golden", ag_format_version=2,
                         index_crc32, meta_crc32
     /meta        uint8[]  UTF-8 JSON: versions, device, model class, input fingerprint, environment
     /index       uint8[]  UTF-8 JSON: layer calls in execution order, each with its leaves
@@ -30,7 +30,11 @@ from .. import dtypes
 from ..errors import GoldenFormatError
 
 FORMAT_NAME = "activation_guard.golden"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions this reader understands. 2 added injective leaf paths (non-string keys), ``ref`` leaves
+# (repeated and cyclic references) and numpy leaves; a version-1 golden is read and compared by
+# its own paths (the comparator maps live leaves to them).
+READABLE_VERSIONS = (1, 2)
 PACK_BYTES = 8 * 1024 * 1024  # small leaves are packed into datasets of at most this size
 SMALL_LEAF_BYTES = 64 * 1024  # leaves up to this size go into packs
 MAX_JSON_BYTES = 256 * 1024 * 1024
@@ -40,7 +44,7 @@ LFS_SIGNATURE = b"version https://git-lfs"
 ALLOWED_FILTERS = {1, 2, 3, 32000}
 COMPRESSIONS = {None, "gzip", "lzf"}
 ROOT_MEMBERS = ("index", "meta", "packs", "data")
-LEAF_KINDS = ("tensor", "none", "str", "object")
+LEAF_KINDS = ("tensor", "none", "str", "object", "ref")
 _DATASET_NAME = re.compile(r"data/\d{6}")
 
 
@@ -55,7 +59,7 @@ class LeafEntry:
     """One leaf of a recorded layer call, as the index describes it (no values)."""
 
     path: str
-    kind: str  # tensor | none | str | object
+    kind: str  # tensor | none | str | object | ref
     dtype: str | None = None
     shape: tuple[int, ...] = ()
     nbytes: int = 0
@@ -120,6 +124,11 @@ def _parse_leaf(p: str, e: Any, lname: str, call: int) -> LeafEntry:
         return LeafEntry(e["path"], kind, type_name="None")
     if kind == "object":
         return LeafEntry(e["path"], kind, type_name=str(e.get("type", "")))
+    if kind == "ref":
+        v = e.get("value")
+        if not isinstance(v, str):
+            raise GoldenFormatError(p, f"index entry for {where} has a malformed reference leaf")
+        return LeafEntry(e["path"], kind, type_name=str(e.get("type", "")), value=v)
     if kind == "str":
         v = e.get("value")
         if not isinstance(v, str):

@@ -136,6 +136,7 @@ class GoldenReader:
             )
         if int(ver) < 1:
             raise GoldenFormatError(p, f"has an invalid format version {int(ver)}")
+        self.version = int(ver)
         root: dict[str, Any] = {}  # each root object opened once: a lookup by name costs ~50 us
         for key in f:
             if key not in ROOT_MEMBERS:

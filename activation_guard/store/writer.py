@@ -71,6 +71,9 @@ class GoldenWriter:
         self.path = os.path.abspath(os.fspath(path))
         self.compression = compression
         self.tmp = ""
+        if os.path.isdir(self.path):
+            raise GoldenWriteError(self.path, "is a directory, not a golden file",
+                                   fix=f"pass a file path, e.g. {os.path.join(self.path, 'model.h5')}")
         try:
             self.tmp = create_temp(self.path)
             self.f = h5py.File(self.tmp, "w")
@@ -160,6 +163,8 @@ class GoldenWriter:
                     e["py"] = leaf.type_name
             elif leaf.kind == "str":
                 e = {"kind": "str", "value": leaf.value, "py": leaf.type_name}
+            elif leaf.kind == "ref":
+                e = {"kind": "ref", "value": leaf.value, "type": leaf.type_name}
             else:
                 e = {"kind": leaf.kind, "type": leaf.type_name}
             e["path"] = leaf.path

@@ -1,0 +1,234 @@
+"""Flattening any layer output into addressed leaves: the values a golden stores and compares.
+
+Every value gets a path that is *injective*: two different places in one output never share a
+path, whatever their keys' types. Path components (documented in docs/format.md):
+
+* a sequence index is its decimal digits: ``0``, ``12``;
+* a ``str`` key (or dataclass field) is the key with ``%``, ``/`` and ``#`` percent-encoded, and a
+  leading digit encoded too (``"0"`` is ``%30``), so no string key can look like an index;
+* an ``int`` key is ``#`` and its digits (``#1``, ``#-3``): ``{1: a, "1": b}`` gives ``#1`` and ``%31``;
+* any other key is ``#``, its type's name, ``:`` and its ``repr`` percent-encoded
+  (``#tuple:(1, 2)``, ``#Color:<Color.RED: 1>``). Two keys of one type with one ``repr`` would
+  collide; that is refused with an error naming them, never merged.
+
+Values: tensors (sparse, quantized and nested ones reduced to what they hold), numpy arrays and
+numpy scalars (stored by value with their dtype, like tensors), Python numbers (0-d tensors),
+strings, ``None``. A container reached a second time (a repeated reference, or a cycle such as
+``d["self"] = d``) becomes a ``ref`` leaf naming the path of its first occurrence and is never
+walked again. Anything else (a KV-cache object, a generator) is an ``object`` leaf recorded by
+type name only; reports count those, so "OK" never hides a value that was not compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+MAX_DEPTH = 32
+EMPTY_PREFIX = "empty "  # type names of empty containers: a structure marker, not a value
+
+
+@dataclass
+class Leaf:
+    """One addressed value inside a layer's output (or inputs).
+
+    ``kind``: ``tensor`` (tensors, numpy arrays and Python numbers, as tensors), ``none``, ``str``
+    (``value`` holds it), ``ref`` (``value`` is the path of the container's first occurrence) or
+    ``object`` (anything else: recorded by type name only, never iterated). ``type_name`` is the
+    Python type a value had (``Tensor``, ``numpy.ndarray``, ``float``...). ``legacy_path`` is the
+    path golden format 1 gave this leaf, when it differs (non-string keys, digit-like strings).
+    """
+
+    path: str
+    kind: str
+    tensor: torch.Tensor | None = None
+    type_name: str = "Tensor"
+    value: str | None = None
+    legacy_path: str | None = None
+
+    @property
+    def type_only(self) -> bool:
+        """Compared by type name only: no value of it is checked."""
+        return self.kind == "object" and not self.type_name.startswith(EMPTY_PREFIX)
+
+
+class PathCollisionError(ValueError):
+    """Two keys of one mapping encode to one path (same type, same repr)."""
+
+
+def _pct(ch: str) -> str:
+    return "".join(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
+
+
+def encode_str_key(key: str) -> str:
+    out = key.replace("%", "%25").replace("/", "%2F").replace("#", "%23")
+    if out[:1].isdigit():
+        out = _pct(out[0]) + out[1:]
+    return out
+
+
+def encode_key(key: Any) -> str:
+    """The path component of a mapping key (see the module docstring)."""
+    if isinstance(key, str):
+        return encode_str_key(key)
+    if isinstance(key, int) and not isinstance(key, bool):
+        return f"#{key}"
+    return f"#{type(key).__name__}:" + repr(key).replace("%", "%25").replace("/", "%2F")
+
+
+def _legacy_key(key: Any) -> str:
+    return str(key).replace("%", "%25").replace("/", "%2F")
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}/{key}" if prefix else key
+
+
+class _Walker:
+    """One flatten: the leaves so far, and the containers seen (by identity) with their paths."""
+
+    __slots__ = ("out", "seen")
+
+    def __init__(self) -> None:
+        self.out: list[Leaf] = []
+        self.seen: dict[int, str] = {}
+
+    def leaf(self, path: str, legacy: str | None, kind: str, **kw: Any) -> None:
+        self.out.append(Leaf(path, kind, legacy_path=legacy if legacy != path else None, **kw))
+
+    def walk(self, obj: Any, path: str, legacy: str | None, depth: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            self.tensor(obj, path, legacy, depth)
+            return
+        if obj is None:
+            self.leaf(path, legacy, "none", type_name="None")
+            return
+        if isinstance(obj, (bool, int, float, complex)):
+            self.number(obj, path, legacy)
+            return
+        if isinstance(obj, str):
+            self.leaf(path, legacy, "str", type_name="str", value=obj)
+            return
+        if isinstance(obj, (np.ndarray, np.generic)):
+            self.numpy(obj, path, legacy)
+            return
+        if depth >= MAX_DEPTH:
+            self.leaf(path, legacy, "object", type_name=type(obj).__name__)
+            return
+        is_map = isinstance(obj, Mapping)
+        is_seq = isinstance(obj, (tuple, list))
+        is_dc = dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+        if not (is_map or is_seq or is_dc):
+            self.leaf(path, legacy, "object", type_name=type(obj).__name__)
+            return
+        if (is_map or is_seq) and not obj:
+            self.leaf(path, legacy, "object", type_name=f"{EMPTY_PREFIX}{type(obj).__name__}")
+            return
+        first = self.seen.get(id(obj))
+        if first is not None:  # a repeated reference or a cycle: point at the first occurrence
+            self.leaf(path, legacy, "ref", type_name=type(obj).__name__, value=first)
+            return
+        self.seen[id(obj)] = path
+        if is_map:
+            self.mapping(obj, path, legacy, depth)
+        elif is_seq:
+            for i, v in enumerate(obj):
+                k = str(i)
+                self.walk(v, _join(path, k), None if legacy is None else _join(legacy, k), depth + 1)
+        else:
+            for f in dataclasses.fields(obj):
+                k = encode_str_key(f.name)
+                lk = None if legacy is None else _join(legacy, _legacy_key(f.name))
+                self.walk(getattr(obj, f.name, None), _join(path, k), lk, depth + 1)
+
+    def mapping(self, obj: Mapping[Any, Any], path: str, legacy: str | None, depth: int) -> None:
+        used: dict[str, Any] = {}
+        for k, v in obj.items():
+            comp = encode_key(k)
+            if comp in used:
+                raise PathCollisionError(
+                    f"output keys {used[comp]!r} and {k!r} ({type(k).__name__}) at {path or 'the top level'!r} "
+                    f"both encode to the path component {comp!r}; use keys whose repr differs")
+            used[comp] = k
+            self.walk(v, _join(path, comp), None if legacy is None else _join(legacy, _legacy_key(k)), depth + 1)
+
+    def number(self, obj: bool | int | float | complex, path: str, legacy: str | None) -> None:
+        if isinstance(obj, bool):
+            self.leaf(path, legacy, "tensor", tensor=torch.tensor(obj), type_name="bool")
+        elif isinstance(obj, int):
+            if -(2**63) <= obj < 2**63:
+                self.leaf(path, legacy, "tensor", tensor=torch.tensor(obj, dtype=torch.int64), type_name="int")
+            else:
+                self.leaf(path, legacy, "str", type_name="int", value=str(obj))
+        elif isinstance(obj, float):
+            self.leaf(path, legacy, "tensor", tensor=torch.tensor(obj, dtype=torch.float64), type_name="float")
+        else:
+            self.leaf(path, legacy, "tensor", tensor=torch.tensor(obj, dtype=torch.complex128), type_name="complex")
+
+    def numpy(self, obj: np.ndarray | np.generic, path: str, legacy: str | None) -> None:
+        name = f"numpy.{type(obj).__name__}"
+        arr = np.asarray(obj)
+        if arr.dtype.kind not in "biufc" or arr.dtype.itemsize > 16:
+            # strings, objects, datetimes, structured: no tensor dtype holds them
+            self.leaf(path, legacy, "object", type_name=f"{name}[{arr.dtype.str}]")
+            return
+        if not arr.dtype.isnative:
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        try:
+            t = torch.from_numpy(np.array(arr, copy=True, order="C"))  # a snapshot the model cannot change
+        except TypeError:  # a numpy dtype torch has no counterpart for (e.g. float128)
+            self.leaf(path, legacy, "object", type_name=f"{name}[{arr.dtype.str}]")
+            return
+        self.leaf(path, legacy, "tensor", tensor=t, type_name=name)
+
+    def tensor(self, t: torch.Tensor, path: str, legacy: str | None, depth: int) -> None:
+        """Plain strided tensors are leaves; other tensor kinds are reduced to what they hold."""
+        if getattr(t, "is_nested", False):
+            self.walk(list(t.unbind()), path, legacy, depth + 1)
+            return
+        if t.device.type == "meta":
+            self.leaf(path, legacy, "object", type_name=f"meta Tensor{list(t.shape)}")
+            return
+        if t.is_quantized:
+            t = t.dequantize()
+        elif t.layout != torch.strided:
+            t = t.to_dense()
+        self.leaf(path, legacy, "tensor", tensor=t, type_name="Tensor")
+
+
+def flatten(obj: Any, prefix: str = "") -> list[Leaf]:
+    """Flatten an output into leaves with injective slash-separated paths (module docstring).
+
+    Tuples/lists are addressed by index, mappings (including Hugging Face ``ModelOutput``) and
+    dataclasses by key/field name. A bare tensor output has the empty path.
+    """
+    w = _Walker()
+    w.walk(obj, prefix, prefix, 0)
+    return w.out
+
+
+def clone_inputs(obj: Any, depth: int = 0) -> Any:
+    """A copy of model inputs whose tensors are cloned (containers rebuilt, other objects
+    shared), so a forward that modifies its inputs in place cannot change what another run sees."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if depth > MAX_DEPTH:
+        return obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(clone_inputs(v, depth + 1) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_inputs(v, depth + 1) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    if isinstance(obj, Mapping):
+        items = {k: clone_inputs(v, depth + 1) for k, v in obj.items()}
+        try:
+            return type(obj)(items)
+        except Exception:
+            return items
+    return obj
