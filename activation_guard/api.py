@@ -42,7 +42,8 @@ class RecordSummary:
     output: Any = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "layer_calls": self.layer_calls, "leaves": self.leaves, "nbytes": self.nbytes, "file_bytes": self.file_bytes}
+        return {"path": self.path, "layer_calls": self.layer_calls, "leaves": self.leaves, "nbytes": self.nbytes,
+                "file_bytes": self.file_bytes}
 
     def __str__(self) -> str:
         return (f"activation_guard: recorded {self.layer_calls} layer calls ({self.leaves} outputs, "
@@ -236,7 +237,8 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         env_changes=env_changes, stopped_early=stopped, output=out, _order=order, mode=spec.tolerance,
     )
     if resolver.cross_device:
-        report.notes.append(f"golden recorded on {gdev}, live run on {dev}: {resolver.device_pair} default tolerances apply")
+        report.notes.append(f"golden recorded on {gdev}, live run on {dev}: "
+                            f"{resolver.device_pair} default tolerances apply")
     report.notes += [f"tolerances pattern {p!r} matched no layer" for p in resolver.unmatched(r.name for r in layers)]
     report.notes += notes
     return report
