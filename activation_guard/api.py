@@ -43,7 +43,8 @@ class RecordSummary:
     output: Any = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "layer_calls": self.layer_calls, "leaves": self.leaves, "nbytes": self.nbytes, "file_bytes": self.file_bytes}
+        return {"path": self.path, "layer_calls": self.layer_calls, "leaves": self.leaves, "nbytes": self.nbytes,
+                "file_bytes": self.file_bytes}
 
     def __str__(self) -> str:
         return (f"activation_guard: recorded {self.layer_calls} layer calls ({self.leaves} outputs, "
@@ -250,7 +251,8 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     )
     report.mode_changes = envmod.describe_training_change(gmeta, live_modes)
     if resolver.cross_device:
-        report.notes.append(f"golden recorded on {gdev}, live run on {dev}: {resolver.device_pair} default tolerances apply")
+        report.notes.append(f"golden recorded on {gdev}, live run on {dev}: "
+                            f"{resolver.device_pair} default tolerances apply")
     report.notes += selection_notes(spec, resolver, layers)
     report.notes += notes
     return report

@@ -137,7 +137,8 @@ class FloorTable:
         self.info: dict[str, Any] = {}
 
     def add(self, name: str, call: int, path: str, floor: NoiseFloor | None) -> None:
-        self.floors.setdefault(name, {}).setdefault(call, {})[path] = floor if floor is not None and floor.finite else None
+        kept = floor if floor is not None and floor.finite else None
+        self.floors.setdefault(name, {}).setdefault(call, {})[path] = kept
 
     def get(self, name: str, call: int, path: str) -> NoiseFloor | None:
         return self.floors.get(name, {}).get(call, {}).get(path)
@@ -169,14 +170,16 @@ class FloorTable:
                 path, 'has no calibrated noise floors, which tolerance="calibrated" needs',
                 fix="re-record the golden with calibration (record option calibrate=True)",
             )
-        bad = GoldenFormatError(path, f"has a malformed {META_KEY!r} record in its meta", fix="re-record it with calibrate=True")
+        bad = GoldenFormatError(path, f"has a malformed {META_KEY!r} record in its meta",
+                                fix="re-record it with calibrate=True")
         if not isinstance(rec, Mapping) or not isinstance(rec.get("floors"), Mapping):
             raise bad
         ver = rec.get("version")
         if not isinstance(ver, int) or isinstance(ver, bool):
             raise bad
         if ver > FORMAT_VERSION:
-            raise GoldenFormatError(path, f"has calibration format version {ver}, newer than this activation_guard understands ({FORMAT_VERSION})",
+            raise GoldenFormatError(path, f"has calibration format version {ver}, newer than this activation_guard "
+                                          f"understands ({FORMAT_VERSION})",
                                     fix="upgrade activation_guard")
         table = cls()
         table.info = {k: v for k, v in rec.items() if k not in ("floors",)}
@@ -193,7 +196,8 @@ class FloorTable:
                         table.add(name, int(call), p, None)
                         continue
                     if (not isinstance(v, list) or len(v) != 2
-                            or not all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0) for x in v)):
+                            or not all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0)
+                                       for x in v)):
                         raise bad
                     if v[0] is None or v[1] is None:
                         table.add(name, int(call), p, None)
@@ -233,7 +237,8 @@ def _to_reference(obj: Any, device: torch.device, depth: int = 0) -> Any:
 def _isolated_rng(device: torch.device) -> Iterator[None]:
     """The shadow forward must not advance any RNG the real forward will use."""
     py, npst = random.getstate(), np.random.get_state()
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = ([device.index if device.index is not None else torch.cuda.current_device()]
+               if device.type == "cuda" else [])
     try:
         with torch.random.fork_rng(devices=devices):
             yield

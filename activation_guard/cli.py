@@ -126,7 +126,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                  f"  {PROG} inspect {res.golden} --layer 'blocks.1.*'\n"
                  f"  {PROG} diff {res.golden} {res.refactored} --html report.html")
         else:
-            _out(f"(pass --out DIR to keep golden.h5 and refactored.h5 and try `{PROG} inspect` / `{PROG} diff` on them)")
+            _out(f"(pass --out DIR to keep golden.h5 and refactored.h5 and try `{PROG} inspect` / "
+                 f"`{PROG} diff` on them)")
         return 0
     finally:
         if not keep:
@@ -183,7 +184,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
             if args.html:
                 write_html([(f"{args.b} vs golden {args.a}", report)], args.html,
                            title=f"activation_guard diff: {os.path.basename(args.b)} vs {os.path.basename(args.a)}")
-                msgs.append(f"HTML report written to {args.html}" + ("" if plot_available() else " (without plot: matplotlib is not installed)"))
+                msgs.append(f"HTML report written to {args.html}"
+                            + ("" if plot_available() else " (without plot: matplotlib is not installed)"))
         except OSError as e:
             raise CliError(f"cannot write {e.filename or 'the output file'}: {e.strerror or e}") from None
         for m in msgs:
@@ -218,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Record goldens from a tiny transformer, inject a realistic refactor bug, "
                                    "compare, and print the first-divergence report. Exit 0 when the bug is found.")
     d.add_argument("--out", metavar="DIR", help="keep golden.h5 and refactored.h5 in DIR (default: a temporary folder)")
-    d.add_argument("--bug", choices=sorted(BUGS), default="layernorm-eps", help="which bug to inject (default: %(default)s)")
+    d.add_argument("--bug", choices=sorted(BUGS), default="layernorm-eps",
+                   help="which bug to inject (default: %(default)s)")
     d.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     d.set_defaults(func=cmd_demo)
 

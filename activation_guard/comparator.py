@@ -125,12 +125,14 @@ class Comparator:
         for g in entry.leaves:
             lv = live.get(g.path)
             if lv is None:
-                results.append(LeafResult(g.path, "structure", f"{_out(g.path)} ({_kind(g)}) is missing from the live output"))
+                results.append(LeafResult(g.path, "structure",
+                                          f"{_out(g.path)} ({_kind(g)}) is missing from the live output"))
                 continue
             results.append(self._compare_leaf(g, lv, name, entry))
         for leaf in leaves:
             if leaf.path not in gpaths:
-                results.append(LeafResult(leaf.path, "structure", f"{_out(leaf.path)} ({leaf.type_name}) is new in the live output"))
+                results.append(LeafResult(leaf.path, "structure",
+                                          f"{_out(leaf.path)} ({leaf.type_name}) is new in the live output"))
         return results
 
     def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry) -> LeafResult:

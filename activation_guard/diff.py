@@ -80,7 +80,8 @@ def diff_recordings(
         layers, order = comp.finish()
         if not layers:
             raise nothing_selected(inc, exc, [c.name for c in gb.calls if c.call == 0])
-    env_changes = envmod.describe_env_change(gmeta.get("numerics"), bmeta.get("numerics") if isinstance(bmeta.get("numerics"), dict) else {})
+    env_changes = envmod.describe_env_change(
+        gmeta.get("numerics"), bmeta.get("numerics") if isinstance(bmeta.get("numerics"), dict) else {})
     env_changes += envmod.describe_version_change(gmeta.get("versions"), bmeta.get("versions"), "other")
     gin, bin_ = gmeta.get("inputs"), bmeta.get("inputs")
     bin_ = [e for e in bin_ if isinstance(e, dict) and isinstance(e.get("path"), str)] if isinstance(bin_, list) else []
@@ -95,5 +96,6 @@ def diff_recordings(
         report.notes.append(f"model class differs: golden {gcls}, other {bcls}")
     report.notes += [f"tolerances pattern {p!r} matched no layer" for p in resolver.unmatched(r.name for r in layers)]
     if resolver.cross_device:
-        report.notes.append(f"golden recorded on {gdev}, other on {bdev}: {resolver.device_pair} default tolerances apply")
+        report.notes.append(f"golden recorded on {gdev}, other on {bdev}: "
+                            f"{resolver.device_pair} default tolerances apply")
     return report

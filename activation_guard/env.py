@@ -42,7 +42,8 @@ def _fp32_precision() -> dict[str, str]:
     out: dict[str, str] = {}
     for key, path in (("fp32_precision", ()), ("fp32_precision.cuda.matmul", ("cuda", "matmul")),
                       ("fp32_precision.cudnn.conv", ("cudnn", "conv")), ("fp32_precision.cudnn.rnn", ("cudnn", "rnn")),
-                      ("fp32_precision.mkldnn.matmul", ("mkldnn", "matmul")), ("fp32_precision.mkldnn.conv", ("mkldnn", "conv")),
+                      ("fp32_precision.mkldnn.matmul", ("mkldnn", "matmul")),
+                      ("fp32_precision.mkldnn.conv", ("mkldnn", "conv")),
                       ("fp32_precision.mkldnn.rnn", ("mkldnn", "rnn"))):
         obj: Any = torch.backends
         for part in path:
@@ -129,7 +130,8 @@ def input_fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dic
             out.append({"path": leaf.path, "kind": "tensor", "dtype": dt, "shape": [int(s) for s in t.shape],
                         "sha256": hashlib.sha256(raw.data).hexdigest()})
         elif leaf.kind == "str":
-            out.append({"path": leaf.path, "kind": "str", "sha256": hashlib.sha256((leaf.value or "").encode()).hexdigest()})
+            digest = hashlib.sha256((leaf.value or "").encode()).hexdigest()
+            out.append({"path": leaf.path, "kind": "str", "sha256": digest})
         else:
             out.append({"path": leaf.path, "kind": leaf.kind, "type": leaf.type_name})
     return out
@@ -168,8 +170,10 @@ _EXPLAIN: dict[str, Any] = {
     "cudnn_allow_tf32": lambda g, v: f"live run has TF32 cuDNN convolutions {_on(v)}, golden had them {_on(g)}",
     "float32_matmul_precision": lambda g, v: (f"live float32 matmuls may use {_PRECISION_RANK.get(v, v)}, "
                                               f"golden used {_PRECISION_RANK.get(g, g)}"),
-    "deterministic_algorithms": lambda g, v: f"live run has deterministic algorithms {_on(v)}, golden had them {_on(g)}",
-    "cudnn_benchmark": lambda g, v: f"live run has cudnn.benchmark {_on(v)} (algorithm choice may vary), golden had it {_on(g)}",
+    "deterministic_algorithms": lambda g, v: (f"live run has deterministic algorithms {_on(v)}, "
+                                              f"golden had them {_on(g)}"),
+    "cudnn_benchmark": lambda g, v: (f"live run has cudnn.benchmark {_on(v)} (algorithm choice may vary), "
+                                     f"golden had it {_on(g)}"),
     "cudnn_deterministic": lambda g, v: f"live run has cudnn.deterministic {_on(v)}, golden had it {_on(g)}",
     "autocast_cpu": lambda g, v: f"live run has CPU autocast (mixed precision) {_on(v)}, golden had it {_on(g)}",
     "autocast_cuda": lambda g, v: f"live run has CUDA autocast (mixed precision) {_on(v)}, golden had it {_on(g)}",
@@ -210,7 +214,8 @@ def describe_version_change(golden: Any, other: Any, other_label: str = "live") 
     """torch/CUDA version differences between a golden's ``versions`` record and another's."""
     g = golden if isinstance(golden, dict) else {}
     o = other if isinstance(other, dict) else {}
-    return [f"{k}: golden {g[k]}, {other_label} {o[k]}" for k in ("torch", "cuda") if g.get(k) and o.get(k) and g[k] != o[k]]
+    return [f"{k}: golden {g[k]}, {other_label} {o[k]}"
+            for k in ("torch", "cuda") if g.get(k) and o.get(k) and g[k] != o[k]]
 
 
 def describe_device_change(golden: dict[str, Any] | None, live: dict[str, Any]) -> list[str]:
@@ -220,9 +225,11 @@ def describe_device_change(golden: dict[str, Any] | None, live: dict[str, Any]) 
     msgs = []
     gt, lt = golden.get("device_type"), live.get("device_type")
     if gt is not None and gt != lt:
-        msgs.append(f"device: golden {golden.get('device')} ({golden.get('device_name')}), live {live.get('device')} ({live.get('device_name')})")
+        msgs.append(f"device: golden {golden.get('device')} ({golden.get('device_name')}), "
+                    f"live {live.get('device')} ({live.get('device_name')})")
         return msgs
-    for k, label in (("device_name", "device name"), ("capability", "compute capability"), ("cuda", "CUDA"), ("cudnn", "cuDNN")):
+    for k, label in (("device_name", "device name"), ("capability", "compute capability"), ("cuda", "CUDA"),
+                     ("cudnn", "cuDNN")):
         if golden.get(k) is not None and live.get(k) is not None and golden[k] != live[k]:
             msgs.append(f"{label}: golden {golden[k]}, live {live[k]}")
     return msgs

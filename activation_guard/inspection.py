@@ -143,7 +143,8 @@ def _leaf_info(reader: GoldenReader, c: CallEntry, leaf: LeafEntry, with_stats: 
     return info
 
 
-def iter_leaves(reader: GoldenReader, layer: str | Sequence[str] | None = None, with_stats: bool = True) -> Iterator[LeafInfo]:
+def iter_leaves(reader: GoldenReader, layer: str | Sequence[str] | None = None,
+                with_stats: bool = True) -> Iterator[LeafInfo]:
     """Leaves in golden execution order, optionally only layers matching the glob(s) ``layer``.
 
     One leaf's values are loaded at a time, so inspecting a large golden needs little memory.

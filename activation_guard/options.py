@@ -217,7 +217,8 @@ def engine_specs(opts: ResolvedOptions) -> tuple[RecordSpec, CompareSpec]:
     rec, cmp_ = build_specs(opts.values, opts.sources)
     if cmp_.calibrated and "calibrate" not in opts.values:
         rec = replace(rec, calibrate=True,
-                      sources={**rec.sources, "calibrate": f"implied by tolerance='calibrated' ({cmp_.source('tolerance')})"},
+                      sources={**rec.sources,
+                               "calibrate": f"implied by tolerance='calibrated' ({cmp_.source('tolerance')})"},
                       given={**rec.given, "calibrate": True})
     return rec, cmp_
 

@@ -143,7 +143,8 @@ class Report:
             "mode": self.mode,
             "live_device": self.live_device,
             "golden_device": recorded_device(self.golden_meta),
-            "first_divergence": None if fd is None else {"name": fd.name, "call": fd.call, "status": fd.status, "position": fd.position},
+            "first_divergence": None if fd is None else {"name": fd.name, "call": fd.call, "status": fd.status,
+                                                         "position": fd.position},
             "counts": self.counts(),
             "stopped_early": self.stopped_early,
             "input_changes": list(self.input_changes),
@@ -193,8 +194,10 @@ class Report:
                         f"{fmt_diff(worst)}, largest error {max(mults):.3g}x the calibrated allowance){tail}")
             if self.input_changes:
                 tail += "; NOTE inputs differ from the recording"
-            return f"activation_guard: OK, {n} layer calls match {self.path} (largest abs diff {fmt_diff(worst)}){tail}"
-        head = f"activation_guard: first divergence at layer {display_name(fd.name)!r} ({fd.type_name or '?'}) call {fd.call}"
+            return (f"activation_guard: OK, {n} layer calls match {self.path} "
+                    f"(largest abs diff {fmt_diff(worst)}){tail}")
+        head = (f"activation_guard: first divergence at layer {display_name(fd.name)!r} ({fd.type_name or '?'}) "
+                f"call {fd.call}")
         if fd.position is None:
             return (f"{head}, #{(fd.golden_position or 0) + 1} in the golden's execution order: "
                     f"{WHY.get(fd.status, fd.status)} in the live run")
@@ -244,7 +247,8 @@ class Report:
             idx = "" if fd.index is None else f" at index {tuple(fd.index)}"
             gv, lv = fmt_pair(fd.golden_value, fd.live_value)
             at = abs_diff(fd.golden_value, fd.live_value)
-            if at is None or fd.max_abs_diff is None or at == fd.max_abs_diff or math.isclose(at, fd.max_abs_diff, rel_tol=1e-5):
+            if (at is None or fd.max_abs_diff is None or at == fd.max_abs_diff
+                    or math.isclose(at, fd.max_abs_diff, rel_tol=1e-5)):
                 out.append(f"  max abs diff  : {fmt_diff(fd.max_abs_diff)}{idx}: golden {gv}, live {lv}")
             else:  # the largest difference is elsewhere (a passing element under rtol, another output)
                 out.append(f"  max abs diff  : {fmt_diff(fd.max_abs_diff)}")
@@ -256,7 +260,8 @@ class Report:
                 out.append(f"  error / noise : {fd.error_multiple:.3g}x the calibrated noise floor (fails above 1)")
         bad_leaves = [leaf for leaf in fd.leaves if leaf.status != "match"]
         if len(bad_leaves) > 1:
-            out.append("  other outputs : " + ", ".join(f"{leaf.path or '(output)'}: {leaf.status}" for leaf in bad_leaves[1:6]))
+            out.append("  other outputs : "
+                       + ", ".join(f"{leaf.path or '(output)'}: {leaf.status}" for leaf in bad_leaves[1:6]))
         return out
 
     def _context(self, fd: LayerResult) -> list[str]:
@@ -276,13 +281,15 @@ class Report:
         calibrated = any(layer.error_multiple is not None for layer in live[lo:hi])
         head = f"    {'#':>5}  {'layer':<{width}} {'call':>4}  {'status':<10} {'max abs':>9} {'max rel':>9}"
         out = ["", "  context (execution order):", head + (f" {'x allowed':>10}" if calibrated else "")]
-        missing_row = f"  > {'-':>5}  {display_name(fd.name)[-width:]:<{width}} {fd.call:>4}  missing    (did not run; expected here)"
+        missing_row = (f"  > {'-':>5}  {display_name(fd.name)[-width:]:<{width}} {fd.call:>4}  "
+                       "missing    (did not run; expected here)")
         for j, layer in enumerate(live[lo:hi], start=lo):
             if insert_at == j:
                 out.append(missing_row)
             mark = ">" if layer is fd else " "
             nm = display_name(layer.name)[-width:]
-            row = f"  {mark} {(layer.position or 0) + 1:>5}  {nm:<{width}} {layer.call:>4}  {layer.status:<10} {fmt_diff(layer.max_abs_diff):>9} {fmt_diff(layer.max_rel_diff):>9}"
+            row = (f"  {mark} {(layer.position or 0) + 1:>5}  {nm:<{width}} {layer.call:>4}  {layer.status:<10} "
+                   f"{fmt_diff(layer.max_abs_diff):>9} {fmt_diff(layer.max_rel_diff):>9}")
             if calibrated:  # error as a multiple of the calibrated noise allowance (fails above 1)
                 row += f" {'-' if layer.error_multiple is None else f'{layer.error_multiple:.3g}':>10}"
             out.append(row)

@@ -177,7 +177,8 @@ class LayerResult:
         # the leaf to show: first leaf with the worst status, largest excess within it
         focus = [leaf for leaf in leaves if leaf.status == status] or leaves
         if focus:
-            best = max(focus, key=lambda x: (x.max_abs_diff if x.max_abs_diff is not None and not math.isnan(x.max_abs_diff) else -1.0))
+            best = max(focus, key=lambda x: (
+                x.max_abs_diff if x.max_abs_diff is not None and not math.isnan(x.max_abs_diff) else -1.0))
             if status != "match":
                 best = next((x for x in focus if x.status == status and x.mismatched), best)
             lr.path = best.path

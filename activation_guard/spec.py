@@ -330,7 +330,8 @@ def describe(*specs: _SpecBase) -> str:
     return ", ".join(f"{k}={v} ({src})" for k, (v, src) in sorted(items.items()))
 
 
-def build_specs(values: Mapping[str, Any], sources: Mapping[str, str] | str = ARGUMENT) -> tuple[RecordSpec, CompareSpec]:
+def build_specs(values: Mapping[str, Any],
+                sources: Mapping[str, str] | str = ARGUMENT) -> tuple[RecordSpec, CompareSpec]:
     """Split one set of options (a marker's, a ``check()``'s, merged) into both specs.
 
     An option neither spec knows is an error naming it and its source."""

@@ -52,7 +52,8 @@ class emulate_tf32(TorchFunctionMode):
 
     _ops: dict[Any, tuple[int, ...]] | None = None
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if emulate_tf32._ops is None:
             emulate_tf32._ops = _operand_table()

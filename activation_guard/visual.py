@@ -91,7 +91,8 @@ def render_png(report: Report, *, title: str | None = None, dpi: int = 110) -> b
     xs = list(range(1, n + 1))
     absd = [x.max_abs_diff for x in live]
     reld = [x.max_rel_diff for x in live]
-    positives = [v for v in absd + reld + [x.atol for x in live] + [x.rtol for x in live] if v is not None and _finite_pos(v)]
+    positives = [v for v in absd + reld + [x.atol for x in live] + [x.rtol for x in live]
+                 if v is not None and _finite_pos(v)]
     lo = min(positives) if positives else 1e-8
     hi = max(positives) if positives else 1.0
     floor, ceil = lo / 10.0, hi * 100.0

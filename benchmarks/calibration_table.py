@@ -152,7 +152,8 @@ class ReorderedReductions(TorchFunctionMode):
             self.perms[n] = torch.randperm(n, generator=self.gen)
         return self.perms[n]
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         F = torch.nn.functional
         a = list(args)
@@ -165,8 +166,8 @@ class ReorderedReductions(TorchFunctionMode):
             if groups == 1:
                 p = self._perm(a[1].shape[1])
                 a[0], a[1] = a[0][:, p], a[1][:, p]
-        elif func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(a) >= 2 and f32[0] and f32[1] \
-                and a[0].dim() >= 1 and a[1].dim() >= 2:
+        elif func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__) and len(a) >= 2 and f32[0] \
+                and f32[1] and a[0].dim() >= 1 and a[1].dim() >= 2:
             p = self._perm(a[0].shape[-1])
             a[0], a[1] = a[0][..., p], a[1][..., p, :]
         elif func is torch.addmm and len(a) >= 3 and f32[1] and f32[2]:
@@ -269,7 +270,8 @@ def run(models: list[str], seeds: int, log: Any = sys.stderr) -> dict[str, Any]:
                             results[mname][noise][case][mode].append((flagged, localized))
                             if mode == "calibrated":
                                 if case == "clean":
-                                    multiples[f"{mname}/{noise}/clean"].append(max(r.error_multiple or 0.0 for r in rep.layers))
+                                    multiples[f"{mname}/{noise}/clean"].append(
+                                        max(r.error_multiple or 0.0 for r in rep.layers))
                                 elif fd is not None and fd.error_multiple is not None and localized:
                                     multiples[f"{mname}/{noise}/{case}"].append(fd.error_multiple)
                 print(f"  {mname} seed {seed}: {time.time() - t0:.1f}s", file=log, flush=True)

@@ -105,7 +105,8 @@ def transformer() -> Workload:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     m = LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, cfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(1))
-    return Workload("llama", m, (ids,), note="tiny LlamaForCausalLM from a config: 4 layers, hidden 128, batch 4 x 128 tokens")
+    return Workload("llama", m, (ids,),
+                    note="tiny LlamaForCausalLM from a config: 4 layers, hidden 128, batch 4 x 128 tokens")
 
 
 def bytes_workload(total_bytes: float) -> Workload:
@@ -306,11 +307,13 @@ def run_workload(w: Workload, d: str, repeat: int, peer_repeat: int = 0, comp_re
         "limit compare": lambda: limit_compare(w, p_lim),
         "compare": lambda: ag.compare(w.model, w.args, w.kwargs, path=p_ag),
     }
-    res: dict[str, Any] = interleaved(variants, repeat, [["forward", "limit record", "record"], ["limit compare", "compare"]])
+    res: dict[str, Any] = interleaved(variants, repeat,
+                                      [["forward", "limit record", "record"], ["limit compare", "compare"]])
     if peer_repeat:
         variants["peer record"] = lambda: peer_record(w, p_peer)
         variants["peer check"] = lambda: peer_check(w, p_peer)
-        res["peer"] = interleaved(variants, peer_repeat, [["forward", "record", "peer record"], ["compare", "peer check"]])
+        res["peer"] = interleaved(variants, peer_repeat,
+                                  [["forward", "record", "peer record"], ["compare", "peer check"]])
         res["peer"]["file_bytes"] = os.path.getsize(p_peer)
     if comp_repeat:
         sizes = {}
@@ -319,7 +322,8 @@ def run_workload(w: Workload, d: str, repeat: int, peer_repeat: int = 0, comp_re
             sizes[c] = ag.record(w.model, w.args, w.kwargs, path=pc, compression=c).file_bytes
             variants[f"record {c}"] = lambda pc=pc, c=c: ag.record(w.model, w.args, w.kwargs, path=pc, compression=c)
             variants[f"compare {c}"] = lambda pc=pc: ag.compare(w.model, w.args, w.kwargs, path=pc)
-        res["compression"] = interleaved(variants, comp_repeat, [["record", "record gzip", "record lzf"], ["compare", "compare gzip", "compare lzf"]])
+        res["compression"] = interleaved(variants, comp_repeat, [["record", "record gzip", "record lzf"],
+                                                                 ["compare", "compare gzip", "compare lzf"]])
         res["compression"]["file_bytes"] = sizes
     res["layer_calls"] = summary.layer_calls
     res["leaves"] = summary.leaves
@@ -418,13 +422,15 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("inf")
 
 
-def report_workload(out: Out, w: Workload, r: dict[str, Any], targets: list[tuple[str, str, bool]], limit_target: float) -> None:
+def report_workload(out: Out, w: Workload, r: dict[str, Any], targets: list[tuple[str, str, bool]],
+                    limit_target: float) -> None:
     out(f"\n== {w.name}: {w.note}")
     out(f"   {r['layer_calls']} layer calls, {r['leaves']} outputs, {r['nbytes'] / MB:.1f} MB of activations, "
         f"largest output {r['largest_leaf_bytes'] / MB:.2f} MB")
     best, cpu = r["best"], r["cpu"]
     for k in ("forward", "limit record", "record", "limit compare", "compare"):
-        extra = (f"  = {_ratio(r[k], r['limit ' + k]):.2f}x limit (best runs {_ratio(best[k], best['limit ' + k]):.2f}x, "
+        extra = (f"  = {_ratio(r[k], r['limit ' + k]):.2f}x limit "
+                 f"(best runs {_ratio(best[k], best['limit ' + k]):.2f}x, "
                  f"CPU time {_ratio(cpu[k], cpu['limit ' + k]):.2f}x)" if k in ("record", "compare") else "")
         out(f"   {k:<16}{fmt_s(r[k])}{extra}")
     calls, fwd = r["layer_calls"], r["forward"]
@@ -438,25 +444,31 @@ def report_workload(out: Out, w: Workload, r: dict[str, Any], targets: list[tupl
     if "peer" in r:
         pr = r["peer"]
         out(f"   peer (pytest-regressions ndarrays_regression, .npz {pr['file_bytes'] / MB:.2f} MB), timed alongside "
-            f"forward {fmt_s(pr['forward']).strip()}, record {fmt_s(pr['record']).strip()}, compare {fmt_s(pr['compare']).strip()}:")
+            f"forward {fmt_s(pr['forward']).strip()}, record {fmt_s(pr['record']).strip()}, "
+            f"compare {fmt_s(pr['compare']).strip()}:")
         for k, op in (("peer record", "record"), ("peer check", "compare")):
             total = _ratio(pr[k], pr[op])
             above = _ratio(pr[k] - pr["forward"], pr[op] - pr["forward"])
-            out(f"   {k:<16}{fmt_s(pr[k])}  = {total:.1f}x activation_guard's {op}; cost above the forward {above:.1f}x")
-            targets.append((f"{w.name}: >= 10x faster than the peer ({op}, cost above the forward)", f"{above:.1f}x", above >= 10))
+            out(f"   {k:<16}{fmt_s(pr[k])}  = {total:.1f}x activation_guard's {op}; "
+                f"cost above the forward {above:.1f}x")
+            targets.append((f"{w.name}: >= 10x faster than the peer ({op}, cost above the forward)", f"{above:.1f}x",
+                            above >= 10))
     if "compression" in r:
         cr = r["compression"]
         for c in ("gzip", "lzf"):
             size = cr["file_bytes"][c]
             out(f"   compression={c}: {size / MB:.2f} MB = {_ratio(size, r['nbytes']):.3f}x raw; "
                 f"record {fmt_s(cr['record ' + c]).strip()} = {_ratio(cr['record ' + c], cr['record']):.2f}x, "
-                f"compare {fmt_s(cr['compare ' + c]).strip()} = {_ratio(cr['compare ' + c], cr['compare']):.2f}x the uncompressed time")
+                f"compare {fmt_s(cr['compare ' + c]).strip()} = {_ratio(cr['compare ' + c], cr['compare']):.2f}x "
+                "the uncompressed time")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repetition: a smoke run in seconds")
-    ap.add_argument("--repeat", type=int, default=None, help="repetitions per timing (median reported); default 5, 1 with --quick")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="repetitions per timing (median reported); default 5, 1 with --quick")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: on a shared 2-core machine OpenMP regions "
                          "wait for a busy core and small ops slow down up to 100x; see docs/performance.md)")
@@ -485,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     d = tempfile.mkdtemp(prefix="ag-bench-", dir=a.workdir)
     t_start = time.perf_counter()
     try:
-        out(f"activation_guard {ag.__version__} benchmark{' (--quick: tiny sizes, timings meaningless)' if quick else ''}")
+        out(f"activation_guard {ag.__version__} "
+            f"benchmark{' (--quick: tiny sizes, timings meaningless)' if quick else ''}")
         out(f"python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, "
             f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), torch threads {a.threads}, "
             f"repeat {repeat} (medians), load average at start {os.getloadavg()[0]:.2f}")
@@ -501,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
             out("\n== llama: skipped with --quick (importing transformers alone takes ~5 s)")
         for w, lim, comp in workloads:
             # the small workloads are cheap: more repetitions steady their medians
-            r = run_workload(w, d, repeat if w.name == "wide" else 2 * repeat + 1, peer_repeat, comp_repeat if comp else 0)
+            r = run_workload(w, d, repeat if w.name == "wide" else 2 * repeat + 1, peer_repeat,
+                             comp_repeat if comp else 0)
             results[w.name] = r
             report_workload(out, w, r, targets, lim)
             if w.name == "deep":
@@ -528,26 +542,34 @@ def main(argv: list[str] | None = None) -> int:
                 g = slopes[-1] / slopes[0] if slopes[0] > 0 else math.nan  # nan: noise swamped the first step
                 out(f"   {op}: us per added layer call " + ", ".join(f"{x:.1f}" for x in slopes)
                     + f" ({counts[0]}->{counts[1]}, ...); last/first = {g:.2f}")
-                targets.append((f"linear in layers ({op}: us per added layer, {counts[-2]}->{counts[-1]} vs {counts[0]}->{counts[1]})", f"{g:.2f}x", 0.67 <= g <= 1.5))
+                targets.append((f"linear in layers ({op}: us per added layer, "
+                                f"{counts[-2]}->{counts[-1]} vs {counts[0]}->{counts[1]})",
+                                f"{g:.2f}x", 0.67 <= g <= 1.5))
 
         if want("bytes"):
             sizes = (0.1 * MB, 1 * MB, 3 * MB) if quick else (10 * MB, 100 * MB, 1000 * MB)
-            out("\n== scaling with bytes: 8 x (Linear 64->64 + ReLU), 17 outputs (GB/s of activations, whole operation)")
-            out(f"   {'MB':>8} {'forward':>10} {'record':>10} {'compare':>10} {'limit rec':>10} {'limit cmp':>10} {'rec/lim':>8} {'cmp/lim':>8}")
+            out("\n== scaling with bytes: 8 x (Linear 64->64 + ReLU), 17 outputs "
+                "(GB/s of activations, whole operation)")
+            out(f"   {'MB':>8} {'forward':>10} {'record':>10} {'compare':>10} "
+                f"{'limit rec':>10} {'limit cmp':>10} {'rec/lim':>8} {'cmp/lim':>8}")
+            cols = ("forward", "record", "compare", "limit record", "limit compare")
             for size in sizes:
                 w = bytes_workload(size)
                 rr = repeat if size < 500 * MB else max(1, min(3, repeat))
                 r = run_workload(w, d, rr)
-                row = {k: r["nbytes"] / r[k] / 1e9 for k in ("forward", "record", "compare", "limit record", "limit compare")}
+                row = {k: r["nbytes"] / r[k] / 1e9 for k in cols}
                 results[f"bytes_{size / MB:g}MB"] = r
-                out(f"   {r['nbytes'] / MB:>8.1f} " + " ".join(f"{row[k]:>10.2f}" for k in ("forward", "record", "compare", "limit record", "limit compare"))
-                    + f" {_ratio(r['record'], r['limit record']):>8.2f} {_ratio(r['compare'], r['limit compare']):>8.2f}")
+                out(f"   {r['nbytes'] / MB:>8.1f} " + " ".join(f"{row[k]:>10.2f}" for k in cols)
+                    + f" {_ratio(r['record'], r['limit record']):>8.2f}"
+                    + f" {_ratio(r['compare'], r['limit compare']):>8.2f}")
             runs_b = [results[f"bytes_{size / MB:g}MB"] for size in sizes]
             for op in ("record", "compare"):
                 slopes = [(b[op] - a[op]) / (b["nbytes"] - a["nbytes"]) * 1e9 for a, b in zip(runs_b, runs_b[1:])]
                 g = slopes[-1] / slopes[0] if slopes[0] > 0 else math.nan
-                out(f"   {op}: seconds per added GB " + ", ".join(f"{x:.2f}" for x in slopes) + f"; last/first = {g:.2f}")
-                targets.append((f"linear in bytes ({op}: s per added GB, {sizes[-2] / MB:g}->{sizes[-1] / MB:g} MB vs {sizes[0] / MB:g}->{sizes[1] / MB:g} MB)", f"{g:.2f}x", 0.67 <= g <= 1.5))
+                out(f"   {op}: seconds per added GB " + ", ".join(f"{x:.2f}" for x in slopes)
+                    + f"; last/first = {g:.2f}")
+                targets.append((f"linear in bytes ({op}: s per added GB, {sizes[-2] / MB:g}->{sizes[-1] / MB:g} MB "
+                                f"vs {sizes[0] / MB:g}->{sizes[1] / MB:g} MB)", f"{g:.2f}x", 0.67 <= g <= 1.5))
 
         if want("memory"):
             mem = measure_memory(quick, d, a.threads)
@@ -555,17 +577,21 @@ def main(argv: list[str] | None = None) -> int:
             sp = mem["spec"]
             big = mem["largest_leaf_bytes"]
             budget = 2 * big + 64 * 2**20
-            out(f"\n== peak memory: {sp['blocks']} x (Linear {sp['width']}->{sp['width']} + ReLU) on {sp['rows']} rows, "
-                f"{mem['total_bytes'] / MB:.0f} MB of activations, largest output {big / MB:.2f} MB "
+            out(f"\n== peak memory: {sp['blocks']} x (Linear {sp['width']}->{sp['width']} + ReLU) "
+                f"on {sp['rows']} rows, {mem['total_bytes'] / MB:.0f} MB of activations, "
+                f"largest output {big / MB:.2f} MB "
                 f"({'fresh process per operation' if mem['fresh_process_per_op'] else 'one process for both'})")
             for op in ("record", "compare"):
                 m = mem[op]
                 above = m["op_peak"] - m["forward_peak"]
-                out(f"   {op:<8} peak RSS {m['op_peak'] / 2**20:8.1f} MiB, plain forward {m['forward_peak'] / 2**20:8.1f} MiB, "
-                    f"above the forward {above / 2**20:7.1f} MiB (budget 2 x largest + 64 MiB = {budget / 2**20:.1f} MiB)"
+                out(f"   {op:<8} peak RSS {m['op_peak'] / 2**20:8.1f} MiB, "
+                    f"plain forward {m['forward_peak'] / 2**20:8.1f} MiB, "
+                    f"above the forward {above / 2**20:7.1f} MiB "
+                    f"(budget 2 x largest + 64 MiB = {budget / 2**20:.1f} MiB)"
                     + ("" if m["clean"] else "  [no /proc/self/clear_refs: upper bound]"))
                 if op == "compare":
-                    targets.append((f"compare peak above forward <= 2x largest + 64 MiB ({mem['total_bytes'] / 1e9:.2f} GB total)",
+                    targets.append((f"compare peak above forward <= 2x largest + 64 MiB "
+                                    f"({mem['total_bytes'] / 1e9:.2f} GB total)",
                                     f"{above / 2**20:.1f} MiB of {budget / 2**20:.1f}", above <= budget))
 
         out("\n== targets" + (" (--quick sizes: not the real figures)" if quick else ""))

@@ -42,7 +42,8 @@ def base(tmp_path_factory) -> dict[str, Path]:
     return {"plain": d / "g.h5", "lzf": d / "g_lzf.h5", "gzip": d / "g_gzip.h5"}
 
 
-def check_error(path: Path, err: type[ag.GoldenError] = ag.GoldenError, *words: str, report_ok: bool = False) -> ag.GoldenError:
+def check_error(path: Path, err: type[ag.GoldenError] = ag.GoldenError, *words: str,
+                report_ok: bool = False) -> ag.GoldenError:
     """Both entry points (read_golden + full read, and compare) raise ``err`` with a useful text.
 
     With ``report_ok``, compare may instead return a failing report: a consistently forged index
@@ -298,7 +299,8 @@ MALFORMED: dict[str, Callable[[dict[str, Any]], Any]] = {
     "dataset shape lies": _set("shape", [4, 4099], data_leaf),
     "dataset shape and nbytes lie": lambda idx: data_leaf(idx).update(shape=[4100, 4], nbytes=4100 * 16),
     "huge shape": lambda idx: packed_leaf(idx).update(shape=[2**62, 2**62], nbytes=2**126),
-    "str leaf without value": lambda idx: next(lf for c in idx["calls"] for lf in c["leaves"] if lf["kind"] == "str").pop("value"),
+    "str leaf without value": lambda idx: next(
+        lf for c in idx["calls"] for lf in c["leaves"] if lf["kind"] == "str").pop("value"),
     "no storage location": lambda idx: packed_leaf(idx).pop("pack"),
     "crc wrong": lambda idx: packed_leaf(idx).__setitem__("crc32", packed_leaf(idx)["crc32"] ^ 1),
 }
@@ -315,7 +317,8 @@ def test_malformed_index(base, tmp_path, case):
 
 @pytest.mark.parametrize("meta", [[], "x", None, 5])
 def test_meta_not_a_record(base, tmp_path, meta):
-    check_error(edited(base["plain"], tmp_path / "g.h5", lambda f: set_json(f, "meta", meta)), ag.GoldenFormatError, "malformed")
+    check_error(edited(base["plain"], tmp_path / "g.h5", lambda f: set_json(f, "meta", meta)),
+                ag.GoldenFormatError, "malformed")
 
 
 @pytest.mark.parametrize("raw", [b"\xff\xfe not utf8", b"{not json", b'{"calls": NaN}'])

@@ -369,7 +369,8 @@ class Float32Only(nn.Module):
 
 
 def test_models_that_cannot_run_in_float64_get_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ActivationGuardError, match=r"float64 shadow forward .* failed .*only supports float32.*tolerance='strict'"):
+    with pytest.raises(ActivationGuardError,
+                       match=r"float64 shadow forward .* failed .*only supports float32.*tolerance='strict'"):
         ag.record(Float32Only(), torch.randn(2, 4), path=tmp_path / "f.h5", calibrate=True)
     assert not (tmp_path / "f.h5").exists()
 

@@ -188,7 +188,8 @@ def nested(draw, depth=0):
     container = draw(st.sampled_from(["tuple", "list", "dict"]))
     items = draw(st.lists(nested(depth + 1), min_size=1, max_size=3))
     if container == "dict":
-        keys = draw(st.lists(st.text("ab/%.", min_size=1, max_size=3), min_size=len(items), max_size=len(items), unique=True))
+        keys = draw(st.lists(st.text("ab/%.", min_size=1, max_size=3), min_size=len(items), max_size=len(items),
+                             unique=True))
         return dict(zip(keys, items))
     return tuple(items) if container == "tuple" else list(items)
 

@@ -79,7 +79,8 @@ def test_demo_out_must_be_a_folder(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")
     rc, out, err = run(capsys, "demo", "--out", f)
-    assert rc == 2 and out == "" and err == f"activation-guard: error: --out {f}: is a file; give a folder (it is created if needed)\n"
+    assert rc == 2 and out == "" and err == (f"activation-guard: error: --out {f}: is a file; "
+                                             "give a folder (it is created if needed)\n")
 
 
 def test_demo_is_deterministic():
@@ -223,7 +224,8 @@ def test_diff_tolerance_options(demo, capsys, tmp_path):
     tol.write_text(json.dumps({"blocks.1.norm2": [0.1, 0.1]}))
     rc, out, _ = run(capsys, "diff", demo.golden, demo.refactored, "--tolerances", tol)
     assert rc == 1 and "first divergence at layer 'blocks.1.mlp.fc1'" in out
-    rc, out, _ = run(capsys, "diff", demo.golden, demo.refactored, "--exclude", "blocks.1.norm2", "--exclude", "blocks.1.mlp*")
+    rc, out, _ = run(capsys, "diff", demo.golden, demo.refactored,
+                     "--exclude", "blocks.1.norm2", "--exclude", "blocks.1.mlp*")
     assert rc == 1 and "first divergence at layer 'blocks.1' (Block)" in out
 
 
@@ -234,7 +236,8 @@ def test_diff_notes_input_and_structure_changes(tmp_path, capsys):
     ag.record(m, (x,), path=tmp_path / "a.h5")
     ag.record(m, (x + 1,), path=tmp_path / "b.h5")
     rc, out, _ = run(capsys, "diff", tmp_path / "a.h5", tmp_path / "b.h5")
-    assert rc == 1 and "inputs differ from the recording" in out and "input args/0: same dtype and shape, different values" in out
+    assert (rc == 1 and "inputs differ from the recording" in out
+            and "input args/0: same dtype and shape, different values" in out)
     m2 = torch.nn.Sequential(m[0], m[1], torch.nn.Linear(4, 2))  # same weights, one layer added
     ag.record(m2, (x,), path=tmp_path / "c.h5")
     rc, out, _ = run(capsys, "diff", tmp_path / "a.h5", tmp_path / "c.h5", "--json")
@@ -248,7 +251,8 @@ def test_diff_bad_options_exit_2_naming_the_option(demo, capsys, tmp_path):
     for content, head, needle in [
         ("{nope", f"tolerances file {bad}: ", "is not valid JSON"),
         ("[1, 2]", f"tolerances file {bad}: ", "must hold a JSON object"),
-        ('{"x": {"rtol": -1}}', "option tolerances=", f"(--tolerances {bad}): tolerances['x']: rtol must be a finite number >= 0"),
+        ('{"x": {"rtol": -1}}', "option tolerances=",
+         f"(--tolerances {bad}): tolerances['x']: rtol must be a finite number >= 0"),
     ]:
         bad.write_text(content)
         rc, out, err = run(capsys, "diff", demo.golden, demo.refactored, "--tolerances", bad)

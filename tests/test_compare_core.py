@@ -156,7 +156,8 @@ def test_fewer_calls_than_recorded(flex_golden):
 
 @pytest.mark.parametrize(
     ("mode", "status", "detail"),
-    [("shape", "shape", "[3, 6] -> [3, 7]"), ("dtype", "dtype", "float32 -> float64"), ("struct", "structure", "is missing from the live output")],
+    [("shape", "shape", "[3, 6] -> [3, 7]"), ("dtype", "dtype", "float32 -> float64"),
+     ("struct", "structure", "is missing from the live output")],
 )
 def test_shape_dtype_structure_change_at_that_layer(flex_golden, mode, status, detail):
     m = Flex()
@@ -302,7 +303,8 @@ def test_per_layer_patterns_most_specific_wins(mlp_golden):
 
 
 def test_resolver_precedence_and_exact_kinds():
-    r = _resolver(rtol=1e-3, tolerances={"enc.*": (1e-2, None), "enc.*.attn": dict(rtol=1e-4), "enc.0.attn": dict(atol=7.0)})
+    r = _resolver(rtol=1e-3,
+                  tolerances={"enc.*": (1e-2, None), "enc.*.attn": dict(rtol=1e-4), "enc.0.attn": dict(atol=7.0)})
     t = r.resolve("enc.0.attn", "float32")
     assert (t.rtol, t.atol) == (1e-3, 7.0)  # exact name wins; unspecified rtol from the global
     t = r.resolve("enc.1.attn", "float32")

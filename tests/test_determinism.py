@@ -130,7 +130,8 @@ def test_usable_as_a_decorator() -> None:
     precision=st.sampled_from(["highest", "high", "medium"]),
     env=st.sampled_from([None, ":16:8", ":4096:8"]),
 )
-def test_restores_any_starting_configuration(det_on, warn_only, cudnn_det, bench, mm_tf32, cudnn_tf32, precision, env) -> None:
+def test_restores_any_starting_configuration(det_on, warn_only, cudnn_det, bench, mm_tf32, cudnn_tf32, precision,
+                                             env) -> None:
     torch.use_deterministic_algorithms(det_on, warn_only=warn_only)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_det, bench
     torch.set_float32_matmul_precision(precision)

@@ -202,7 +202,8 @@ def test_roundtrip_property_random_bits(tmp_path_factory, name, shape, data):
     raw = data.draw(st.binary(min_size=n * info.storage.itemsize, max_size=n * info.storage.itemsize))
     if name == "bool":
         raw = bytes(b & 1 for b in raw)
-    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(info.torch_dtype).reshape(shape) if n else torch.empty(shape, dtype=info.torch_dtype)
+    t = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(info.torch_dtype).reshape(shape) if n
+         else torch.empty(shape, dtype=info.torch_dtype))
     (back,) = roundtrip(tmp_path_factory.mktemp("rt"), t)
     assert back.dtype == t.dtype and back.shape == t.shape
     assert bits(back) == bits(t)
@@ -228,8 +229,10 @@ def test_large_integers_differing_in_the_last_bit_diverge(tmp_path, name):
     """Integers compare exactly: 2**60 vs 2**60 + 1 differs even though float64 cannot tell."""
     dt = dtypes.BY_NAME[name].torch_dtype
     big = 2**60 if dt.itemsize == 8 else 2**30
-    g = torch.tensor([big, 5], dtype=torch.int64).to(dt) if name != "uint64" else torch.tensor([big, 5], dtype=torch.int64).view(torch.uint64)
-    live = torch.tensor([big + 1, 5], dtype=torch.int64).to(dt) if name != "uint64" else torch.tensor([big + 1, 5], dtype=torch.int64).view(torch.uint64)
+    g = (torch.tensor([big, 5], dtype=torch.int64).to(dt) if name != "uint64"
+         else torch.tensor([big, 5], dtype=torch.int64).view(torch.uint64))
+    live = (torch.tensor([big + 1, 5], dtype=torch.int64).to(dt) if name != "uint64"
+            else torch.tensor([big + 1, 5], dtype=torch.int64).view(torch.uint64))
     ag.record(Emit(g), torch.zeros(1), path=tmp_path / "g.h5")
     rep = ag.compare(Emit(live), torch.zeros(1), path=tmp_path / "g.h5")
     fd = rep.first_divergence

@@ -36,7 +36,8 @@ def golden(tmp_path: Path) -> tuple[nn.Module, torch.Tensor, Path]:
 def test_numerics_flags_capture_what_the_issue_lists() -> None:
     f = envmod.numerics_flags()
     for key in ("cuda_matmul_allow_tf32", "cudnn_allow_tf32", "float32_matmul_precision", "deterministic_algorithms",
-                "cudnn_benchmark", "cudnn_deterministic", "default_dtype", "autocast_cpu", "autocast_cuda", "num_threads"):
+                "cudnn_benchmark", "cudnn_deterministic", "default_dtype", "autocast_cpu", "autocast_cuda",
+                "num_threads"):
         assert key in f
     assert f["default_dtype"] == "float32" and f["num_threads"] == torch.get_num_threads()
     json.dumps(f)  # stored in the golden's meta JSON
@@ -48,7 +49,8 @@ def test_golden_meta_has_device_versions_and_flags(golden) -> None:
     _, _, p = golden
     with ag.read_golden(p) as r:
         meta = r.meta
-    assert meta["device"]["device"] == "cpu" and meta["device"]["device_type"] == "cpu" and "device_name" in meta["device"]
+    assert (meta["device"]["device"] == "cpu" and meta["device"]["device_type"] == "cpu"
+            and "device_name" in meta["device"])
     assert meta["versions"]["torch"] == torch.__version__
     assert "cuda" in meta["versions"]  # None on CPU-only builds
     assert meta["numerics"]["cuda_matmul_allow_tf32"] is False
@@ -109,8 +111,10 @@ def test_describe_env_change_edge_cases() -> None:
     old = dict(live, cudnn_allow_tf32=None)  # a flag torch refused to read when recording
     msgs = envmod.describe_env_change(old, live)
     assert msgs == [f"cudnn_allow_tf32: golden None, live {live['cudnn_allow_tf32']!r}"]
-    msgs = envmod.describe_env_change(dict(live, float32_matmul_precision="high"), dict(live, float32_matmul_precision="highest"))
-    assert msgs == ["float32_matmul_precision: golden 'high', live 'highest' (live float32 matmuls may use full float32, golden used TF32 (or bf16x3))"]
+    msgs = envmod.describe_env_change(dict(live, float32_matmul_precision="high"),
+                                      dict(live, float32_matmul_precision="highest"))
+    assert msgs == ["float32_matmul_precision: golden 'high', live 'highest' "
+                    "(live float32 matmuls may use full float32, golden used TF32 (or bf16x3))"]
 
 
 def test_cuda_device_info(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,7 +131,8 @@ def test_cuda_device_info(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_describe_device_change() -> None:
-    h100 = {"device": "cuda:0", "device_type": "cuda", "device_name": "NVIDIA H100", "cuda": "12.4", "cudnn": 90100, "capability": "sm_90"}
+    h100 = {"device": "cuda:0", "device_type": "cuda", "device_name": "NVIDIA H100", "cuda": "12.4", "cudnn": 90100,
+            "capability": "sm_90"}
     a100 = dict(h100, device_name="NVIDIA A100", cudnn=8900, capability="sm_80")
     msgs = envmod.describe_device_change(a100, h100)
     assert msgs == ["device name: golden NVIDIA A100, live NVIDIA H100", "compute capability: golden sm_80, live sm_90",

@@ -43,7 +43,8 @@ SPECIAL = [math.nan, math.inf, -math.inf, -0.0, 0.0, 5e-324, 1e-40, 6e-8, 1e-45,
 
 
 def float_values(n: int) -> st.SearchStrategy[list[float]]:
-    return st.lists(st.one_of(st.sampled_from(SPECIAL), st.floats(allow_nan=True, allow_infinity=True, width=64)), min_size=n, max_size=n)
+    return st.lists(st.one_of(st.sampled_from(SPECIAL), st.floats(allow_nan=True, allow_infinity=True, width=64)),
+                    min_size=n, max_size=n)
 
 
 @st.composite
@@ -217,8 +218,11 @@ MODELS = {"small": Small, "mixed": Mixed, "mixed-lzf": Mixed}
 def snapshot(path: Path) -> Any:
     """Everything a reader serves, for 'the contents are unaltered' checks."""
     with ag.read_golden(path) as r:
-        return r.meta, [(c.name, c.call, c.type_name, [(lf.path, lf.kind, lf.dtype, lf.shape, lf.value, lf.type_name) for lf in c.leaves]) for c in r.calls], \
-            [(c.name, lf.path, zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0) for c, lf, t in r.iter_tensors()]
+        return r.meta, [(c.name, c.call, c.type_name,
+                         [(lf.path, lf.kind, lf.dtype, lf.shape, lf.value, lf.type_name) for lf in c.leaves])
+                        for c in r.calls], \
+            [(c.name, lf.path, zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0)
+             for c, lf, t in r.iter_tensors()]
 
 
 @pytest.fixture(scope="module")

@@ -311,7 +311,8 @@ def test_deeply_nested_groups_are_refused(goldens, tmp_path):
         for _ in range(300):
             g = g.create_group("d")
 
-    refused(forge(goldens["small"], tmp_path / "g.h5", edit), ag.GoldenFormatError, "/packs/deep", "should be a dataset")
+    refused(forge(goldens["small"], tmp_path / "g.h5", edit), ag.GoldenFormatError, "/packs/deep",
+            "should be a dataset")
 
     def edit_top(f: h5py.File) -> None:
         g = f.create_group("extra")
@@ -340,7 +341,8 @@ def test_other_object_kinds_where_a_dataset_belongs(goldens, tmp_path, kind):
         else:
             f["packs/0000"] = np.dtype("<f4")
 
-    refused(forge(goldens["small"], tmp_path / "g.h5", edit), ag.GoldenFormatError, "/packs/0000", "should be a dataset")
+    refused(forge(goldens["small"], tmp_path / "g.h5", edit), ag.GoldenFormatError, "/packs/0000",
+            "should be a dataset")
 
 
 # --------------------------------------------------------------------------- filters
@@ -412,7 +414,8 @@ def test_filter_plugin_code_never_runs(goldens, tmp_path, monkeypatch):
     plugdir = tmp_path / "plugins"
     plugdir.mkdir()
     (tmp_path / "fake.c").write_text(PLUGIN_C)
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(plugdir / "libagfake.so"), str(tmp_path / "fake.c")], check=True)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(plugdir / "libagfake.so"), str(tmp_path / "fake.c")],
+                   check=True)
     bad = tmp_path / "g.h5"
     assert patch_filter_id(goldens["wide_lzf"], bad, UNKNOWN_FILTER) >= 1
     marker = tmp_path / "marker"

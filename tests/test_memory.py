@@ -81,5 +81,7 @@ def test_record_and_compare_memory_is_bounded_by_the_largest_output(tmp_path):
     nbytes = sum(sizes)
     assert max(sizes) == largest
     assert nbytes > 3 * budget, "the workload must be much larger than the budget to prove anything"
-    assert rec - fwd <= budget, f"record peaked {(rec - fwd) / 2**20:.1f} MiB above a plain forward (budget {budget / 2**20:.0f} MiB)"
-    assert cmp_peak - fwd2 <= budget, f"compare peaked {(cmp_peak - fwd2) / 2**20:.1f} MiB above a plain forward (budget {budget / 2**20:.0f} MiB)"
+    assert rec - fwd <= budget, (f"record peaked {(rec - fwd) / 2**20:.1f} MiB above a plain forward "
+                                 f"(budget {budget / 2**20:.0f} MiB)")
+    assert cmp_peak - fwd2 <= budget, (f"compare peaked {(cmp_peak - fwd2) / 2**20:.1f} MiB above a plain forward "
+                                       f"(budget {budget / 2**20:.0f} MiB)")

@@ -259,7 +259,8 @@ REFUSED = {
     "torch.jit.script": (lambda: torch.jit.script(_eager()), "eager"),
     "torch.jit.trace": (lambda: torch.jit.trace(_eager(), X), "eager"),
     "DataParallel": (lambda: nn.DataParallel(_eager()), "model.module"),
-    "nested torch.jit.script": (lambda: nn.Sequential(nn.Linear(4, 4), torch.jit.script(nn.Linear(4, 4))), "submodule '1'"),
+    "nested torch.jit.script": (lambda: nn.Sequential(nn.Linear(4, 4), torch.jit.script(nn.Linear(4, 4))),
+                                "submodule '1'"),
     "nested DataParallel": (lambda: nn.Sequential(nn.Sequential(nn.DataParallel(nn.Linear(4, 4)))), "submodule '0.0'"),
     "not a module": (lambda: (lambda x: x), "needs a torch.nn.Module"),
 }

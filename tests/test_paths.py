@@ -82,9 +82,14 @@ def test_owner_stem_of_named_checks() -> None:
 # ---------------------------------------------------------------------------- properties
 
 _text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=24)
-_module = st.lists(st.text(st.characters(codec="utf-8", exclude_categories=["Cs"], exclude_characters="/"), min_size=1, max_size=12), min_size=1, max_size=3).map("/".join)
+_module = st.lists(
+    st.text(st.characters(codec="utf-8", exclude_categories=["Cs"], exclude_characters="/"), min_size=1, max_size=12),
+    min_size=1, max_size=3,
+).map("/".join)
 _parts = st.lists(_text.filter(lambda s: "::" not in s and "[" not in s), min_size=0, max_size=2).flatmap(
-    lambda head: st.one_of(_text, st.tuples(_text.filter(lambda s: "[" not in s), _text).map(lambda t: f"{t[0]}[{t[1]}]")).map(lambda last: (*head, last))
+    lambda head: st.one_of(
+        _text, st.tuples(_text.filter(lambda s: "[" not in s), _text).map(lambda t: f"{t[0]}[{t[1]}]")
+    ).map(lambda last: (*head, last))
 )
 _key = st.builds(NodeKey, _module, _parts)
 _name = st.one_of(st.none(), _text)

@@ -60,7 +60,8 @@ def test_calibrated_without_floors_says_how_to_fix(ag: pytest.Pytester) -> None:
 def test_bad_tolerance_mode_is_a_usage_error(ag: pytest.Pytester) -> None:
     res = ag.runpytest("--ag-tolerance=loose")
     assert res.ret == pytest.ExitCode.USAGE_ERROR
-    res.stderr.fnmatch_lines(["*activation_guard: option tolerance='loose' (command line --ag-tolerance): must be 'strict' or 'calibrated', got 'loose'*"])
+    res.stderr.fnmatch_lines(["*activation_guard: option tolerance='loose' (command line --ag-tolerance): "
+                              "must be 'strict' or 'calibrated', got 'loose'*"])
 
 
 def test_check_determinism_lists_unstable_layers(ag: pytest.Pytester) -> None:

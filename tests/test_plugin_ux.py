@@ -162,7 +162,8 @@ def test_every_failure_has_exactly_one_prefix(ag: pytest.Pytester) -> None:
     ag.makeini("[pytest]\nag_rtol = -1\n")
     r = ag.runpytest()
     assert r.ret == pytest.ExitCode.USAGE_ERROR
-    r.stderr.fnmatch_lines(["ERROR: activation_guard: option rtol='-1' (ini ag_rtol): must be a finite number >= 0, got -1"])
+    r.stderr.fnmatch_lines(["ERROR: activation_guard: option rtol='-1' (ini ag_rtol): "
+                            "must be a finite number >= 0, got -1"])
 
 
 # ---------------------------------------------------------------------------- 5. --help

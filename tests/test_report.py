@@ -152,7 +152,8 @@ def test_to_dict_is_json_for_every_status(tmp_path):
     ag.record(Many(1), X, path=path)
     rep = ag.compare(Many(2), X + 1, path=path)
     st = {(r.name, r.status) for r in rep.layers}
-    assert st >= {("a", "diverged"), ("gone", "missing"), ("new", "unexpected"), ("shape", "shape"), ("struct", "structure"), ("", "diverged")}
+    assert st >= {("a", "diverged"), ("gone", "missing"), ("new", "unexpected"), ("shape", "shape"),
+                  ("struct", "structure"), ("", "diverged")}
     d = rep.to_dict()
     s = json.dumps(d, allow_nan=False)
     back = json.loads(s)

@@ -75,13 +75,15 @@ def test_layout_is_readable_with_plain_h5py(tmp_path):
         ]
         big = index["calls"][1]["leaves"][0]
         assert (big["dtype"], big["shape"], big["dataset"]) == ("float32", [40, 600], "data/000000")
-        np.testing.assert_array_equal(f[big["dataset"]][()], PackedAndLarge().big(PackedAndLarge().small(XB)).detach().numpy())
+        np.testing.assert_array_equal(f[big["dataset"]][()],
+                                      PackedAndLarge().big(PackedAndLarge().small(XB)).detach().numpy())
         half = index["calls"][2]["leaves"][0]
         assert half["dtype"] == "bfloat16" and "pack" in half
         raw = f["packs"][f"{half['pack']:04d}"][half["offset"] : half["offset"] + half["nbytes"]]
         assert raw.size == 40 * 4 * 2
         root = {leaf["path"]: leaf for leaf in index["calls"][3]["leaves"]}
-        assert root["none"]["kind"] == "none" and root["name"] == {"kind": "str", "value": "v1", "py": "str", "path": "name"}
+        assert (root["none"]["kind"] == "none"
+                and root["name"] == {"kind": "str", "value": "v1", "py": "str", "path": "name"})
     assert meta["versions"]["activation_guard"] == ag.__version__
     assert meta["versions"]["torch"] == torch.__version__
     assert meta["device"]["device"] == "cpu"
@@ -201,7 +203,8 @@ def test_unwritable_folder_is_a_clear_error(tmp_path):
 
 
 def test_stale_temp_of_a_dead_writer_is_removed(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
     pid = int(dead.stdout)
     stale = tmp_path / f".g.h5.abc123{store.TMP_MARK}{pid}"
     stale.write_bytes(b"half a golden")
@@ -234,7 +237,8 @@ def test_missing_golden_names_the_file(tmp_path):
 
 @pytest.mark.parametrize(
     ("content", "match"),
-    [(b"", "empty"), (b"version https://git-lfs.github.com/spec/v1\noid sha256:00\n", "git lfs pull"), (b"garbage" * 10, "not a readable HDF5")],
+    [(b"", "empty"), (b"version https://git-lfs.github.com/spec/v1\noid sha256:00\n", "git lfs pull"),
+     (b"garbage" * 10, "not a readable HDF5")],
     ids=["empty", "lfs", "garbage"],
 )
 def test_not_a_golden_files(tmp_path, content, match):

@@ -153,7 +153,8 @@ def spawn() -> Iterator[Callable[..., Child]]:
                 os.close(p2c_w)
                 out: dict[str, Any] = {"ok": True, "value": body(c2p_w, p2c_r)}
             except BaseException as e:
-                out = {"ok": False, "type": type(e).__name__, "mro": [k.__name__ for k in type(e).__mro__], "message": str(e)}
+                out = {"ok": False, "type": type(e).__name__, "mro": [k.__name__ for k in type(e).__mro__],
+                       "message": str(e)}
                 code = 1
             try:
                 os.write(c2p_w, json.dumps(out, default=str).encode() + b"\n")
@@ -173,7 +174,8 @@ def spawn() -> Iterator[Callable[..., Child]]:
             c.join()
 
 
-def recorder(path: Path, seed: int, pause_at: int | None = None, patch_replace: str | None = None) -> Callable[[int, int], Any]:
+def recorder(path: Path, seed: int, pause_at: int | None = None,
+             patch_replace: str | None = None) -> Callable[[int, int], Any]:
     """A child body recording ``model(seed)`` to ``path``, pausing inside the forward (before
     layer ``pause_at``) or in the commit (``patch_replace`` = "before"/"after" the rename)."""
 
@@ -303,7 +305,8 @@ def test_open_reader_keeps_its_golden_while_it_is_replaced(tmp_path):
 # --------------------------------------------------------------------------- read-only, disk full
 
 
-def _write_refused(path: Path, to_parent: int, from_parent: int, *, uid: int | None = None, fsize: int | None = None) -> Any:
+def _write_refused(path: Path, to_parent: int, from_parent: int, *, uid: int | None = None,
+                   fsize: int | None = None) -> Any:
     if uid is not None:
         os.setgid(uid)
         os.setuid(uid)
@@ -418,7 +421,8 @@ def test_parallel_update_writes_every_golden_valid(pytester, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 4 workers on a shared 2-core machine
     n = 12
     pytester.makepyfile(test_many=MANY.format(n=n), manymodels=MANY_MODELS)
-    lean = ("-p", "no:hypothesispytest", "-p", "no:regressions", "-p", "no:pytest-datadir", "-p", "no:anyio", "-p", "no:cacheprovider")
+    lean = ("-p", "no:hypothesispytest", "-p", "no:regressions", "-p", "no:pytest-datadir", "-p", "no:anyio",
+            "-p", "no:cacheprovider")
     res = pytester.runpytest("-n", "4", "--ag-update", *lean)
     res.assert_outcomes(passed=n)
     res.stdout.fnmatch_lines([f"*goldens: * 0 diverged, {2 * n} written, 0 missing*"])
