@@ -24,7 +24,8 @@ from .errors import ActivationGuardError
 from .judges import Judge, StrictJudge
 from .leaves import clone_inputs, flatten
 from .report import Report
-from .selection import nothing_selected, unmatched
+from .results import LayerResult
+from .selection import nothing_selected, parent_hint, unmatched
 from .spec import ARGUMENT, CompareSpec, RecordSpec
 from .store import GoldenReader, GoldenWriter
 from .tolerances import ToleranceResolver
@@ -258,13 +259,19 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     return report
 
 
-def selection_notes(spec: CompareSpec, resolver: ToleranceResolver, layers: Sequence[Any]) -> list[str]:
-    """Patterns that matched no layer: a typo would otherwise select or loosen nothing, silently."""
+def selection_notes(spec: CompareSpec, resolver: ToleranceResolver, layers: Sequence[LayerResult]) -> list[str]:
+    """Patterns that matched no layer (a typo would otherwise select or loosen nothing, silently),
+    and a ``parent.*`` tolerances pattern that misses the failing ``parent`` itself."""
     names = [r.name for r in layers]
     out = [f"tolerances pattern {p!r} matched no layer" for p in resolver.unmatched(names)]
     for option in ("include", "exclude"):
         pats = spec.given.get(option) and getattr(spec, option)  # patterns the user gave, not the golden's
         out += [f"{option} pattern {p!r} matched no layer" for p in unmatched(pats, names)]
+    failing = next((r for r in layers if not r.ok and r.status in ("diverged", "nonfinite")), None)
+    if failing is not None:
+        hint = parent_hint(failing.name, [r.pattern for r in spec.tolerances], names)
+        if hint is not None:
+            out.append(hint)
     return out
 
 

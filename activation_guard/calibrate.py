@@ -45,8 +45,8 @@ from .devices import reference_device, stats_device, to_device
 from .dtypes import dtype_name
 from .errors import ActivationGuardError, GoldenFormatError, UncalibratedGoldenError
 from .judges import PRECISION, LeafContext, StrictJudge
-from .leaves import Leaf, flatten
 from .kernel import CHUNK, compare_tensors
+from .leaves import Leaf, flatten
 from .numerics import full_fp32_precision
 from .results import LeafResult, leaf_from_stats
 from .store import GoldenReader, GoldenWriter

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import ActivationGuardError, UnsupportedModelError
-from .selection import selected
+from .selection import Selector
 
 ORIG_MOD = "_orig_mod"  # the eager module inside torch.compile's OptimizedModule wrapper
 
@@ -159,6 +159,7 @@ def hooked(
         state.modules[id(mod)] = name
     owner = threading.get_ident()
     staged = bool(target.compiled)
+    wanted_by = Selector(include, exclude, [n for n, _ in layers])
 
     def make_hook(name: str, wanted: bool) -> Callable[..., None]:
         if staged:
@@ -173,11 +174,12 @@ def hooked(
         def hook(mod: torch.nn.Module, args: Any, output: Any) -> None:
             k = state.calls.get(name, 0)
             state.calls[name] = k + 1
+            if not wanted:
+                return
             if threading.get_ident() != owner:  # numbered by thread timing: refused after the forward
                 state.foreign_threads[name] = state.foreign_threads.get(name, 0) + 1
                 return
-            if wanted:
-                on_output(name, k, mod, output)
+            on_output(name, k, mod, output)
 
         return hook
 
@@ -192,7 +194,7 @@ def hooked(
         for name, mod in layers:
             # no forward pre-hook: it would cost ~3 us per layer call only to name the layer
             # of an exception, which run_forward reads from the traceback instead
-            handles.append(mod.register_forward_hook(make_hook(name, selected(name, include, exclude))))
+            handles.append(mod.register_forward_hook(make_hook(name, wanted_by(name))))
         if staged:
             _reset_dynamo()  # compile the hooks in (hooks added later are not guarded on)
         yield state

@@ -202,6 +202,10 @@ class GoldenCheck:
                 if base.message:
                     self._property("message", base.message)
 
+        if path.is_dir():  # never "no golden" when something is there: say what it is
+            msg = f"the golden path {shown} is a directory, not a golden file; remove or rename it"
+            done("error", message=msg)
+            pytest.fail(prefixed(msg), pytrace=False)
         exists = path.is_file()
         mode = self.update
         if mode == "all" or (mode == "missing" and not exists):

@@ -20,12 +20,12 @@ from typing import Any, Callable
 
 import torch
 
-from .leaves import Leaf, flatten
 from .dtypes import BY_NAME, dtype_name, tensor_bytes, tensor_from_bytes
 from .judges import Judge, LeafContext, dtype_change_allowed
+from .leaves import Leaf, flatten
 from .rename import apply_rename, renamed_patterns
 from .results import LayerResult, LeafResult
-from .selection import selected
+from .selection import Selector, selected
 from .spec import CompareSpec
 from .store import CallEntry, GoldenReader, LeafEntry
 
@@ -71,8 +71,9 @@ class Comparator:
                 raise ValueError(f"rename maps golden layers {prev!r} and {c.name!r} both to {live!r}")
             self.live_to_golden[live] = c.name
             self.golden_calls[c.name] = max(self.golden_calls.get(c.name, 0), c.call + 1)
-        self.golden_selected = [c for c in reader.calls
-                                if selected(apply_rename(c.name, rules), spec.include, spec.exclude)]
+        live_names = [apply_rename(c.name, rules) for c in reader.calls]
+        wanted = Selector(spec.include, spec.exclude, live_names)
+        self.golden_selected = [c for c, live in zip(reader.calls, live_names) if wanted(live)]
         self.golden_to_live = {g: live for live, g in self.live_to_golden.items()}
 
     @staticmethod

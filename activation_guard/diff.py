@@ -16,11 +16,11 @@ from typing import Any
 
 from . import env as envmod
 from .api import report_meta
-from .leaves import Leaf
 from .comparator import Comparator
 from .judges import StrictJudge
+from .leaves import Leaf
 from .report import Report
-from .selection import nothing_selected, selected
+from .selection import Selector, nothing_selected
 from .spec import ARGUMENT, CompareSpec
 from .store import CallEntry, GoldenReader
 from .tolerances import ToleranceResolver
@@ -73,8 +73,9 @@ def diff_recordings(
         # as compare: default to the layers the golden recorded
         golden_filter = Comparator.default_filter(gmeta, spec) if inc is None and exc is None else None
         comp = Comparator(ga, spec, StrictJudge(resolver), golden_filter=golden_filter)
+        wanted = Selector(inc, exc, [c.name for c in gb.calls])
         for c in gb.calls:
-            if not selected(c.name, inc, exc):
+            if not wanted(c.name):
                 continue
             comp.on_leaves(c.name, c.call, c.type_name, functools.partial(_leaves, gb, c))
         layers, order = comp.finish()

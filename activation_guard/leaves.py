@@ -227,8 +227,9 @@ def clone_inputs(obj: Any, depth: int = 0) -> Any:
         return obj.copy()
     if isinstance(obj, Mapping):
         items = {k: clone_inputs(v, depth + 1) for k, v in obj.items()}
+        ctor: Any = type(obj)
         try:
-            return type(obj)(items)
+            return ctor(items)
         except Exception:
             return items
     return obj

@@ -44,6 +44,32 @@ def selected(name: str, include: Sequence[str] | None, exclude: Sequence[str] | 
     return not (exclude and match_any(name, exclude))
 
 
+class Selector:
+    """include/exclude for a known set of layer names: a pattern that *is* one of the names is
+    that name only (``"x[0]"`` selects the module named ``x[0]``, not ``x0``); others are globs."""
+
+    def __init__(self, include: Sequence[str] | None, exclude: Sequence[str] | None, names: Iterable[str]):
+        known = set(names)
+        self.include = None if not include else self._split(include, known)
+        self.exclude = None if not exclude else self._split(exclude, known)
+
+    @staticmethod
+    def _split(patterns: Sequence[str], known: set[str]) -> tuple[frozenset[str], tuple[str, ...]]:
+        literal = {p for p in patterns if p in known}
+        if ROOT_LABEL in patterns:
+            literal.add("")
+        return frozenset(literal), tuple(p for p in patterns if p not in literal and p != ROOT_LABEL)
+
+    @staticmethod
+    def _hit(name: str, split: tuple[frozenset[str], tuple[str, ...]]) -> bool:
+        return name in split[0] or any(fnmatch.fnmatchcase(name, p) for p in split[1])
+
+    def __call__(self, name: str) -> bool:
+        if self.include is not None and not self._hit(name, self.include):
+            return False
+        return not (self.exclude is not None and self._hit(name, self.exclude))
+
+
 def unmatched(patterns: Sequence[str] | None, names: Iterable[str]) -> list[str]:
     """The patterns that match none of ``names``: a typo selects or loosens nothing, silently."""
     if not patterns:

@@ -21,6 +21,7 @@ import torch
 from models import Mixed, one_thread
 
 import activation_guard as ag
+from activation_guard.store import FORMAT_VERSION
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -178,7 +179,8 @@ def test_valid_hdf5_from_another_tool(tmp_path):
 
 
 def test_newer_format_version(base, tmp_path):
-    p = edited(base["plain"], tmp_path / "g.h5", lambda f: f.attrs.__setitem__("ag_format_version", np.int64(2)))
+    newer = np.int64(FORMAT_VERSION + 1)
+    p = edited(base["plain"], tmp_path / "g.h5", lambda f: f.attrs.__setitem__("ag_format_version", newer))
     check_error(p, ag.GoldenFormatError, "newer", "upgrade activation_guard")
 
 

@@ -501,9 +501,11 @@ def test_inputs_are_not_modified_and_forms_are_equivalent(tmp_path):
     ag.record(m, x, path=tmp_path / "g.h5")
     assert torch.equal(x, keep)
     assert ag.compare(m, (x,), path=tmp_path / "g.h5").ok
-    assert ag.compare(m, [x], path=tmp_path / "g.h5").ok
     assert ag.compare(m, (), {"x": x}, path=tmp_path / "g.h5").ok  # same forward, passed by keyword
     assert normalize_inputs(x, None)[0][0] is x
+    # args as torch.export reads them: a tuple is the positional arguments, anything else is ONE
+    assert normalize_inputs([x], None) == (([x],), {})
+    assert normalize_inputs({"a": x}, None)[0][0].keys() == {"a"}
     with pytest.raises(TypeError, match="kwargs"):
         normalize_inputs((x,), [1, 2])
 

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import activation_guard as ag
+from activation_guard.store import FORMAT_VERSION
 from activation_guard.cli import main
 from activation_guard.demo import BUGS, build, run_demo
 from activation_guard.diff import diff_recordings as diff
@@ -284,7 +285,7 @@ def test_textconv_is_stable_and_line_per_leaf(demo, capsys, tmp_path):
     lines = _textconv(capsys, demo.golden)
     body = [ln for ln in lines if not ln.startswith("#")]
     assert len(body) == 37
-    assert lines[0] == "# activation_guard golden, format 1, 37 layer calls"
+    assert lines[0] == f"# activation_guard golden, format {FORMAT_VERSION}, 37 layer calls"
     assert re.fullmatch(r"blocks\.1\.norm2\[0\] \(output\) float32 \[2,8,32\] sha256:[0-9a-f]{16} "
                         r"min=\S+ max=\S+ mean=\S+ std=\S+ nonfinite=0", body[17])
     # re-recording the same model gives the same text, whatever file it is in

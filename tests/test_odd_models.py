@@ -255,7 +255,7 @@ def _eager() -> nn.Module:
 
 
 REFUSED = {
-    # torch.compile imports dynamo (seconds): both forms share one test, see below
+    # torch.compile is supported: tests/test_compiled.py
     "torch.jit.script": (lambda: torch.jit.script(_eager()), "eager"),
     "torch.jit.trace": (lambda: torch.jit.trace(_eager(), X), "eager"),
     "DataParallel": (lambda: nn.DataParallel(_eager()), "model.module"),
@@ -284,15 +284,6 @@ def test_wrappers_that_bypass_hooks_are_refused(tmp_path, case):
         warnings.simplefilter("ignore")
         m = build()
     check_refused(m, words, tmp_path / "g.h5")
-
-
-def test_torch_compile_is_refused_at_the_root_and_nested(tmp_path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # importing dynamo warns about torch.jit deprecations
-        root = torch.compile(_eager())
-        nested = nn.Sequential(nn.Linear(4, 4), torch.compile(nn.Linear(4, 4)))
-    check_refused(root, "_orig_mod", tmp_path / "g.h5")
-    check_refused(nested, "`1._orig_mod`", tmp_path / "g.h5")
 
 
 # --------------------------------------------------------------------------- 10,000 layer calls

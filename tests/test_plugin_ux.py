@@ -153,7 +153,7 @@ def test_every_failure_has_exactly_one_prefix(ag: pytest.Pytester) -> None:
     r.assert_outcomes(failed=3, errors=1)
     _one_prefix(r)
     for failure in (
-        "activation_guard needs a torch.nn.Module, got function*",
+        "activation_guard: needs a torch.nn.Module, got function*",
         "activation_guard: test_x.py::test_positional_marker: @pytest.mark.activation_guard takes keyword options*",
         "activation_guard: option rtol=-1 (check()): must be a finite number >= 0, got -1",
         "activation_guard: no golden for this check: golden/test_x/test_missing.h5",

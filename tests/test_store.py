@@ -66,7 +66,7 @@ def test_layout_is_readable_with_plain_h5py(tmp_path):
     with h5py.File(path, "r") as f:
         assert f.attrs["ag_format"] == b"activation_guard.golden"  # fixed-length ASCII
         assert not f.attrs.get_id("ag_format").get_type().is_variable_str()
-        assert int(f.attrs["ag_format_version"]) == 1
+        assert int(f.attrs["ag_format_version"]) == store.FORMAT_VERSION == 2
         assert set(f) == {"index", "meta", "packs", "data"}
         index = json.loads(f["index"][()].tobytes())
         meta = json.loads(f["meta"][()].tobytes())
