@@ -198,7 +198,13 @@ def _dig(d: Any, *keys: str) -> Any:
 def meta_lines(meta: dict[str, Any]) -> list[str]:
     """The metadata a person checks first: what model, where, with which versions and flags."""
     out = []
-    out.append(f"model class : {meta.get('model_class', '?')} ({'training' if meta.get('training') else 'eval'} mode)")
+    mode = "training" if meta.get("training") else "eval"
+    odd = meta.get("training_differs")
+    if isinstance(odd, list) and odd:
+        other = "eval" if meta.get("training") else "training"
+        n = meta.get("training_differs_count", len(odd))
+        mode += f"; {n} module(s) in {other} mode: {', '.join(map(str, odd[:5]))}{', ...' if n > 5 else ''}"
+    out.append(f"model class : {meta.get('model_class', '?')} ({mode})")
     dev: dict[str, Any] = meta["device"] if isinstance(meta.get("device"), dict) else {}
     extra = ", ".join(f"{k} {dev[k]}" for k in ("device_name", "cuda", "cudnn") if dev.get(k))
     out.append(f"device      : {dev.get('device', '?')}" + (f" ({extra})" if extra else ""))
@@ -226,7 +232,8 @@ def meta_lines(meta: dict[str, Any]) -> list[str]:
     for k in ("include", "exclude"):
         if meta.get(k):
             out.append(f"{k:<12}: {meta[k]}")
-    known = {"model_class", "training", "device", "versions", "inputs", "numerics", "include", "exclude", "layer_calls"}
+    known = {"model_class", "training", "training_differs", "training_differs_count", "device", "versions", "inputs",
+             "numerics", "include", "exclude", "layer_calls"}
     for k in sorted(set(meta) - known):
         out.append(f"{k:<12}: {meta[k]}")
     return out
