@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import activation_guard as ag
-from activation_guard.store import FORMAT_VERSION
 from activation_guard.cli import main
 from activation_guard.demo import BUGS, build, run_demo
 from activation_guard.diff import diff_recordings as diff
 from activation_guard.inspection import tensor_stats
+from activation_guard.store import FORMAT_VERSION
 
 
 @pytest.fixture(scope="module")

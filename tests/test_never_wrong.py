@@ -268,7 +268,7 @@ def test_paths_may_be_str_bytes_or_pathlike_and_nothing_else(tmp_path: Path) -> 
     p = tmp_path / "b.h5"
     ag.record(tiny_mlp(), torch.randn(2, 8), path=os.fsencode(p))
     assert ag.compare(tiny_mlp(), torch.randn(2, 8), path=os.fsencode(p)).path == str(p)
-    with pytest.raises(TypeError, match="path must be a str, bytes or os.PathLike"):
+    with pytest.raises(TypeError, match=r"path must be a str, bytes or os\.PathLike"):
         ag.compare(tiny_mlp(), torch.randn(2, 8), path=3)  # type: ignore[arg-type]
 
 
