@@ -27,334 +27,35 @@ the live floors are measured during ``compare(tolerance="calibrated")``.
 
 from __future__ import annotations
 
-import copy
-import math
-import os
-import random
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
 import torch
 
-from .capture import hooked, run_forward
-from .devices import reference_device, stats_device, to_device
-from .dtypes import dtype_name
-from .errors import ActivationGuardError, GoldenFormatError, UncalibratedGoldenError
+from .devices import stats_device, to_device
+from .floors import (
+    ABS_TERM,
+    CALIBRATED_DTYPES,
+    FORMAT_VERSION,
+    META_KEY,
+    MULTIPLIER,
+    MULTIPLIER_REDUCED,
+    MULTIPLIER_SMALL,
+    REDUCED_DTYPES,
+    SMALL_NUMEL,
+    FloorTable,
+    NoiseFloor,
+    diff_stats,
+    multiplier,
+    rule_text,
+)
 from .judges import PRECISION, LeafContext, StrictJudge
 from .kernel import CHUNK, compare_tensors
-from .leaves import Leaf, flatten
-from .numerics import full_fp32_precision
 from .results import LeafResult, leaf_from_stats
-from .store import GoldenReader, GoldenWriter
+from .shadow import ShadowRun
 
-# --------------------------------------------------------------------------- constants
-
-META_KEY = "calibration"  # key of the golden's meta JSON that holds the noise floors
-FORMAT_VERSION = 1
-MULTIPLIER = 2.0  # Dynamo same(): 2 for float32 results
-MULTIPLIER_REDUCED = 3.0  # Dynamo same(): 3 when the result is float16/bfloat16 (AMP false alarms)
-MULTIPLIER_SMALL = 3.0  # Dynamo same(): 3 for tensors of fewer than SMALL_NUMEL elements
-SMALL_NUMEL = 1000
-ABS_TERM = 1e-5  # Dynamo same(): tol / 10 with its float32 default tol = 1e-4
-REDUCED_DTYPES = frozenset({
-    "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-})
-CALIBRATED_DTYPES = REDUCED_DTYPES | {"float32", "float64"}  # real floating outputs get floors
-
-
-def multiplier(dtype_name: str, numel: int) -> float:
-    """The margin ``m`` for an output of this (lower-precision side) dtype and size."""
-    if dtype_name in REDUCED_DTYPES:
-        return MULTIPLIER_REDUCED
-    if numel < SMALL_NUMEL:
-        return MULTIPLIER_SMALL
-    return MULTIPLIER
-
-
-def rule_text(m: float) -> str:
-    return f"calibrated: {m:g} x (golden floor + live floor) + {ABS_TERM:g}"
-
-
-# --------------------------------------------------------------------------- statistics
-
-
-@dataclass(frozen=True)
-class NoiseFloor:
-    """A run's error against the float64 reference for one output: max |x - ref| and RMS."""
-
-    max_abs: float
-    rms: float
-
-    @property
-    def finite(self) -> bool:
-        return math.isfinite(self.max_abs) and math.isfinite(self.rms)
-
-
-def diff_stats(x: torch.Tensor, ref: torch.Tensor) -> NoiseFloor:
-    """Max abs and RMS of ``x - ref`` in float64, on ``x``'s device (CPU if it lacks float64).
-
-    Positions where both are equal, or both NaN, count as zero; any other non-finite difference
-    makes the result infinite. Chunked so memory stays bounded, with a single device sync.
-    """
-    dev = stats_device(x)
-    xs = to_device(x.detach(), dev).reshape(-1)
-    rs = to_device(ref.detach(), dev).reshape(-1)
-    n = xs.numel()
-    if n != rs.numel():
-        raise ValueError(f"diff_stats: {n} elements vs {rs.numel()}")
-    if n == 0:
-        return NoiseFloor(0.0, 0.0)
-    mx = torch.zeros((), dtype=torch.float64, device=dev)
-    ss = torch.zeros((), dtype=torch.float64, device=dev)
-    for i in range(0, n, CHUNK):
-        a = xs[i : i + CHUNK].to(torch.float64)
-        b = rs[i : i + CHUNK].to(torch.float64)
-        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-        d = torch.nan_to_num(torch.where(same, torch.zeros_like(a), a - b).abs(), nan=math.inf)
-        mx = torch.maximum(mx, d.max())
-        ss = ss + (d * d).sum()
-    m, r = torch.stack([mx, torch.sqrt(ss / n)]).tolist()
-    return NoiseFloor(float(m), float(r))
-
-
-# --------------------------------------------------------------------------- floor table
-
-
-def _num(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
-class FloorTable:
-    """Noise floors per layer name, call index and output path (the JSON layout of META_KEY)."""
-
-    def __init__(self) -> None:
-        self.floors: dict[str, dict[int, dict[str, NoiseFloor | None]]] = {}
-        self.info: dict[str, Any] = {}
-
-    def add(self, name: str, call: int, path: str, floor: NoiseFloor | None) -> None:
-        kept = floor if floor is not None and floor.finite else None
-        self.floors.setdefault(name, {}).setdefault(call, {})[path] = kept
-
-    def get(self, name: str, call: int, path: str) -> NoiseFloor | None:
-        return self.floors.get(name, {}).get(call, {}).get(path)
-
-    def __len__(self) -> int:
-        return sum(len(p) for c in self.floors.values() for p in c.values())
-
-    def to_meta(self) -> dict[str, Any]:
-        floors = {
-            name: {str(call): {p: (None if f is None else [_num(f.max_abs), _num(f.rms)]) for p, f in paths.items()}
-                   for call, paths in calls.items()}
-            for name, calls in self.floors.items()
-        }
-        return {
-            "version": FORMAT_VERSION,
-            "reference_dtype": "float64",
-            **self.info,
-            "rule": {"multiplier": MULTIPLIER, "multiplier_reduced": MULTIPLIER_REDUCED,
-                     "multiplier_small": MULTIPLIER_SMALL, "small_numel": SMALL_NUMEL, "abs_term": ABS_TERM},
-            "floors": floors,
-        }
-
-    @classmethod
-    def from_meta(cls, meta: Mapping[str, Any], path: str | os.PathLike[str]) -> FloorTable:
-        """Read the floors of a golden; a clear error when it has none or they are malformed."""
-        rec = meta.get(META_KEY) if isinstance(meta, Mapping) else None
-        if rec is None:
-            raise UncalibratedGoldenError(
-                path, 'has no calibrated noise floors, which tolerance="calibrated" needs',
-                fix="re-record the golden with calibration (record option calibrate=True)",
-            )
-        bad = GoldenFormatError(path, f"has a malformed {META_KEY!r} record in its meta",
-                                fix="re-record it with calibrate=True")
-        if not isinstance(rec, Mapping) or not isinstance(rec.get("floors"), Mapping):
-            raise bad
-        ver = rec.get("version")
-        if not isinstance(ver, int) or isinstance(ver, bool):
-            raise bad
-        if ver > FORMAT_VERSION:
-            raise GoldenFormatError(path, f"has calibration format version {ver}, newer than this activation_guard "
-                                          f"understands ({FORMAT_VERSION})",
-                                    fix="upgrade activation_guard")
-        table = cls()
-        table.info = {k: v for k, v in rec.items() if k not in ("floors",)}
-        for name, calls in rec["floors"].items():
-            if not isinstance(name, str) or not isinstance(calls, Mapping):
-                raise bad
-            for call, paths in calls.items():
-                if not isinstance(call, str) or not call.isdigit() or not isinstance(paths, Mapping):
-                    raise bad
-                for p, v in paths.items():
-                    if not isinstance(p, str):
-                        raise bad
-                    if v is None:
-                        table.add(name, int(call), p, None)
-                        continue
-                    if (not isinstance(v, list) or len(v) != 2
-                            or not all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0)
-                                       for x in v)):
-                        raise bad
-                    if v[0] is None or v[1] is None:
-                        table.add(name, int(call), p, None)
-                    else:
-                        table.add(name, int(call), p, NoiseFloor(float(v[0]), float(v[1])))
-        return table
-
-
-# --------------------------------------------------------------------------- shadow forward
-
-
-def _to_reference(obj: Any, device: torch.device, depth: int = 0) -> Any:
-    """Inputs for the shadow: floating tensors become float64 copies on ``device``; other
-    tensors are copied (the model may modify its inputs in place); containers are rebuilt."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.is_floating_point():
-            return t.to(device=device, dtype=torch.float64, copy=True)
-        return t.to(device=device, copy=True)
-    if depth > 32:
-        return obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_reference(v, device, depth + 1) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_reference(v, device, depth + 1) for v in obj)
-    if isinstance(obj, Mapping):
-        items = {k: _to_reference(v, device, depth + 1) for k, v in obj.items()}
-        ctor: Any = type(obj)
-        try:
-            return ctor(items)
-        except Exception:
-            return items
-    return obj
-
-
-@contextmanager
-def _isolated_rng(device: torch.device) -> Iterator[None]:
-    """The shadow forward must not advance any RNG the real forward will use."""
-    py, npst = random.getstate(), np.random.get_state()
-    devices = ([device.index if device.index is not None else torch.cuda.current_device()]
-               if device.type == "cuda" else [])
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(py)
-        np.random.set_state(npst)
-
-
-@contextmanager
-def _no_autocast() -> Iterator[None]:
-    with ExitStack() as stack:
-        for dev_type in ("cpu", "cuda"):
-            if dev_type == "cuda" and not torch.cuda.is_available():
-                continue
-            stack.enter_context(torch.autocast(device_type=dev_type, enabled=False))
-        yield
-
-
-class ShadowRun:
-    """The float64 copy of a model, run once on the inputs; its outputs kept in a temporary
-    golden file so memory stays near one layer's worth, as for the real golden."""
-
-    def __init__(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 include: Sequence[str] | None, exclude: Sequence[str] | None, live_device: torch.device,
-                 *, grad: bool = False):
-        self.live_device = live_device
-        self.grad = grad
-        self.device = reference_device(live_device)
-        self._tmp = tempfile.TemporaryDirectory(prefix="activation_guard-shadow-")
-        self.reader: GoldenReader | None = None
-        self._calls: dict[tuple[str, int], dict[str, Any]] = {}
-        try:
-            self._run(model, args, kwargs, include, exclude)
-        except BaseException:
-            self.close()
-            raise
-
-    def _run(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-             include: Sequence[str] | None, exclude: Sequence[str] | None) -> None:
-        try:
-            shadow = copy.deepcopy(model)
-        except Exception as e:
-            raise ActivationGuardError(
-                f"calibrated tolerances need a float64 copy of the model, but copy.deepcopy({type(model).__name__}) "
-                f"failed ({type(e).__name__}: {e}); use tolerance='strict' for this model") from e
-        try:
-            for m in shadow.modules():  # `m.compile()` in place: its compiled call runs the original
-                if getattr(m, "_compiled_call_impl", None) is not None:
-                    m._compiled_call_impl = None
-            if self.device != self.live_device:
-                shadow.to(self.device)
-            shadow.double()
-            a = _to_reference(args, self.device)
-            kw = _to_reference(kwargs, self.device)
-            path = os.path.join(self._tmp.name, "shadow.h5")
-            writer = GoldenWriter(path)
-
-            def on_output(name: str, call: int, module: torch.nn.Module, output: Any) -> None:
-                writer.add_call(name, call, type(module).__name__, flatten(output))
-
-            try:
-                with _isolated_rng(self.live_device), _no_autocast(), full_fp32_precision(), \
-                        hooked(shadow, on_output, include, exclude) as state:
-                    run_forward(shadow, a, kw, state, grad=self.grad)
-                writer.commit({})
-            except BaseException:
-                writer.abort()
-                raise
-        except ActivationGuardError:
-            raise
-        except Exception as e:
-            raise ActivationGuardError(
-                f"the float64 shadow forward for calibrated tolerances failed on {self.device} "
-                f"({type(e).__name__}: {e}); use tolerance='strict' for this model") from e
-        finally:
-            del shadow
-        self.reader = GoldenReader(path)
-
-    def reference(self, name: str, call: int, path: str) -> torch.Tensor | None:
-        """The float64 output of layer ``name`` call ``call`` at ``path`` (CPU), if recorded."""
-        if self.reader is None:
-            return None
-        entry = self.reader.by_key.get((name, call))
-        if entry is None:
-            return None
-        leaves = self._calls.get((name, call))
-        if leaves is None:
-            leaves = {leaf.path: leaf for leaf in entry.leaves}
-            self._calls = {(name, call): leaves}  # keep one call's index at a time
-        leaf = leaves.get(path)
-        if leaf is None or leaf.kind != "tensor" or leaf.dtype not in CALIBRATED_DTYPES:
-            return None
-        return self.reader.load(leaf, f"shadow layer {name!r} call {call} output {path!r}")
-
-    def floor(self, name: str, call: int, path: str, value: torch.Tensor) -> NoiseFloor | None:
-        """``value``'s noise floor against the shadow's float64 output at the same place."""
-        ref = self.reference(name, call, path)
-        if ref is None or tuple(ref.shape) != tuple(value.shape):
-            return None
-        f = diff_stats(value, ref)
-        return f if f.finite else None
-
-    def measure(self, name: str, call: int, leaves: list[Leaf], table: FloorTable) -> None:
-        """Record-time: floors of every real floating leaf of one layer call into ``table``."""
-        for leaf in leaves:
-            if leaf.kind != "tensor" or leaf.tensor is None or leaf.type_name != "Tensor":
-                continue
-            if dtype_name(leaf.tensor) not in CALIBRATED_DTYPES:
-                continue
-            table.add(name, call, leaf.path, self.floor(name, call, leaf.path, leaf.tensor))
-
-    def close(self) -> None:
-        if self.reader is not None:
-            self.reader.close()
-            self.reader = None
-        self._tmp.cleanup()
+__all__ = [
+    "ABS_TERM", "CALIBRATED_DTYPES", "CHUNK", "FORMAT_VERSION", "META_KEY", "MULTIPLIER", "MULTIPLIER_REDUCED",
+    "MULTIPLIER_SMALL", "REDUCED_DTYPES", "SMALL_NUMEL", "CalibratedJudge", "FloorTable", "NoiseFloor", "ShadowRun",
+    "diff_stats", "multiplier", "rule_text",
+]
 
 
 # --------------------------------------------------------------------------- judging

@@ -1,0 +1,179 @@
+"""The float64 shadow forward: the reference a run's noise floor is measured against.
+
+The model is deep-copied to float64 (on the CPU when the live device has no float64), run once on
+the same inputs with full-precision float32 switches and autocast off, with every RNG isolated so
+the real forward sees exactly the random numbers it would have seen. Its outputs go to a
+temporary golden, so memory stays near one layer's worth as for the real golden.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from .capture import hooked, run_forward
+from .devices import reference_device
+from .dtypes import dtype_name
+from .errors import ActivationGuardError
+from .floors import CALIBRATED_DTYPES, FloorTable, NoiseFloor, diff_stats
+from .leaves import Leaf, flatten
+from .numerics import full_fp32_precision
+from .store import GoldenReader, GoldenWriter
+
+# --------------------------------------------------------------------------- shadow forward
+
+
+def _to_reference(obj: Any, device: torch.device, depth: int = 0) -> Any:
+    """Inputs for the shadow: floating tensors become float64 copies on ``device``; other
+    tensors are copied (the model may modify its inputs in place); containers are rebuilt."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.is_floating_point():
+            return t.to(device=device, dtype=torch.float64, copy=True)
+        return t.to(device=device, copy=True)
+    if depth > 32:
+        return obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_reference(v, device, depth + 1) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_reference(v, device, depth + 1) for v in obj)
+    if isinstance(obj, Mapping):
+        items = {k: _to_reference(v, device, depth + 1) for k, v in obj.items()}
+        ctor: Any = type(obj)
+        try:
+            return ctor(items)
+        except Exception:
+            return items
+    return obj
+
+
+@contextmanager
+def _isolated_rng(device: torch.device) -> Iterator[None]:
+    """The shadow forward must not advance any RNG the real forward will use."""
+    py, npst = random.getstate(), np.random.get_state()
+    devices = ([device.index if device.index is not None else torch.cuda.current_device()]
+               if device.type == "cuda" else [])
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npst)
+
+
+@contextmanager
+def _no_autocast() -> Iterator[None]:
+    with ExitStack() as stack:
+        for dev_type in ("cpu", "cuda"):
+            if dev_type == "cuda" and not torch.cuda.is_available():
+                continue
+            stack.enter_context(torch.autocast(device_type=dev_type, enabled=False))
+        yield
+
+
+class ShadowRun:
+    """The float64 copy of a model, run once on the inputs; its outputs kept in a temporary
+    golden file so memory stays near one layer's worth, as for the real golden."""
+
+    def __init__(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 include: Sequence[str] | None, exclude: Sequence[str] | None, live_device: torch.device,
+                 *, grad: bool = False):
+        self.live_device = live_device
+        self.grad = grad
+        self.device = reference_device(live_device)
+        self._tmp = tempfile.TemporaryDirectory(prefix="activation_guard-shadow-")
+        self.reader: GoldenReader | None = None
+        self._calls: dict[tuple[str, int], dict[str, Any]] = {}
+        try:
+            self._run(model, args, kwargs, include, exclude)
+        except BaseException:
+            self.close()
+            raise
+
+    def _run(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             include: Sequence[str] | None, exclude: Sequence[str] | None) -> None:
+        try:
+            shadow = copy.deepcopy(model)
+        except Exception as e:
+            raise ActivationGuardError(
+                f"calibrated tolerances need a float64 copy of the model, but copy.deepcopy({type(model).__name__}) "
+                f"failed ({type(e).__name__}: {e}); use tolerance='strict' for this model") from e
+        try:
+            for m in shadow.modules():  # `m.compile()` in place: its compiled call runs the original
+                if getattr(m, "_compiled_call_impl", None) is not None:
+                    m._compiled_call_impl = None
+            if self.device != self.live_device:
+                shadow.to(self.device)
+            shadow.double()
+            a = _to_reference(args, self.device)
+            kw = _to_reference(kwargs, self.device)
+            path = os.path.join(self._tmp.name, "shadow.h5")
+            writer = GoldenWriter(path)
+
+            def on_output(name: str, call: int, module: torch.nn.Module, output: Any) -> None:
+                writer.add_call(name, call, type(module).__name__, flatten(output))
+
+            try:
+                with _isolated_rng(self.live_device), _no_autocast(), full_fp32_precision(), \
+                        hooked(shadow, on_output, include, exclude) as state:
+                    run_forward(shadow, a, kw, state, grad=self.grad)
+                writer.commit({})
+            except BaseException:
+                writer.abort()
+                raise
+        except ActivationGuardError:
+            raise
+        except Exception as e:
+            raise ActivationGuardError(
+                f"the float64 shadow forward for calibrated tolerances failed on {self.device} "
+                f"({type(e).__name__}: {e}); use tolerance='strict' for this model") from e
+        finally:
+            del shadow
+        self.reader = GoldenReader(path)
+
+    def reference(self, name: str, call: int, path: str) -> torch.Tensor | None:
+        """The float64 output of layer ``name`` call ``call`` at ``path`` (CPU), if recorded."""
+        if self.reader is None:
+            return None
+        entry = self.reader.by_key.get((name, call))
+        if entry is None:
+            return None
+        leaves = self._calls.get((name, call))
+        if leaves is None:
+            leaves = {leaf.path: leaf for leaf in entry.leaves}
+            self._calls = {(name, call): leaves}  # keep one call's index at a time
+        leaf = leaves.get(path)
+        if leaf is None or leaf.kind != "tensor" or leaf.dtype not in CALIBRATED_DTYPES:
+            return None
+        return self.reader.load(leaf, f"shadow layer {name!r} call {call} output {path!r}")
+
+    def floor(self, name: str, call: int, path: str, value: torch.Tensor) -> NoiseFloor | None:
+        """``value``'s noise floor against the shadow's float64 output at the same place."""
+        ref = self.reference(name, call, path)
+        if ref is None or tuple(ref.shape) != tuple(value.shape):
+            return None
+        f = diff_stats(value, ref)
+        return f if f.finite else None
+
+    def measure(self, name: str, call: int, leaves: list[Leaf], table: FloorTable) -> None:
+        """Record-time: floors of every real floating leaf of one layer call into ``table``."""
+        for leaf in leaves:
+            if leaf.kind != "tensor" or leaf.tensor is None or leaf.type_name != "Tensor":
+                continue
+            if dtype_name(leaf.tensor) not in CALIBRATED_DTYPES:
+                continue
+            table.add(name, call, leaf.path, self.floor(name, call, leaf.path, leaf.tensor))
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+        self._tmp.cleanup()
