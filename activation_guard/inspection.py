@@ -198,7 +198,7 @@ def _dig(d: Any, *keys: str) -> Any:
 def meta_lines(meta: dict[str, Any]) -> list[str]:
     """The metadata a person checks first: what model, where, with which versions and flags."""
     out = []
-    mode = "training" if meta.get("training") else "eval"
+    mode = ("training" if meta.get("training") else "eval") + " mode"
     odd = meta.get("training_differs")
     if isinstance(odd, list) and odd:
         other = "eval" if meta.get("training") else "training"
