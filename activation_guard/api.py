@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import calibrate as calmod
+from . import dist_capture as distcap  # issue 16 (distributed)
 from . import env as envmod
 from .capture import check_model, hooked, normalize_inputs, run_forward
 from .comparator import Comparator, StopForward, recorded_selection
@@ -94,7 +95,9 @@ def record(
     (forwards that call ``torch.autograd.grad`` themselves, e.g. forces from an energy).
 
     The write is atomic: the golden at ``path`` is replaced only after the new one is complete,
-    so an error or a kill mid-forward leaves the previous golden as it was.
+    so an error or a kill mid-forward leaves the previous golden as it was. In a multi-rank
+    torch.distributed run each rank writes its own local values to ``<golden>.rank<r>-of-<w>.h5``
+    (the summary's ``path``; docs/distributed.md).
     """
     spec = RecordSpec.build(dict(include=include, exclude=exclude, compression=compression, calibrate=calibrate,
                                  grad=grad))
@@ -109,7 +112,10 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
     a, kw = normalize_inputs(args, kwargs)
     inc, exc = spec.include, spec.exclude
     meta = _build_meta(model, a, kw, spec)  # fingerprint inputs before the forward can mutate them
-    writer = GoldenWriter(golden_path(path), compression=spec.compression)  # a bad path fails before the forward
+    path, dcap = distcap.for_record(golden_path(path))  # issue 16: in a multi-rank run, this rank's own golden
+    if dcap is not None:
+        meta["distributed"] = dcap.meta()
+    writer = GoldenWriter(path, compression=spec.compression)  # a bad path fails before the forward
     try:
         shadow = (calmod.ShadowRun(model, a, kw, inc, exc, envmod.model_device(model, a, kw), grad=spec.grad)
                   if spec.calibrate else None)
@@ -122,6 +128,8 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
     def on_output(name: str, call: int, module: torch.nn.Module, output: Any) -> None:
         try:
             leaves = flatten(output)
+            if dcap is not None:  # issue 16 (distributed): DTensors -> local values, collectives waited on
+                dcap.convert(name, leaves)
             writer.add_call(name, call, type(module).__name__, leaves)
             if shadow is not None:
                 shadow.measure(name, call, leaves, floors)
@@ -170,6 +178,7 @@ def compare(
     allow_dtype_change: bool = False,
     tolerance: str = "strict",
     grad: bool = False,
+    placements: Mapping[str, Any] | None = None,
 ) -> Report:
     """Run the model with hooks and compare every layer call against the golden at ``path``.
 
@@ -179,10 +188,16 @@ def compare(
 
     Comparison streams: each layer's golden is read when that layer returns, and compared while
     its output is still as the layer produced it. Memory stays near one layer's worth of data.
+
+    In a torch.distributed run (docs/distributed.md) each rank compares with its own per-rank
+    golden (``<golden>.rank<r>-of-<w>.h5``) when one exists, else with the single-device golden at
+    ``path``: then ``DTensor`` outputs are compared as full tensors, and ``placements``
+    (``{glob: Shard(dim) | Replicate()}``) says how plain local shards are placed, so they are
+    gathered and compared too.
     """
     spec = CompareSpec.build(dict(
         rtol=rtol, atol=atol, tolerances=tolerances, include=include, exclude=exclude, fail_fast=fail_fast,
-        rename=rename, allow_dtype_change=allow_dtype_change, tolerance=tolerance, grad=grad))
+        rename=rename, allow_dtype_change=allow_dtype_change, tolerance=tolerance, grad=grad, placements=placements))
     return compare_spec(model, args, kwargs, path=path, spec=spec)
 
 
@@ -206,7 +221,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     live_modes = envmod.training_modes(model)
     dev = envmod.model_device(model, a, kw)
     judge: Judge | None = None
-    path = golden_path(path)
+    path, dcap = distcap.for_compare(golden_path(path), spec)  # issue 16: the golden this rank compares with
     reader = GoldenReader(path)
     try:
         gmeta = reader.meta
@@ -219,7 +234,8 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         gdev = envmod.recorded_device(gmeta)
         resolver = ToleranceResolver(spec, golden_device=gdev, live_device=str(dev))
         judge = _judge(spec, resolver, gmeta, path, model, a, kw, dev)
-        comp = Comparator(reader, spec, judge, golden_filter=golden_filter)
+        comp = Comparator(reader, spec, judge, golden_filter=golden_filter,
+                          transform=None if dcap is None else dcap.convert)
         stopped = False
         out = None
         try:
@@ -256,6 +272,9 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
                             f"{resolver.device_pair} default tolerances apply")
     report.notes += selection_notes(spec, resolver, layers)
     report.notes += notes
+    if dcap is not None:  # issue 16 (distributed): the report names the rank
+        report.rank, report.world_size = dcap.info.rank, dcap.info.world_size
+        report.notes += dcap.notes()
     return report
 
 

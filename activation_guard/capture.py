@@ -193,8 +193,11 @@ def hooked(
     try:
         for name, mod in layers:
             # no forward pre-hook: it would cost ~3 us per layer call only to name the layer
-            # of an exception, which run_forward reads from the traceback instead
-            handles.append(mod.register_forward_hook(make_hook(name, wanted_by(name))))
+            # of an exception, which run_forward reads from the traceback instead.
+            # prepend=True (issue 16, distributed), eager and staged alike: the hook sees what the module
+            # returned, before other forward hooks rewrite it (tensor parallelism's own hook turns a
+            # DTensor into a local shard; docs/distributed.md)
+            handles.append(mod.register_forward_hook(make_hook(name, wanted_by(name)), prepend=True))
         if staged:
             _reset_dynamo()  # compile the hooks in (hooks added later are not guarded on)
         yield state

@@ -32,6 +32,7 @@ from .session import CheckRecord, GuardSession
 from .spec import describe
 
 if TYPE_CHECKING:
+    from .rank_session import RankContext
     from .report import Report
     from .spec import CompareSpec
 
@@ -142,6 +143,7 @@ class GoldenCheck:
         self.record_nodeid = record_nodeid or nodeid
         # the test report's user_properties (pytest's item.user_properties), for --junitxml
         self.user_properties = user_properties if user_properties is not None else []
+        self.last_report: Report | None = None  # the latest check's compare report
 
     @property
     def update(self) -> str | None:
@@ -171,7 +173,19 @@ class GoldenCheck:
         **options: Any,
     ) -> Any:
         __tracebackhide__ = True
-        from . import api  # lazy: torch is imported by the first check, not by pytest start-up
+        from .rank_session import rank_context  # lazy: torch is imported by the first check, not at start-up
+
+        self.last_report = None
+        ranks = rank_context(self._session)  # issue 16: None outside a multi-rank torch.distributed run
+        if ranks is None:
+            return self._check(model, args, kwargs, name, options, None)
+        return ranks.gate(self._session, self.nodeid, name,
+                          lambda: self._check(model, args, kwargs, name, options, ranks), lambda: self.last_report)
+
+    def _check(self, model: Any, args: Any, kwargs: Mapping[str, Any] | None, name: str | None,
+               options: dict[str, Any], ranks: RankContext | None) -> Any:
+        __tracebackhide__ = True
+        from . import api
         from .capture import check_model
 
         s = self._session
@@ -179,6 +193,8 @@ class GoldenCheck:
         try:
             path = self.path(name)
             s.claim(path, self.nodeid, name, owner=self.key.nodeid)
+            # issue 16: in a multi-rank run, this rank's golden (record) and the one it compares with
+            rec_path, path = (path, path) if ranks is None else ranks.golden_paths(path)
             opts = self.options(**options)
             rec_spec, cmp_spec = engine_specs(opts)
             check_model(model)  # a lambda, torch.compile or TorchScript model: one line, not a traceback
@@ -217,7 +233,7 @@ class GoldenCheck:
                 done("deferred", message=f"golden is recorded by the {RECORD_DEVICE} variant: {self.record_nodeid}")
                 return out
             try:
-                summary = api.record_spec(model, args, kwargs, path=path, spec=rec_spec)
+                summary = api.record_spec(model, args, kwargs, path=rec_path, spec=rec_spec)
             except ActivationGuardError as e:  # ours (unwritable folder, bad selection...): the message says the fix
                 done("error", message=f"recording failed: {e}")
                 problem = str(e)
@@ -226,7 +242,7 @@ class GoldenCheck:
                 raise
             if problem is not None:
                 pytest.fail(prefixed(problem), pytrace=False)
-            done("written")
+            done("written", golden=summary.path)
             return summary.output
         if not exists:
             done("missing")
@@ -243,6 +259,7 @@ class GoldenCheck:
             base.nondeterministic = self._unstable_layers(model, args, kwargs, cmp_spec)
         try:
             report = api.compare_spec(model, args, kwargs, path=path, spec=cmp_spec)
+            self.last_report = report
         except ActivationGuardError as e:  # a bad golden, a bad selection, an uncalibrated golden...
             done("error", message=str(e))
             problem = str(e)

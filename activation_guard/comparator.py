@@ -20,9 +20,10 @@ from typing import Any, Callable
 
 import torch
 
+from .dist_capture import attribute, shard_verdict
 from .dtypes import BY_NAME, dtype_name, tensor_bytes, tensor_from_bytes
 from .judges import Judge, LeafContext, dtype_change_allowed
-from .leaves import Leaf, flatten
+from .leaves import Leaf, LeafTransform, flatten
 from .rename import apply_rename, renamed_patterns
 from .results import LayerResult, LeafResult
 from .selection import Selector, selected
@@ -51,11 +52,13 @@ class Comparator:
     """Compares each live layer call against its golden as soon as the layer returns."""
 
     def __init__(self, reader: GoldenReader, spec: CompareSpec, judge: Judge, *,
-                 golden_filter: Selection | None = None):
+                 golden_filter: Selection | None = None, transform: LeafTransform | None = None):
         """``golden_filter``: the golden's own recorded selection, by golden name, when the hooks
         could not apply it (under ``rename``): a live layer outside it was never stored, so it is
-        not "unexpected"."""
+        not "unexpected". ``transform``: applied to every hooked call's leaves before the golden is
+        consulted (a multi-rank run's conversions, which are collectives: see dist_capture)."""
         self.reader = reader
+        self.transform = transform
         self.spec = spec
         self.judge = judge
         self.golden_filter = golden_filter
@@ -87,6 +90,11 @@ class Comparator:
 
     # ------------------------------------------------------------------ per call
     def on_output(self, name: str, call: int, module: torch.nn.Module, output: Any) -> None:
+        if self.transform is not None:  # every call, whatever the golden holds (same order on every rank)
+            leaves = flatten(output)
+            self.transform(name, leaves)
+            self.on_leaves(name, call, type(module).__name__, lambda: leaves)
+            return
         self.on_leaves(name, call, type(module).__name__, lambda: flatten(output))
 
     def on_leaves(self, name: str, call: int, tname: str, get_leaves: Callable[[], list[Leaf]]) -> None:
@@ -129,7 +137,10 @@ class Comparator:
                 results.append(LeafResult(g.path, "structure",
                                           f"{_out(g.path)} ({_kind(g)}) is missing from the live output"))
                 continue
-            results.append(self._compare_leaf(g, lv, name, entry))
+            res = self._compare_leaf(g, lv, name, entry)
+            if lv.dist is not None:  # issue 16 (distributed): name the rank holding the worst element
+                attribute(res, lv.dist)
+            results.append(res)
         for leaf in leaves:
             if leaf.path not in gpaths:
                 results.append(LeafResult(leaf.path, "structure",
@@ -165,8 +176,10 @@ class Comparator:
         assert t is not None and g.dtype is not None
         ldt = dtype_name(t)
         lshape = tuple(int(s) for s in t.shape)
-        if lshape != g.shape:
-            return LeafResult(p, "shape", f"{_out(p)} shape {list(g.shape)} -> {list(lshape)}",
+        if lshape != g.shape:  # issue 16 (distributed): a rank's piece of the golden's value is a local shard
+            why = None if lv.dist is None else shard_verdict(lv.dist, name, p, g.shape)
+            detail = why or f"{_out(p)} shape {list(g.shape)} -> {list(lshape)}"
+            return LeafResult(p, "local_shard" if why else "shape", detail,
                               dtype=g.dtype, live_dtype=ldt, shape=g.shape, live_shape=lshape, numel=g.numel)
         if ldt != g.dtype and not (self.spec.allow_dtype_change and dtype_change_allowed(g.dtype, ldt)):
             return LeafResult(p, "dtype", f"{_out(p)} dtype {g.dtype} -> {ldt}",

@@ -23,6 +23,12 @@ class SelectionError(ActivationGuardError, ValueError):
     """``include``/``exclude`` selected no layer call: the check would pass vacuously."""
 
 
+class DistributedError(ActivationGuardError, ValueError):
+    """A request that cannot work in this torch.distributed run: it would race (every rank
+    writing one file), hang (one rank leaving the model's collectives) or compare pieces that are
+    not shards of one tensor. See docs/distributed.md."""
+
+
 class GoldenError(ActivationGuardError):
     """A golden file could not be used. ``path`` is the file at fault."""
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -50,11 +50,18 @@ class Leaf:
     type_name: str = "Tensor"
     value: str | None = None
     legacy_path: str | None = None
+    # issue 16 (distributed): how the tensor was distributed over ranks (a distributed.LocalShard or
+    # ShardLayout), set by dist_capture.RankCapture in a multi-rank run; None everywhere else
+    dist: object | None = None
 
     @property
     def type_only(self) -> bool:
         """Compared by type name only: no value of it is checked."""
         return self.kind == "object" and not self.type_name.startswith(EMPTY_PREFIX)
+
+
+# rewrites one layer call's leaves in place before they are stored or compared: (layer name, leaves)
+LeafTransform = Callable[[str, list[Leaf]], None]
 
 
 class PathCollisionError(ValueError):

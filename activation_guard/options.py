@@ -45,6 +45,21 @@ class OptionError(ValueError):
     """A bad activation_guard option; the message names where it was set."""
 
 
+DEFAULT_RANK_TIMEOUT = 120.0
+
+
+def _rank_timeout(value: str | float | None) -> float:
+    if value is None:
+        return DEFAULT_RANK_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise OptionError(f"--ag-rank-timeout must be a number of seconds > 0, got {value!r}")
+    return seconds
+
+
 def prefixed(message: str) -> str:
     """A failure text with exactly one ``activation_guard`` prefix (engine messages such as
     "activation_guard needs a torch.nn.Module" already carry the name)."""
@@ -63,6 +78,7 @@ class Settings:
     report_path: Path | None = None
     unused: str | None = None  # None, "fail" or "list"
     check_determinism: bool = False  # run each checked forward twice and list unstable layers
+    rank_timeout: float = DEFAULT_RANK_TIMEOUT  # issue 16: seconds rank 0 waits for other ranks' verdicts
     ini_options: dict[str, Any] = field(default_factory=dict)  # from [tool.pytest.ini_options]
     cli_options: dict[str, Any] = field(default_factory=dict)  # from --ag-rtol/--ag-atol/--ag-fail-fast/...
     rootdir: Path = field(default_factory=Path.cwd)
@@ -93,6 +109,7 @@ class Settings:
         cli_calibrate: bool = False,
         cli_tolerance: str | None = None,
         check_determinism: bool = False,
+        rank_timeout: str | float | None = None,
     ) -> Settings:
         """Command-line paths are relative to where pytest was invoked; ini paths to the rootdir."""
         if cli_golden_dir:
@@ -126,6 +143,7 @@ class Settings:
             report_path=Path(os.path.abspath(Path(invocation_dir, report_path))) if report_path else None,
             unused=unused,
             check_determinism=check_determinism,
+            rank_timeout=_rank_timeout(rank_timeout),
             ini_options=ini,
             cli_options=cli,
             rootdir=rootdir,

@@ -24,6 +24,11 @@ directory can never be mistaken for a golden file. A component longer than
 ``MAX_COMPONENT`` characters keeps a readable prefix plus ``~`` and 16 hex digits of its
 SHA-256; ``~`` is always escaped otherwise, so shortened names cannot equal unshortened ones.
 Every result is verified to lie inside ``golden_dir``.
+
+Per-rank goldens (issue 16, docs/distributed.md): a multi-rank run writes ``<stem>.rank<r>-of-<w>.h5``
+beside ``<stem>.h5``. So that no test or check name can spell such a suffix itself, the ``.``
+before a trailing ``rank<r>-of-<w>`` of a stem is escaped (``%2E``), and :func:`owner_stem`
+strips a raw rank part to find the test a per-rank golden belongs to.
 """
 
 from __future__ import annotations
@@ -106,6 +111,25 @@ def module_component(filename: str) -> str:
 
 
 _PARAM_RE = re.compile(r"\A([^\[]*)\[(.*)\]\Z", re.DOTALL)
+# the rank part of a per-rank golden's name (canonical numbers, as activation_guard.distributed writes
+# them), and any text that looks like one (escaped in stems, so names never spell a rank part)
+RANK_PART = re.compile(r"\.rank(0|[1-9][0-9]*)-of-([1-9][0-9]*)\Z")
+_RANK_LIKE = re.compile(r"\.(rank[0-9]+-of-[0-9]+)\Z")
+
+
+def split_rank_part(stem: str) -> tuple[str, int, int] | None:
+    """``x.rank1-of-2`` -> ``("x", 1, 2)``: a per-rank golden's stem; None for any other stem."""
+    m = RANK_PART.search(stem)
+    if m is None:
+        return None
+    rank, world = int(m.group(1)), int(m.group(2))
+    if rank >= world or world == 1:
+        return None
+    return stem[: m.start()], rank, world
+
+
+def _no_rank_part(stem: str) -> str:
+    return _RANK_LIKE.sub(r"%2E\1", stem)
 
 
 def parts_stem(parts: Sequence[str]) -> str:
@@ -138,7 +162,7 @@ def file_component(parts: Sequence[str], name: str | None = None) -> str:
         if n.endswith("."):
             n = n[:-1] + "%2E"
         stem = f"{stem}{NAME_SEP}{shorten(n, 'n:' + name)}"
-    return stem + SUFFIX
+    return _no_rank_part(stem) + SUFFIX
 
 
 @dataclass(frozen=True)
@@ -196,10 +220,14 @@ def owner_stem(rel_path: str) -> str:
 
     Used to attribute golden files on disk to tests (for unused-golden detection). A raw ``--``
     only ever separates the check name, so the split is exact; shortened names have no ``--``
-    and are attributed to the test whose own shortened stem they equal.
+    and are attributed to the test whose own shortened stem they equal. A per-rank golden
+    (``test_x--dec.rank1-of-2.h5``) belongs to the test of its plain golden.
     """
     if rel_path.endswith(SUFFIX):
         rel_path = rel_path[: -len(SUFFIX)]
+    ranked = split_rank_part(rel_path)
+    if ranked is not None:  # a per-rank golden belongs to the test of the plain one
+        rel_path = ranked[0]
     d, _, f = rel_path.rpartition("/")
     f = f.split(NAME_SEP, 1)[0]
     return f"{d}/{f}" if d else f

@@ -67,6 +67,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--ag-check-determinism", dest="ag_check_determinism", action="store_true", default=False,
                 help="run each checked forward twice more and list layers whose outputs differ between runs "
                      "(reported in the summary, never failed).")
+    g.addoption("--ag-rank-timeout", dest="ag_rank_timeout", default=None, metavar="SECONDS",
+                help="under torchrun: how long rank 0 waits for the other ranks' verdict of each check and for their "
+                     "results at the end (default 120); a rank silent that long is reported, never waited on forever.")
     parser.addini("ag_golden_dir", "activation_guard golden directory, relative to the rootdir", default="golden")
     parser.addini("ag_rtol", "activation_guard default rtol for float layers (default: per-dtype, as torch.testing)",
                   default="")
@@ -94,6 +97,7 @@ def pytest_configure(config: pytest.Config) -> None:
             cli_calibrate=o.ag_calibrate,
             cli_tolerance=o.ag_tolerance,
             check_determinism=o.ag_check_determinism,
+            rank_timeout=o.ag_rank_timeout,
         )
     except (OptionError, SpecOptionError) as e:
         raise pytest.UsageError(prefixed(str(e))) from None
@@ -181,6 +185,17 @@ def activation_guard(request: pytest.FixtureRequest) -> GoldenCheck:
                        record_nodeid=record_nodeid, user_properties=item.user_properties)
 
 
+@pytest.fixture(scope="session")
+def ag_process_group(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Under ``torchrun``: the default torch.distributed process group, created from torchrun's
+    environment if the run has none (gloo on CPU) and destroyed at the end; None outside torchrun.
+    Each rank then checks its own goldens and rank 0 prints one summary (docs/distributed.md)."""
+    from .rank_session import process_group
+
+    with process_group(_session(request.config).settings.rank_timeout) as group:
+        yield group
+
+
 @pytest.fixture
 def ag_deterministic(request: pytest.FixtureRequest) -> Iterator[Any]:
     """Seeds torch/numpy/random (seed 0, or the fixture's indirect param), turns on deterministic
@@ -235,7 +250,7 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
     """xdist controller: merge a finished worker's checks (JSON) into the session."""
     s = _session(node.config)
     out = getattr(node, "workeroutput", None) or {}
-    s.merge_worker_output(out.get(WORKER_KEY), str(getattr(node, "gateway", None) and node.gateway.id))
+    s.merge_worker_output(out.get(WORKER_KEY), f"xdist worker {getattr(node, 'gateway', None) and node.gateway.id}")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -244,6 +259,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if s.is_worker:
         config.workeroutput[WORKER_KEY] = s.to_worker_output()  # type: ignore[attr-defined]
         return
+    if s.ranks is not None:  # issue 16 (torchrun): ranks > 0 send their results, rank 0 merges and reports
+        if s.ranks.follower:
+            s.ranks.send_session(s)
+            return
+        s.ranks.merge_sessions(s)
     if s.settings.unused is not None:
         s.find_unused(partial_modules(config.args, Path(config.invocation_params.dir), Path(config.rootpath)))
         if s.unused_fail_the_run() and session.exitstatus == pytest.ExitCode.OK:
@@ -257,6 +277,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     s = _session(config)
     if s.is_worker:
+        return
+    if s.ranks is not None and s.ranks.follower:  # issue 16 (torchrun)
+        terminalreporter.line(f"activation_guard: {s.ranks.info}: results sent to rank 0, which prints the summary")
         return
     lines = s.summary_lines(verbose=config.option.verbose)
     if not lines and not s.report_error:

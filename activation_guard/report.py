@@ -23,6 +23,7 @@ WHY = {
     "diverged": "values outside tolerance",
     "nonfinite": "new NaN/Inf values",
     "shape": "output shape changed",
+    "local_shard": "a rank's local shard, not the full tensor",  # issue 16 (distributed)
     "dtype": "output dtype changed",
     "structure": "output structure changed",
     "missing": "layer call did not run",
@@ -90,6 +91,8 @@ class Report:
     stopped_early: bool = False
     mode: str = "strict"
     notes: list[str] = field(default_factory=list)
+    rank: int | None = None  # issue 16 (distributed): this process's rank in a multi-rank run
+    world_size: int | None = None
     output: Any = field(default=None, repr=False, compare=False)
     _order: dict[int, tuple[float, int]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -105,6 +108,15 @@ class Report:
         if i in self._order:
             return self._order[i]
         return (float(layer.position) if layer.position is not None else math.inf, 0)
+
+    def execution_position(self, layer: LayerResult) -> float:
+        """Where ``layer`` (one of :attr:`layers`) sits in live execution order: its position, or
+        for a missing call half a step before the live call that passed its place (inf: at the end).
+        Comparable across the ranks of one SPMD program, which run the same modules in order."""
+        for i, x in enumerate(self.layers):
+            if x is layer:
+                return self._key(i, x)[0]
+        raise ValueError(f"layer {layer.label} is not in this report")
 
     @property
     def divergences(self) -> list[LayerResult]:
@@ -151,6 +163,8 @@ class Report:
             "env_changes": list(self.env_changes),
             "mode_changes": list(self.mode_changes),
             "notes": list(self.notes),
+            "rank": self.rank,
+            "world_size": self.world_size,
             "golden_meta": self.golden_meta,
             "type_only": dict(self.type_only()),
             "layers": [layer.to_dict() for layer in self.layers],
@@ -178,11 +192,19 @@ class Report:
             stopped_early=bool(d.get("stopped_early")),
             mode=str(d.get("mode", "strict")),
             notes=list(d.get("notes") or []),
+            rank=d.get("rank") if isinstance(d.get("rank"), int) else None,
+            world_size=d.get("world_size") if isinstance(d.get("world_size"), int) else None,
             _order=order,
         )
 
     # ------------------------------------------------------------------ text
     def headline(self) -> str:
+        text = self._headline()
+        if self.rank is not None and self.world_size is not None:  # issue 16: name the rank
+            text = text.replace("activation_guard: ", f"activation_guard: rank {self.rank} of {self.world_size}: ", 1)
+        return text
+
+    def _headline(self) -> str:
         fd = self.first_divergence
         n = self.live_count
         if fd is None:

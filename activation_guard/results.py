@@ -13,7 +13,9 @@ from typing import Any
 
 from .kernel import TensorStats, unravel
 
-STATUS_ORDER = ("structure", "shape", "dtype", "missing", "unexpected", "nonfinite", "diverged", "match")
+# "local_shard" (issue 16, distributed): a rank's piece of a value whose full shape the golden holds
+STATUS_ORDER = ("structure", "shape", "local_shard", "dtype", "missing", "unexpected", "nonfinite", "diverged",
+                "match")
 PHASES = ("forward", "backward", "param-grad")
 
 
@@ -80,6 +82,7 @@ class LeafResult:
     error_multiple: float | None = None  # calibrated mode: error / allowed noise
     type_name: str | None = None  # the live value's Python type, when it is not a plain tensor
     type_only: bool = False  # an opaque object (a cache, a generator): only its type was compared
+    ranks: list[int] | None = None  # issue 16 (distributed): ranks holding the worst element of a gathered value
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

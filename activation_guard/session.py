@@ -44,9 +44,11 @@ class CheckRecord:
     report: dict[str, Any] | None = None  # Report.to_dict(), only with --ag-report
     nondeterministic: list[str] | None = None  # with --ag-check-determinism: layers that differ run to run
     seconds: float = 0.0
+    rank: int | None = None  # issue 16 (distributed): the rank that ran it, in a multi-rank run
 
     def label(self) -> str:
-        return self.nodeid + (f" ({self.name})" if self.name else "")
+        rank = "" if self.rank is None else f" [rank {self.rank}]"
+        return self.nodeid + (f" ({self.name})" if self.name else "") + rank
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,6 +95,8 @@ class GuardSession:
         self.unused: list[str] = []
         self.worker_failures: list[str] = []
         self.report_error: str | None = None
+        # issue 16 (distributed): a rank_session.RankContext once a check ran in a multi-rank process group
+        self.ranks: Any = None
 
     # -- checks
     def claim(self, path: Path, nodeid: str, name: str | None, owner: str | None = None) -> None:
@@ -248,7 +252,7 @@ class GuardSession:
             )
         lines += self._unused_lines()
         if self.worker_failures:
-            lines.append(f"results of xdist worker(s) {', '.join(self.worker_failures)} were lost (worker crashed?)")
+            lines.append(f"results of {', '.join(self.worker_failures)} were lost (crashed?)")
         return lines
 
     def unused_fail_the_run(self) -> bool:

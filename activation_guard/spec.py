@@ -189,6 +189,71 @@ def _rename(v: Any) -> tuple[RenameRule, ...]:
     return tuple(rules)
 
 
+# --------------------------------------------------------------------------- placements (issue 16, distributed)
+
+
+@dataclass(frozen=True)
+class PlacementRule:
+    """One ``placements`` entry: a glob over layer names (or ``layer/path``) and how the matching
+    plain local shards are placed: a ``torch.distributed.tensor`` ``Shard(dim)`` or ``Replicate()``."""
+
+    pattern: str
+    placement: Any
+
+
+@dataclass(frozen=True)
+class PlacementTable:
+    """The validated ``placements`` option; ``group`` is the process group (or 1-D mesh) the pieces
+    come from (None: the whole world), set by passing an ``activation_guard.placements.Placements``."""
+
+    rules: tuple[PlacementRule, ...] = ()
+    group: Any = field(default=None, compare=False)
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+
+# torch's placement classes, named without importing torch.distributed.tensor (seconds): a value
+# of them can only exist once the user's program imported it
+_PLACEMENT_WHY = {
+    "Partial": "a partial (unreduced) value cannot be reassembled by gathering; compare the reduced output of "
+               "the layer that reduces it",
+    "_StridedShard": "strided shards (FSDP + TP) are not supported",
+}
+
+
+def _placement(pattern: str, value: Any) -> Any:
+    where = f"placements[{pattern!r}]"
+    cls = value if isinstance(value, type) else type(value)
+    ours = getattr(cls, "__module__", "").startswith("torch.distributed")
+    if isinstance(value, type):
+        hint = {"Shard": " (call it: Shard(-1))", "Replicate": " (call it: Replicate())"}.get(cls.__name__, "")
+        raise _Bad(f"{where}: got the class {cls.__name__}, not a placement{hint if ours else ''}")
+    if ours and cls.__name__ == "Shard":
+        dim = getattr(value, "dim", None)
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise _Bad(f"{where}: Shard needs an integer dimension, got {dim!r}")
+        return value
+    if ours and cls.__name__ == "Replicate":
+        return value
+    why = _PLACEMENT_WHY.get(cls.__name__) if ours else None
+    raise _Bad(f"{where}: {why or 'expected Shard(dim) or Replicate() from torch.distributed.tensor'}, got {value!r}")
+
+
+def _placements(v: Any) -> PlacementTable:
+    if v is None:
+        return PlacementTable()
+    if not isinstance(v, Mapping):
+        raise _Bad("must map layer-name glob patterns to Shard(dim) or Replicate() (torch.distributed.tensor), "
+                   f"got {type(v).__name__}")
+    rules = []
+    for pattern, value in v.items():
+        if not isinstance(pattern, str):
+            raise _Bad(f"keys are glob patterns of layer names, got {pattern!r}")
+        rules.append(PlacementRule(pattern, _placement(pattern, value)))
+    return PlacementTable(tuple(rules), getattr(v, "group", None))
+
+
 # --------------------------------------------------------------------------- the option table
 
 
@@ -214,6 +279,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("compression", _choice(COMPRESSIONS), True, False, "HDF5 compression of large outputs: gzip or lzf"),
     Option("calibrate", _flag, True, False, "also store float64 noise floors (for tolerance='calibrated')"),
     Option("grad", _flag, True, True, "run the forward with autograd on (forwards that call torch.autograd.grad)"),
+    Option("placements", _placements, False, True,
+           "multi-rank runs: {glob: Shard(dim) | Replicate()} for plain local shards, gathered to compare"),
 )}
 
 
@@ -307,6 +374,7 @@ class CompareSpec(_SpecBase):
     allow_dtype_change: bool = False
     tolerance: str = "strict"
     grad: bool = False
+    placements: PlacementTable = PlacementTable()  # issue 16 (distributed): docs/distributed.md
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

@@ -9,6 +9,10 @@ a model change fails naming the layer, and re-recording makes it pass again::
 
     def test_workflow(pytester):
         check_golden_workflow(pytester, SOURCE, MODIFIED_SOURCE, layer="2")
+
+``run_distributed(fn, world_size=2)`` runs a module-level function on N ranks of a fresh CPU
+(gloo) process group, so a CI without GPUs or torchrun can test parallel models
+(:mod:`activation_guard.spawn`, docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -20,6 +24,12 @@ from pathlib import Path
 from typing import Any, Callable, Union
 
 import pytest
+
+# issue 16: N-rank tests from a plain pytest run (docs/distributed.md); spawn imports no torch
+from .spawn import DistributedRunError, DistributedTimeout, run_distributed
+
+__all__ = ["DistributedRunError", "DistributedTimeout", "WorkflowResult", "check_golden_workflow", "golden_files",
+           "run_distributed"]
 
 Modifier = Union[str, Callable[[], Any]]
 
