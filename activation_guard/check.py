@@ -158,7 +158,11 @@ class GoldenCheck:
         return resolve_options(s.ini_options, s.cli_options, self.marker, call)
 
     def rerecord_command(self, opts: ResolvedOptions | None = None) -> str:
-        return rerecord_command(self._session.settings, opts, self.record_nodeid)
+        cmd = rerecord_command(self._session.settings, opts, self.record_nodeid)
+        ranks = self._session.ranks
+        if ranks is not None and cmd.startswith("pytest "):  # issue 16: every rank re-records its own golden
+            cmd = f"torchrun --nproc-per-node {ranks.info.world_size} -m {cmd}"
+        return cmd
 
     def _property(self, key: str, value: Any) -> None:
         self.user_properties.append((PROPERTY_PREFIX + key, value))

@@ -63,6 +63,7 @@ class RankContext:
         self.checks[(nodeid, name)] += 1
         tag = f"check/{nodeid}/{name or ''}/{self.checks[(nodeid, name)]}"
         before = len(session.records)
+        failed = None
         try:
             out = run()
         except BaseException as e:
@@ -70,11 +71,13 @@ class RankContext:
             merged = self._exchange(self._verdict(rec, last_report(), e), tag)
             if merged is None or isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            if isinstance(e, pytest.fail.Exception):
-                pytest.fail(f"{e.msg}\n\n{merged.message()}", pytrace=False)
-            if hasattr(e, "add_note"):
-                e.add_note(merged.message())
-            raise
+            if not isinstance(e, pytest.fail.Exception):
+                if hasattr(e, "add_note"):
+                    e.add_note(merged.message())
+                raise
+            failed = f"{e.msg}\n\n{merged.message()}"
+        if failed is not None:  # rank 0's own failure, with every rank's verdict (outside the except: one text)
+            pytest.fail(failed, pytrace=False)
         rec = session.records[before] if len(session.records) > before else None
         merged = self._exchange(self._verdict(rec, last_report(), None), tag)
         if merged is not None and not merged.ok:

@@ -189,7 +189,7 @@ def test_help_describes_what_each_option_does(ag: pytest.Pytester) -> None:
     opts = _help_options(out)
     assert set(opts) == {"--ag-update", "--ag-update=missing", "--ag-golden-dir", "--ag-rtol", "--ag-atol",
                          "--ag-fail-fast", "--ag-report", "--ag-unused", "--ag-unused=list", "--ag-calibrate",
-                         "--ag-tolerance", "--ag-check-determinism"}
+                         "--ag-tolerance", "--ag-check-determinism", "--ag-rank-timeout"}
     must_say = {
         "--ag-update": ["write the goldens", "non-cpu ag_device"],
         "--ag-update=missing": ["only create goldens that do not exist", "compared"],
@@ -203,6 +203,7 @@ def test_help_describes_what_each_option_does(ag: pytest.Pytester) -> None:
         "--ag-tolerance": ["={strict,calibrated}", "noise floors"],
         "--ag-golden-dir": ["=DIR", "invocation directory", "ag_golden_dir"],
         "--ag-check-determinism": ["twice", "differ between runs", "never failed"],
+        "--ag-rank-timeout": ["=SECONDS", "torchrun", "rank 0 waits", "never waited on forever"],
     }
     for opt, phrases in must_say.items():
         for phrase in phrases:

@@ -6,8 +6,12 @@ import json
 import os
 from typing import Any, Callable
 
+import dist_ranks
 import pytest
 from filelock import FileLock
+
+import activation_guard as ag
+from activation_guard.spawn import run_distributed
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +36,19 @@ def once_per_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Cal
             return value
 
     return get
+
+
+@pytest.fixture(scope="session")
+def suite(tmp_path_factory: pytest.TempPathFactory, once_per_run: Callable[..., Any]) -> Any:
+    """Both ranks' results of dist_ranks.parallel_suite: one process group for every scenario."""
+
+    def run() -> Any:
+        folder = tmp_path_factory.mktemp("dist")
+        ag.record(dist_ranks.mlp(), dist_ranks.mlp_input(), path=folder / "mlp.h5")
+        ag.record(dist_ranks.tiny_llama(), (), dist_ranks.llama_inputs(), path=folder / "llama.h5")
+        (folder / "per_rank").mkdir()
+        goldens = (str(folder / "mlp.h5"), str(folder / "llama.h5"), str(folder / "per_rank" / "tp.h5"))
+        return {"folder": str(folder), "ranks": run_distributed(dist_ranks.parallel_suite, world_size=2,
+                                                                args=goldens, timeout=240)}
+
+    return once_per_run("parallel-suite", run)

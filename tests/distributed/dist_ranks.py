@@ -216,8 +216,9 @@ def gather_pieces() -> dict[str, Any]:
     return out
 
 
-def parallel_suite(golden: str, llama_golden: str) -> dict[str, Any]:
-    """Every single-device-golden scenario in one process group (each spawn costs seconds)."""
+def parallel_suite(golden: str, llama_golden: str, per_rank_golden: str) -> dict[str, Any]:
+    """Every scenario in one process group (each spawn costs seconds): against single-device
+    goldens, then per-rank goldens recorded and compared."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -234,6 +235,8 @@ def parallel_suite(golden: str, llama_golden: str) -> dict[str, Any]:
         "exchange": exchange_error_paths(golden, silent_timeout=2.0),
         "dtensor_uneven": [local_rows, chunk_sizes(5, dist.get_world_size())[dist.get_rank()]],
         "llama": tp_llama(llama_golden),
+        "per_rank": {"record": per_rank_record(per_rank_golden),
+                     "compare": per_rank_compare_twice(per_rank_golden, 1)},
     }
 
 

@@ -6,25 +6,14 @@ test below asserts one of them, on both ranks' results.
 
 from __future__ import annotations
 
-import dist_ranks
 import pytest
-
-import activation_guard as ag
-from activation_guard.spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture(scope="module")
-def suite(tmp_path_factory, once_per_run):
-    def run():
-        folder = tmp_path_factory.mktemp("dist")
-        ag.record(dist_ranks.mlp(), dist_ranks.mlp_input(), path=folder / "mlp.h5")
-        ag.record(dist_ranks.tiny_llama(), (), dist_ranks.llama_inputs(), path=folder / "llama.h5")
-        goldens = (str(folder / "mlp.h5"), str(folder / "llama.h5"))
-        return run_distributed(dist_ranks.parallel_suite, world_size=2, args=goldens, timeout=240)
-
-    return once_per_run("parallel-suite", run)
+@pytest.fixture
+def suite(suite):
+    return suite["ranks"]  # [rank 0's results, rank 1's results]
 
 
 def test_what_capture_hooks_see_under_tensor_parallelism(suite):

@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-import dist_ranks
 import pytest
-
-from activation_guard.spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 
 
-def test_record_then_compare_per_rank(tmp_path):
-    golden = str(tmp_path / "tp.h5")
-    rec = run_distributed(dist_ranks.per_rank_record, world_size=2, args=(golden,))
+def test_record_then_compare_per_rank(suite):
+    tmp_path = Path(suite["folder"]) / "per_rank"
+    rec = [r["per_rank"]["record"] for r in suite["ranks"]]
     assert [r["path"] for r in rec] == [str(tmp_path / "tp.rank0-of-2.h5"), str(tmp_path / "tp.rank1-of-2.h5")]
     assert all(r["calls"] == 4 for r in rec)
     assert sorted(os.listdir(tmp_path)) == ["tp.rank0-of-2.h5", "tp.rank1-of-2.h5"]  # no shared file, no temps
     assert all("every rank records its own golden" in r["refused_other"] for r in rec)
     assert [r["meta"] for r in rec] == [{"rank": k, "world_size": 2, "values": "local"} for k in (0, 1)]
 
-    clean, changed = run_distributed(dist_ranks.per_rank_compare_twice, world_size=2, args=(golden, 1))[0]
+    clean, changed = suite["ranks"][0]["per_rank"]["compare"]
     assert clean["merged"]["ok"] and clean["merged"]["text"] == (
         "activation_guard: all 2 ranks match their goldens (4 layer calls each)")
     assert clean["path"] == str(tmp_path / "tp.rank0-of-2.h5")
