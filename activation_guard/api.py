@@ -20,9 +20,9 @@ from . import calibrate as calmod
 from . import env as envmod
 from .capture import check_model, hooked, normalize_inputs, run_forward
 from .comparator import Comparator, StopForward, recorded_selection
-from .errors import ActivationGuardError
 from .judges import Judge, StrictJudge
-from .leaves import clone_inputs, flatten
+from .leaves import clone_inputs
+from .recorder import Recorder
 from .report import Report
 from .results import LayerResult
 from .selection import nothing_selected, parent_hint, unmatched
@@ -66,6 +66,7 @@ def _build_meta(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         **envmod.training_modes(model),
         "inputs": envmod.input_fingerprint(args, kwargs),
         "numerics": envmod.numerics_flags(),
+        "layer_inputs": spec.inputs,  # whether each call's inputs are recorded (replay needs them)
         "include": None if spec.include is None else list(spec.include),
         "exclude": None if spec.exclude is None else list(spec.exclude),
     }
@@ -82,6 +83,7 @@ def record(
     compression: str | None = None,
     calibrate: bool = False,
     grad: bool = False,
+    inputs: bool = True,
 ) -> RecordSummary:
     """Run ``model(*args, **kwargs)`` once and write every layer's outputs to a golden.
 
@@ -93,11 +95,15 @@ def record(
     the one positional argument. The forward runs under ``torch.no_grad()`` unless ``grad=True``
     (forwards that call ``torch.autograd.grad`` themselves, e.g. forces from an energy).
 
+    ``inputs=True`` (the default) also records each layer call's inputs, so a later compare can
+    re-run a diverging layer on exactly what it received (``replay=``) and say whether the layer
+    itself changed; inputs that are already stored values are kept as references, not again.
+
     The write is atomic: the golden at ``path`` is replaced only after the new one is complete,
     so an error or a kill mid-forward leaves the previous golden as it was.
     """
     spec = RecordSpec.build(dict(include=include, exclude=exclude, compression=compression, calibrate=calibrate,
-                                 grad=grad))
+                                 grad=grad, inputs=inputs))
     return record_spec(model, args, kwargs, path=path, spec=spec)
 
 
@@ -117,23 +123,9 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
         writer.abort()
         raise
     floors = calmod.FloorTable()
-    names: list[str] = []
-
-    def on_output(name: str, call: int, module: torch.nn.Module, output: Any) -> None:
-        try:
-            leaves = flatten(output)
-            writer.add_call(name, call, type(module).__name__, leaves)
-            if shadow is not None:
-                shadow.measure(name, call, leaves, floors)
-        except ActivationGuardError:
-            raise
-        except Exception as e:
-            raise ActivationGuardError(f"recording layer {name or '<root>'!r} call {call} failed: {e}") from e
-        if call == 0:
-            names.append(name)
-
+    rec = Recorder(writer, inputs=spec.inputs, shadow=shadow, floors=floors)
     try:
-        with hooked(target, on_output, inc, exc) as state:
+        with hooked(target, rec.on_output, inc, exc, on_enter=rec.on_enter) as state:
             out = run_forward(target, a, kw, state, grad=spec.grad)
         if not writer.calls:
             raise nothing_selected(inc, exc, [n for n, _ in model.named_modules()])
@@ -150,7 +142,7 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
             shadow.close()
     return RecordSummary(
         path=writer.path, layer_calls=len(writer.calls), leaves=writer.nleaves, nbytes=writer.nbytes,
-        file_bytes=os.path.getsize(writer.path), names=names, output=out,
+        file_bytes=os.path.getsize(writer.path), names=rec.names, output=out,
     )
 
 

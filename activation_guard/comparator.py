@@ -18,8 +18,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
-import torch
-
+from .capture import Frame
 from .dtypes import BY_NAME, dtype_name, tensor_bytes, tensor_from_bytes
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaves import Leaf, flatten
@@ -86,8 +85,8 @@ class Comparator:
         return renamed_patterns(inc, spec.rename), renamed_patterns(exc, spec.rename)
 
     # ------------------------------------------------------------------ per call
-    def on_output(self, name: str, call: int, module: torch.nn.Module, output: Any) -> None:
-        self.on_leaves(name, call, type(module).__name__, lambda: flatten(output))
+    def on_output(self, frame: Frame, output: Any) -> None:
+        self.on_leaves(frame.name, frame.call, type(frame.module).__name__, lambda: flatten(output))
 
     def on_leaves(self, name: str, call: int, tname: str, get_leaves: Callable[[], list[Leaf]]) -> None:
         """Compare one layer call given its flattened outputs. ``get_leaves`` runs only when the

@@ -38,8 +38,9 @@ class Leaf:
     """One addressed value inside a layer's output (or inputs).
 
     ``kind``: ``tensor`` (tensors, numpy arrays and Python numbers, as tensors), ``none``, ``str``
-    (``value`` holds it), ``ref`` (``value`` is the path of the container's first occurrence) or
-    ``object`` (anything else: recorded by type name only, never iterated). ``type_name`` is the
+    (``value`` holds it), ``ref`` (``value`` is the path of the container's first occurrence),
+    ``object`` (anything else: recorded by type name only, never iterated) or, for recorded inputs,
+    ``alias`` (the very tensor another call's output or input already stored). ``type_name`` is the
     Python type a value had (``Tensor``, ``numpy.ndarray``, ``float``...). ``legacy_path`` is the
     path golden format 1 gave this leaf, when it differs (non-string keys, digit-like strings).
     """
@@ -50,6 +51,7 @@ class Leaf:
     type_name: str = "Tensor"
     value: str | None = None
     legacy_path: str | None = None
+    alias: dict[str, Any] | None = None  # kind "alias": where the identical stored value is
 
     @property
     def type_only(self) -> bool:
@@ -199,6 +201,11 @@ class _Walker:
         elif t.layout != torch.strided:
             t = t.to_dense()
         self.leaf(path, legacy, "tensor", tensor=t, type_name="Tensor")
+
+
+def flatten_inputs(args: Any, kwargs: Any) -> list[Leaf]:
+    """A call's arguments as leaves: ``args/0``, ``args/1``, ``kwargs/<name>``..."""
+    return flatten({"args": list(args), "kwargs": kwargs})
 
 
 def flatten(obj: Any, prefix: str = "") -> list[Leaf]:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .capture import hooked, run_forward
+from .capture import Frame, hooked, run_forward
 from .devices import reference_device
 from .dtypes import dtype_name
 from .errors import ActivationGuardError
@@ -118,8 +118,8 @@ class ShadowRun:
             path = os.path.join(self._tmp.name, "shadow.h5")
             writer = GoldenWriter(path)
 
-            def on_output(name: str, call: int, module: torch.nn.Module, output: Any) -> None:
-                writer.add_call(name, call, type(module).__name__, flatten(output))
+            def on_output(frame: Frame, output: Any) -> None:
+                writer.add_call(frame.name, frame.call, type(frame.module).__name__, flatten(output))
 
             try:
                 with _isolated_rng(self.live_device), _no_autocast(), full_fp32_precision(), \
