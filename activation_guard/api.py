@@ -23,6 +23,7 @@ from .comparator import Comparator, StopForward, recorded_selection
 from .judges import Judge, StrictJudge
 from .leaves import clone_inputs
 from .recorder import Recorder
+from .replay import Replayer
 from .report import Report
 from .results import LayerResult
 from .selection import nothing_selected, parent_hint, unmatched
@@ -162,6 +163,7 @@ def compare(
     allow_dtype_change: bool = False,
     tolerance: str = "strict",
     grad: bool = False,
+    replay: str = "first",
 ) -> Report:
     """Run the model with hooks and compare every layer call against the golden at ``path``.
 
@@ -169,12 +171,17 @@ def compare(
     (measured with float64 shadow forwards) instead of fixed rtol/atol; the golden must have
     been recorded with ``calibrate=True``. See docs/cross-device.md.
 
+    ``replay`` re-runs layers on the golden's recorded inputs: ``"first"`` (default) the first
+    diverging call, to tell whether the layer itself changed or inherited the difference
+    (``report.origin``); ``"all"`` every call, judging each by its own error (immune to drift
+    across devices and precisions); ``"off"``. See :mod:`activation_guard.replay`.
+
     Comparison streams: each layer's golden is read when that layer returns, and compared while
     its output is still as the layer produced it. Memory stays near one layer's worth of data.
     """
     spec = CompareSpec.build(dict(
         rtol=rtol, atol=atol, tolerances=tolerances, include=include, exclude=exclude, fail_fast=fail_fast,
-        rename=rename, allow_dtype_change=allow_dtype_change, tolerance=tolerance, grad=grad))
+        rename=rename, allow_dtype_change=allow_dtype_change, tolerance=tolerance, grad=grad, replay=replay))
     return compare_spec(model, args, kwargs, path=path, spec=spec)
 
 
@@ -184,8 +191,17 @@ def _judge(spec: CompareSpec, resolver: ToleranceResolver, gmeta: Mapping[str, A
     if not spec.calibrated:
         return strict
     floors = calmod.FloorTable.from_meta(gmeta, path)
-    shadow = calmod.ShadowRun(model, a, kw, spec.include, spec.exclude, dev, grad=spec.grad)
+    shadow = calmod.ShadowRun(model, a, kw, spec.include, spec.exclude, dev, grad=spec.grad,
+                              keep_model=spec.replay != "off")
     return calmod.CalibratedJudge(floors, shadow, strict)
+
+
+def _replayer(spec: CompareSpec, reader: GoldenReader, judge: Judge, resolver: ToleranceResolver) -> Replayer | None:
+    if spec.replay == "off":
+        return None
+    if isinstance(judge, calmod.CalibratedJudge):
+        return Replayer(reader, judge.strict, grad=spec.grad, calibrated=judge, reference=judge.shadow.model)
+    return Replayer(reader, judge if isinstance(judge, StrictJudge) else StrictJudge(resolver), grad=spec.grad)
 
 
 def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
@@ -212,14 +228,22 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         resolver = ToleranceResolver(spec, golden_device=gdev, live_device=str(dev))
         judge = _judge(spec, resolver, gmeta, path, model, a, kw, dev)
         comp = Comparator(reader, spec, judge, golden_filter=golden_filter)
+        comp.replayer = _replayer(spec, reader, judge, resolver)
+        inputs_raw = gmeta.get("inputs")
+        input_changes = envmod.describe_input_change(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs)
+        comp.inputs_changed = bool(input_changes)
         stopped = False
         out = None
         try:
-            with hooked(target, comp.on_output, spec.include, spec.exclude) as state:
+            with hooked(target, comp.on_output, spec.include, spec.exclude, on_enter=comp.on_enter,
+                        want_rng=comp.replayer is not None) as state:
+                if comp.replayer is not None:
+                    comp.replayer.state = state
                 out = run_forward(target, a, kw, state, grad=spec.grad)
         except StopForward:
             stopped = True
         layers, order = comp.finish()
+        origin = comp.replay_origin()
         if not layers:
             raise nothing_selected(spec.include, spec.exclude, [n for n, _ in model.named_modules()])
         if stopped:  # golden-only calls after the stop were never reached: not "missing"; those
@@ -228,7 +252,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
                     if layer.status != "missing" or math.isfinite(order.get(i, (math.inf, 0))[0])]
             order = {k: order[i] for k, i in enumerate(keep) if i in order}
             layers = [layers[i] for i in keep]
-        notes = judge.notes()
+        notes = judge.notes() + ([] if comp.replayer is None else comp.replayer.notes())
     finally:
         reader.close()
         if judge is not None:
@@ -236,11 +260,10 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     env_changes = envmod.describe_env_change(gmeta.get("numerics"), envmod.numerics_flags())
     env_changes += envmod.describe_device_change(gmeta.get("device"), envmod.device_info(dev))
     env_changes += envmod.describe_version_change(gmeta.get("versions"), envmod.versions())
-    inputs_raw = gmeta.get("inputs")
     report = Report(
-        path=path, layers=layers, golden_meta=report_meta(gmeta), live_device=str(dev),
-        input_changes=envmod.describe_input_change(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs),
+        path=path, layers=layers, golden_meta=report_meta(gmeta), live_device=str(dev), input_changes=input_changes,
         env_changes=env_changes, stopped_early=stopped, output=out, _order=order, mode=spec.tolerance,
+        origin=origin, replay=spec.replay,
     )
     report.mode_changes = envmod.describe_training_change(gmeta, live_modes)
     if resolver.cross_device:

@@ -96,11 +96,13 @@ def check_model(model: Any) -> Target:
 
 class Frame:
     """One module call in progress (and, once it returned, its record): which layer, which call,
-    the arguments it was called with, the call it runs inside (``parent``), the sibling that
-    returned just before it (``last_child``), and the RNG state when it started (modules in
-    training mode, when replay may re-run them)."""
+    the arguments it was called with, the call it runs inside (``parent``), the sibling that had
+    returned inside that parent when it started (``previous``), how many child calls returned
+    inside it (``children``; the last one's name in ``last_child``), the RNG state when it started
+    (modules in training mode, when replay may re-run them), and ``data`` for the consumer."""
 
-    __slots__ = ("args", "call", "kwargs", "last_child", "module", "name", "parent", "rng")
+    __slots__ = ("args", "call", "children", "data", "kwargs", "last_child", "module", "name", "parent", "previous",
+                 "rng")
 
     def __init__(self, name: str, module: torch.nn.Module, args: Any, kwargs: Any, parent: Frame | None):
         self.name = name
@@ -108,9 +110,12 @@ class Frame:
         self.args = args
         self.kwargs = kwargs
         self.parent = parent
+        self.previous = None if parent is None else parent.last_child
         self.call = -1  # numbered when it returns (calls count completions, children first)
+        self.children = 0
         self.last_child: str | None = None
         self.rng: tuple[torch.Tensor, Any] | None = None
+        self.data: Any = None
 
 
 LayerCallback = Callable[[Frame, Any], None]
@@ -224,6 +229,7 @@ def hooked(
             frame.call = k
             if frame.parent is not None:
                 frame.parent.last_child = name
+                frame.parent.children += 1
             if not wanted:
                 return
             if staged:

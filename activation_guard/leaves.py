@@ -21,6 +21,7 @@ type name only; reports count those, so "OK" never hides a value that was not co
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -240,3 +241,72 @@ def clone_inputs(obj: Any, depth: int = 0) -> Any:
         except Exception:
             return items
     return obj
+
+
+def rebuild(obj: Any, values: Mapping[str, torch.Tensor], prefix: str = "", *,
+            private: bool = False) -> Any:
+    """``obj`` with each tensor whose :func:`flatten` path is in ``values`` replaced by that
+    value: the same structure (containers rebuilt, repeated and cyclic references kept), other
+    data. How replay hands a layer the golden's inputs in the shape of the live call's own
+    arguments. ``private``: opaque objects (a KV cache) are deep-copied, so a replay cannot mutate
+    one the live forward still uses."""
+    seen: dict[int, Any] = {}
+
+    def walk(o: Any, path: str, depth: int) -> Any:
+        if isinstance(o, torch.Tensor):
+            return values.get(path, o)
+        if isinstance(o, np.ndarray):
+            return values[path].numpy() if path in values else o
+        if o is None or isinstance(o, (str, bytes, bool, int, float, complex, np.generic)):
+            return o
+        if id(o) in seen:
+            return seen[id(o)]
+        is_map = isinstance(o, Mapping)
+        is_seq = isinstance(o, (tuple, list))
+        is_dc = dataclasses.is_dataclass(o) and not isinstance(o, type)
+        if depth >= MAX_DEPTH or not (is_map or is_seq or is_dc):
+            return _private(o) if private else o
+        if type(o) is dict:  # registered before its items: a cycle through it comes back to it
+            new: Any = {}
+            seen[id(o)] = new
+            for k, v in o.items():
+                new[k] = walk(v, _join(path, encode_key(k)), depth + 1)
+            return new
+        if type(o) is list:
+            new = []
+            seen[id(o)] = new
+            new.extend(walk(v, _join(path, str(i)), depth + 1) for i, v in enumerate(o))
+            return new
+        seen[id(o)] = o  # other containers are rebuilt after their items (a cycle meets the original)
+        if is_map:
+            items = {k: walk(v, _join(path, encode_key(k)), depth + 1) for k, v in o.items()}
+            ctor: Any = type(o)
+            try:
+                new = ctor(items)
+            except Exception:
+                new = items
+        elif is_seq:
+            parts = [walk(v, _join(path, str(i)), depth + 1) for i, v in enumerate(o)]
+            new = type(o)(*parts) if isinstance(o, tuple) and hasattr(o, "_fields") else type(o)(parts)
+        else:
+            changes = {f.name: walk(getattr(o, f.name, None), _join(path, encode_str_key(f.name)), depth + 1)
+                       for f in dataclasses.fields(o) if f.init}
+            new = dataclasses.replace(o, **changes)
+        seen[id(o)] = new
+        return new
+
+    return walk(obj, prefix, 0)
+
+
+def _private(o: Any) -> Any:
+    try:
+        return copy.deepcopy(o)
+    except Exception:  # an object that cannot be copied is shared (the replay may change it)
+        return o
+
+
+def rebuild_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any], values: Mapping[str, torch.Tensor],
+                   *, private: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call's arguments with the tensors at :func:`flatten_inputs` paths replaced."""
+    new = rebuild({"args": list(args), "kwargs": kwargs}, values, private=private)
+    return tuple(new["args"]), dict(new["kwargs"])
