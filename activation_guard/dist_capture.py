@@ -15,6 +15,7 @@ capture, and nothing here runs: a single-process run pays one ``is_initialized()
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Union
 
 from .distributed import (
@@ -52,6 +53,7 @@ class RankCapture:
         self.info = info
         self.local = local
         self.placements = placements
+        self.replay_off = False  # for_compare switched a default replay off
 
     def convert(self, name: str, leaves: list[Leaf]) -> None:
         """Replace each tensor leaf's tensor (in place) by its value; collectives in leaf order."""
@@ -87,6 +89,9 @@ class RankCapture:
         else:
             how = [f"{self.info}: DTensor outputs and placed shards compared as full tensors, other outputs "
                    "as this rank's local values"]
+        if self.replay_off:
+            how.append("replay is off in a multi-rank run (a layer re-run on one rank would leave the others out "
+                       "of its collectives)")
         if not self.placements:
             return how
         return how + [f"placements pattern {p!r} matched no layer" for p in self.placements.unmatched()]
@@ -108,18 +113,30 @@ def for_record(path: str) -> tuple[str, RankCapture | None]:
     return own, RankCapture(info, local=info.world_size > 1)
 
 
-def for_compare(path: str, spec: CompareSpec) -> tuple[str, RankCapture | None]:
-    """The golden a compare in this process reads, and its capture (None outside a process group).
+def for_compare(path: str, spec: CompareSpec) -> tuple[str, RankCapture | None, CompareSpec]:
+    """The golden a compare in this process reads, its capture (None outside a process group), and
+    the spec to compare with.
 
     A multi-rank run reads its own per-rank golden when one exists (local values, no collective),
     else the single-device golden at ``path`` (full values: ``DTensor`` outputs gathered, plain
-    ones placed through ``spec.placements``). Refuses what would hang."""
+    ones placed through ``spec.placements``). Refuses what would hang; replay is turned off there:
+    re-running a layer that holds a shard issues its collectives on the ranks that replay it only,
+    and which ranks diverge first differs (``replay="first"``, the default, is switched off with a
+    report note; ``replay="all"`` is refused)."""
     info = rank_info()
     if info is None:
         if spec.placements:
             raise DistributedError("placements describe how the local shards of a multi-rank run are placed, but "
                                    "no torch.distributed process group is initialized")
-        return path, None
+        return path, None, spec
+    if info.world_size > 1 and spec.replay != "off":
+        if spec.replay == "all":  # judging every layer by its replay: nothing left to judge without it
+            raise DistributedError(f"replay={spec.replay!r} in a multi-rank run ({info}): re-running a layer on one "
+                                   "rank would leave the others out of its collectives; use replay='off'")
+        spec = replace(spec, replay="off")
+        switched = True
+    else:
+        switched = False
     try:
         resolved, local = resolve_golden_path(path, info)
     except ValueError as e:
@@ -131,7 +148,9 @@ def for_compare(path: str, spec: CompareSpec) -> tuple[str, RankCapture | None]:
         raise DistributedError(f"fail_fast in a multi-rank run ({info}): stopping one rank's forward would leave "
                                "the others waiting in the model's collectives; compare without fail_fast")
     matcher = PlacementMatcher(spec.placements) if spec.placements else None
-    return resolved, RankCapture(info, local=local, placements=matcher)
+    cap = RankCapture(info, local=local, placements=matcher)
+    cap.replay_off = switched
+    return resolved, cap, spec
 
 
 def shard_verdict(dist: Any, layer: str, path: str, golden_shape: tuple[int, ...]) -> str | None:

@@ -21,6 +21,7 @@ type name only; reports count those, so "OK" never hides a value that was not co
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,8 +39,9 @@ class Leaf:
     """One addressed value inside a layer's output (or inputs).
 
     ``kind``: ``tensor`` (tensors, numpy arrays and Python numbers, as tensors), ``none``, ``str``
-    (``value`` holds it), ``ref`` (``value`` is the path of the container's first occurrence) or
-    ``object`` (anything else: recorded by type name only, never iterated). ``type_name`` is the
+    (``value`` holds it), ``ref`` (``value`` is the path of the container's first occurrence),
+    ``object`` (anything else: recorded by type name only, never iterated) or, for recorded inputs,
+    ``alias`` (the very tensor another call's output or input already stored). ``type_name`` is the
     Python type a value had (``Tensor``, ``numpy.ndarray``, ``float``...). ``legacy_path`` is the
     path golden format 1 gave this leaf, when it differs (non-string keys, digit-like strings).
     """
@@ -53,6 +55,7 @@ class Leaf:
     # issue 16 (distributed): how the tensor was distributed over ranks (a distributed.LocalShard or
     # ShardLayout), set by dist_capture.RankCapture in a multi-rank run; None everywhere else
     dist: object | None = None
+    alias: dict[str, Any] | None = None  # kind "alias": where the identical stored value is
 
     @property
     def type_only(self) -> bool:
@@ -208,6 +211,11 @@ class _Walker:
         self.leaf(path, legacy, "tensor", tensor=t, type_name="Tensor")
 
 
+def flatten_inputs(args: Any, kwargs: Any) -> list[Leaf]:
+    """A call's arguments as leaves: ``args/0``, ``args/1``, ``kwargs/<name>``..."""
+    return flatten({"args": list(args), "kwargs": kwargs})
+
+
 def flatten(obj: Any, prefix: str = "") -> list[Leaf]:
     """Flatten an output into leaves with injective slash-separated paths (module docstring).
 
@@ -240,3 +248,72 @@ def clone_inputs(obj: Any, depth: int = 0) -> Any:
         except Exception:
             return items
     return obj
+
+
+def rebuild(obj: Any, values: Mapping[str, torch.Tensor], prefix: str = "", *,
+            private: bool = False) -> Any:
+    """``obj`` with each tensor whose :func:`flatten` path is in ``values`` replaced by that
+    value: the same structure (containers rebuilt, repeated and cyclic references kept), other
+    data. How replay hands a layer the golden's inputs in the shape of the live call's own
+    arguments. ``private``: opaque objects (a KV cache) are deep-copied, so a replay cannot mutate
+    one the live forward still uses."""
+    seen: dict[int, Any] = {}
+
+    def walk(o: Any, path: str, depth: int) -> Any:
+        if isinstance(o, torch.Tensor):
+            return values.get(path, o)
+        if isinstance(o, np.ndarray):
+            return values[path].numpy() if path in values else o
+        if o is None or isinstance(o, (str, bytes, bool, int, float, complex, np.generic)):
+            return o
+        if id(o) in seen:
+            return seen[id(o)]
+        is_map = isinstance(o, Mapping)
+        is_seq = isinstance(o, (tuple, list))
+        is_dc = dataclasses.is_dataclass(o) and not isinstance(o, type)
+        if depth >= MAX_DEPTH or not (is_map or is_seq or is_dc):
+            return _private(o) if private else o
+        if type(o) is dict:  # registered before its items: a cycle through it comes back to it
+            new: Any = {}
+            seen[id(o)] = new
+            for k, v in o.items():
+                new[k] = walk(v, _join(path, encode_key(k)), depth + 1)
+            return new
+        if type(o) is list:
+            new = []
+            seen[id(o)] = new
+            new.extend(walk(v, _join(path, str(i)), depth + 1) for i, v in enumerate(o))
+            return new
+        seen[id(o)] = o  # other containers are rebuilt after their items (a cycle meets the original)
+        if is_map:
+            items = {k: walk(v, _join(path, encode_key(k)), depth + 1) for k, v in o.items()}
+            ctor: Any = type(o)
+            try:
+                new = ctor(items)
+            except Exception:
+                new = items
+        elif is_seq:
+            parts = [walk(v, _join(path, str(i)), depth + 1) for i, v in enumerate(o)]
+            new = type(o)(*parts) if isinstance(o, tuple) and hasattr(o, "_fields") else type(o)(parts)
+        else:
+            changes = {f.name: walk(getattr(o, f.name, None), _join(path, encode_str_key(f.name)), depth + 1)
+                       for f in dataclasses.fields(o) if f.init}
+            new = dataclasses.replace(o, **changes)
+        seen[id(o)] = new
+        return new
+
+    return walk(obj, prefix, 0)
+
+
+def _private(o: Any) -> Any:
+    try:
+        return copy.deepcopy(o)
+    except Exception:  # an object that cannot be copied is shared (the replay may change it)
+        return o
+
+
+def rebuild_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any], values: Mapping[str, torch.Tensor],
+                   *, private: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call's arguments with the tensors at :func:`flatten_inputs` paths replaced."""
+    new = rebuild({"args": list(args), "kwargs": kwargs}, values, private=private)
+    return tuple(new["args"]), dict(new["kwargs"])

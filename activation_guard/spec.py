@@ -26,6 +26,7 @@ from .errors import OptionError
 
 ARGUMENT = "argument"  # the source of a keyword argument of record/compare/compare_models
 TOLERANCE_MODES = ("strict", "calibrated")
+REPLAY_MODES = ("first", "all", "off")
 COMPRESSIONS = (None, "gzip", "lzf")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -281,6 +282,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("grad", _flag, True, True, "run the forward with autograd on (forwards that call torch.autograd.grad)"),
     Option("placements", _placements, False, True,
            "multi-rank runs: {glob: Shard(dim) | Replicate()} for plain local shards, gathered to compare"),
+    Option("inputs", _flag, True, False, "also record each layer call's inputs (needed to replay and attribute)"),
+    Option("replay", _choice(REPLAY_MODES), False, True,
+           "re-run diverging layers on the golden's inputs: 'first' (attribute the first divergence), "
+           "'all' (judge every layer by its own error) or 'off'"),
 )}
 
 
@@ -350,6 +355,7 @@ class RecordSpec(_SpecBase):
     compression: str | None = None
     calibrate: bool = False
     grad: bool = False
+    inputs: bool = True
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -375,6 +381,7 @@ class CompareSpec(_SpecBase):
     tolerance: str = "strict"
     grad: bool = False
     placements: PlacementTable = PlacementTable()  # issue 16 (distributed): docs/distributed.md
+    replay: str = "first"
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

@@ -232,12 +232,28 @@ class GoldenReader:
             raise GoldenCorruptError(p, f"{label}: {CORRUPT_VALUES}")
         return raw
 
+    def resolve(self, entry: LeafEntry, where: str = "") -> LeafEntry:
+        """The stored leaf an ``alias`` entry (an input that was already stored) stands for."""
+        if entry.kind != "alias":
+            return entry
+        assert entry.alias is not None
+        name, call, section, path = entry.alias
+        c = self.by_key.get((name, call))
+        leaves = None if c is None else (c.leaves if section == "out" else c.inputs)
+        target = next((x for x in leaves or () if x.path == path), None)
+        if target is None or target.kind == "alias":
+            raise GoldenFormatError(self.path, f"{where or entry.path}: refers to layer {name!r} call {call} "
+                                               f"{'output' if section == 'out' else 'input'} {path!r}, "
+                                               f"which the golden does not hold")
+        return target
+
     def load(self, entry: LeafEntry, where: str = "") -> torch.Tensor:
         """Read one leaf, verify its checksum, return a CPU tensor of its recorded dtype."""
         p = self.path
+        label = where or entry.path
+        entry = self.resolve(entry, label)
         assert entry.kind == "tensor" and entry.dtype is not None
         info = dtypes.BY_NAME[entry.dtype]
-        label = where or entry.path
         try:
             if entry.pack is not None:
                 return dtypes.tensor_from_bytes(self.packed_bytes(entry, label).copy(), info, entry.shape)

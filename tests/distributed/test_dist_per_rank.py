@@ -24,7 +24,9 @@ def test_record_then_compare_per_rank(suite):
         "activation_guard: all 2 ranks match their goldens (4 layer calls each)")
     assert clean["path"] == str(tmp_path / "tp.rank0-of-2.h5")
     assert clean["max_abs"] == 0.0  # same ranks, same local math: bit-identical
-    assert clean["notes"] == ["rank 0 of 2: every output compared as this rank's local value (per-rank golden)"]
+    assert clean["notes"] == ["rank 0 of 2: every output compared as this rank's local value (per-rank golden)",
+                              "replay is off in a multi-rank run (a layer re-run on one rank would leave the others "
+                              "out of its collectives)"]
     merged = changed["merged"]
     assert not merged["ok"]
     assert merged["first"]["rank"] == 1 and merged["first"]["name"] == "0" and merged["first"]["seen_on"] == [1]

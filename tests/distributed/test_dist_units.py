@@ -235,7 +235,8 @@ def test_no_process_group_means_no_distributed_capture(tmp_path):
     from torch.distributed.tensor import Shard
 
     g = str(tmp_path / "g.h5")
-    assert for_record(g) == (g, None) and for_compare(g, CompareSpec()) == (g, None)
+    spec = CompareSpec()
+    assert for_record(g) == (g, None) and for_compare(g, spec) == (g, None, spec)
     with pytest.raises(DistributedError, match=r"no torch\.distributed process group is initialized"):
         for_compare(g, _spec(placements={"x": Shard(0)}))
     m = torch.nn.Linear(2, 2)
@@ -371,10 +372,14 @@ def test_rank_paths_and_refusals_of_what_would_hang_or_race(tmp_path, pretend_ra
         for_compare(str(tmp_path / "g.rank0-of-2.h5"), _spec())
     assert for_compare(g, _spec())[0] == own  # neither exists: the error will name its own file
     Path(g).write_bytes(b"")
-    path, cap = for_compare(g, _spec())  # a single-device golden: full values
+    path, cap, spec = for_compare(g, _spec())  # a single-device golden: full values
+    assert spec.replay == "off" and cap.replay_off and "replay is off in a multi-rank run" in cap.notes()[-1]
+    with pytest.raises(DistributedError, match=r"replay='all' in a multi-rank run \(rank 1 of 2\)"):
+        for_compare(g, _spec(replay="all"))
+    assert not for_compare(g, _spec(replay="off"))[1].replay_off
     assert path == g and not cap.local and cap.meta()["values"] == "full"
     Path(own).write_bytes(b"")
-    path, cap = for_compare(g, _spec())  # its own per-rank golden wins
+    path, cap, _ = for_compare(g, _spec())  # its own per-rank golden wins
     assert path == own and cap.local
 
 
