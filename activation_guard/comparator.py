@@ -23,7 +23,7 @@ from .dtypes import BY_NAME, dtype_name, tensor_bytes, tensor_from_bytes
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaves import Leaf, flatten
 from .rename import apply_rename, renamed_patterns
-from .replay import REPLAYABLE, Replayer, input_versions, judge_by_own
+from .replay import REPLAYABLE, Replayer, judge_by_own, remember_start
 from .results import LayerResult, LeafResult, Origin
 from .selection import Selector, selected
 from .spec import CompareSpec
@@ -92,7 +92,7 @@ class Comparator:
     # ------------------------------------------------------------------ per call
     def on_enter(self, frame: Frame) -> None:
         if self.replayer is not None:
-            input_versions(frame)  # to tell later whether the layer changed its inputs in place
+            remember_start(frame)  # in-place changes to its inputs, copies of objects it may mutate
 
     def on_output(self, frame: Frame, output: Any) -> None:
         res, entry = self._judge_call(frame.name, frame.call, type(frame.module).__name__, lambda: flatten(output))
