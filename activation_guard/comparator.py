@@ -24,7 +24,7 @@ from .dtypes import BY_NAME, dtype_name, tensor_bytes, tensor_from_bytes
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaves import Leaf, LeafTransform, flatten
 from .rename import apply_rename, renamed_patterns
-from .replay import REPLAYABLE, Replayer, input_versions, judge_by_own
+from .replay import REPLAYABLE, Replayer, judge_by_own, remember_start
 from .results import LayerResult, LeafResult, Origin
 from .selection import Selector, selected
 from .spec import CompareSpec
@@ -95,7 +95,7 @@ class Comparator:
     # ------------------------------------------------------------------ per call
     def on_enter(self, frame: Frame) -> None:
         if self.replayer is not None:
-            input_versions(frame)  # to tell later whether the layer changed its inputs in place
+            remember_start(frame)  # in-place changes to its inputs, copies of objects it may mutate
 
     def on_output(self, frame: Frame, output: Any) -> None:
         tname = type(frame.module).__name__

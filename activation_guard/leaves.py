@@ -251,15 +251,25 @@ def clone_inputs(obj: Any, depth: int = 0) -> Any:
 
 
 def rebuild(obj: Any, values: Mapping[str, torch.Tensor], prefix: str = "", *,
-            private: bool = False) -> Any:
+            objects: Mapping[int, Any] | None = None) -> Any:
     """``obj`` with each tensor whose :func:`flatten` path is in ``values`` replaced by that
     value: the same structure (containers rebuilt, repeated and cyclic references kept), other
     data. How replay hands a layer the golden's inputs in the shape of the live call's own
-    arguments. ``private``: opaque objects (a KV cache) are deep-copied, so a replay cannot mutate
-    one the live forward still uses."""
-    seen: dict[int, Any] = {}
+    arguments. ``objects``: opaque objects (a KV cache) are replaced by a fresh copy of the one
+    given for them (by ``id``), so a replay sees them as they were and cannot mutate the live one."""
+    return _Rebuilder(values, objects).walk(obj, prefix, 0)
 
-    def walk(o: Any, path: str, depth: int) -> Any:
+
+class _Rebuilder:
+    # a class, not a recursive closure: a closure that calls itself is a reference cycle, which
+    # would keep the golden tensors alive until the cyclic collector runs
+    def __init__(self, values: Mapping[str, torch.Tensor], objects: Mapping[int, Any] | None):
+        self.values = values
+        self.objects = objects
+        self.seen: dict[int, Any] = {}
+
+    def walk(self, o: Any, path: str, depth: int) -> Any:
+        values, seen = self.values, self.seen
         if isinstance(o, torch.Tensor):
             return values.get(path, o)
         if isinstance(o, np.ndarray):
@@ -272,37 +282,37 @@ def rebuild(obj: Any, values: Mapping[str, torch.Tensor], prefix: str = "", *,
         is_seq = isinstance(o, (tuple, list))
         is_dc = dataclasses.is_dataclass(o) and not isinstance(o, type)
         if depth >= MAX_DEPTH or not (is_map or is_seq or is_dc):
-            return _private(o) if private else o
+            if self.objects is not None and id(o) in self.objects:
+                return _private(self.objects[id(o)])
+            return o
         if type(o) is dict:  # registered before its items: a cycle through it comes back to it
             new: Any = {}
             seen[id(o)] = new
             for k, v in o.items():
-                new[k] = walk(v, _join(path, encode_key(k)), depth + 1)
+                new[k] = self.walk(v, _join(path, encode_key(k)), depth + 1)
             return new
         if type(o) is list:
             new = []
             seen[id(o)] = new
-            new.extend(walk(v, _join(path, str(i)), depth + 1) for i, v in enumerate(o))
+            new.extend(self.walk(v, _join(path, str(i)), depth + 1) for i, v in enumerate(o))
             return new
         seen[id(o)] = o  # other containers are rebuilt after their items (a cycle meets the original)
         if is_map:
-            items = {k: walk(v, _join(path, encode_key(k)), depth + 1) for k, v in o.items()}
+            items = {k: self.walk(v, _join(path, encode_key(k)), depth + 1) for k, v in o.items()}
             ctor: Any = type(o)
             try:
                 new = ctor(items)
             except Exception:
                 new = items
         elif is_seq:
-            parts = [walk(v, _join(path, str(i)), depth + 1) for i, v in enumerate(o)]
+            parts = [self.walk(v, _join(path, str(i)), depth + 1) for i, v in enumerate(o)]
             new = type(o)(*parts) if isinstance(o, tuple) and hasattr(o, "_fields") else type(o)(parts)
         else:
-            changes = {f.name: walk(getattr(o, f.name, None), _join(path, encode_str_key(f.name)), depth + 1)
+            changes = {f.name: self.walk(getattr(o, f.name, None), _join(path, encode_str_key(f.name)), depth + 1)
                        for f in dataclasses.fields(o) if f.init}
             new = dataclasses.replace(o, **changes)
         seen[id(o)] = new
         return new
-
-    return walk(obj, prefix, 0)
 
 
 def _private(o: Any) -> Any:
@@ -313,7 +323,7 @@ def _private(o: Any) -> Any:
 
 
 def rebuild_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any], values: Mapping[str, torch.Tensor],
-                   *, private: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                   *, objects: Mapping[int, Any] | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A call's arguments with the tensors at :func:`flatten_inputs` paths replaced."""
-    new = rebuild({"args": list(args), "kwargs": kwargs}, values, private=private)
+    new = rebuild({"args": list(args), "kwargs": kwargs}, values, objects=objects)
     return tuple(new["args"]), dict(new["kwargs"])

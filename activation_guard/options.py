@@ -31,13 +31,14 @@ PLUGIN_KEYS = frozenset({"path", "model", "args", "kwargs"})
 PREFIX = "activation_guard"
 
 # Where an option set in ini or on the command line came from, per key (shown in errors).
-INI_KEYS = {"rtol": "ag_rtol", "atol": "ag_atol"}
+INI_KEYS = {"rtol": "ag_rtol", "atol": "ag_atol", "replay": "ag_replay"}
 CLI_FLAGS = {
     "rtol": "--ag-rtol",
     "atol": "--ag-atol",
     "fail_fast": "--ag-fail-fast",
     "calibrate": "--ag-calibrate",
     "tolerance": "--ag-tolerance",
+    "replay": "--ag-replay",
 }
 
 
@@ -108,6 +109,8 @@ class Settings:
         unused: str | None = None,
         cli_calibrate: bool = False,
         cli_tolerance: str | None = None,
+        cli_replay: str | None = None,
+        ini_replay: str | None = None,
         check_determinism: bool = False,
         rank_timeout: str | float | None = None,
     ) -> Settings:
@@ -127,7 +130,8 @@ class Settings:
             )
         # raw values (ini text, flags as typed), judged once by the spec right here, so a bad one
         # is a usage error before any test runs, worded as from every other source
-        ini = {k: v for k, v in (("rtol", ini_rtol), ("atol", ini_atol)) if v is not None and str(v).strip()}
+        ini = {k: v for k, v in (("rtol", ini_rtol), ("atol", ini_atol), ("replay", ini_replay))
+               if v is not None and str(v).strip()}
         cli: dict[str, Any] = {k: v for k, v in (("rtol", cli_rtol), ("atol", cli_atol)) if v is not None}
         if cli_fail_fast:
             cli["fail_fast"] = True
@@ -135,6 +139,8 @@ class Settings:
             cli["calibrate"] = True
         if cli_tolerance is not None:
             cli["tolerance"] = cli_tolerance
+        if cli_replay is not None:
+            cli["replay"] = cli_replay
         build_specs(ini, {k: source_label("ini", k) for k in ini})
         build_specs(cli, {k: source_label("command line", k) for k in cli})
         return cls(

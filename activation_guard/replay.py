@@ -22,6 +22,8 @@ objects passed as inputs (caches) are deep-copied before the module can mutate t
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,8 +115,18 @@ class Replayer:
         if isinstance(golden, str):
             self.failures[golden] = self.failures.get(golden, 0) + 1
             return OwnResult(None, golden)
-        args, kwargs = rebuild_inputs(frame.args, frame.kwargs, golden, private=True)
-        out = self._run(frame.module, frame, args, kwargs)
+        start = frame.data if isinstance(frame.data, CallStart) else CallStart([], {})
+        if any(v is None for v in start.objects.values()):
+            reason = "it takes an object that could not be copied when the call started, so a re-run would differ"
+            self.failures[reason] = self.failures.get(reason, 0) + 1
+            return OwnResult(None, reason)
+        args, kwargs = rebuild_inputs(frame.args, frame.kwargs, golden, objects=start.objects)
+        try:
+            out = self._run(frame.module, frame, args, kwargs)
+        except Exception as e:  # a replay never breaks the comparison: the origin says why
+            reason = f"re-running it on the golden's inputs raised {type(e).__name__}: {e}"
+            self.failures[reason] = self.failures.get(reason, 0) + 1
+            return OwnResult(None, reason)
         judge: Judge = self.strict
         if self.calibrated is not None and self.reference is not None:
             judge = OwnFloorJudge(self.calibrated, self._reference_outputs(frame, args, kwargs))
@@ -130,7 +142,10 @@ class Replayer:
         except AttributeError:
             return {}
         dev = next((p.device for p in module.parameters()), torch.device("cpu"))
-        out = self._run(module, frame, to_reference(args, dev), to_reference(kwargs, dev))
+        try:
+            out = self._run(module, frame, to_reference(args, dev), to_reference(kwargs, dev))
+        except Exception:  # no float64 reference: the calibrated rule falls back to the golden's floors
+            return {}
         return {leaf.path: leaf.tensor for leaf in flatten(out) if leaf.kind == "tensor"}
 
     # ------------------------------------------------------------------ attribution
@@ -144,10 +159,10 @@ class Replayer:
         keep_own(res, own.layer)
         err = own.layer.max_abs_diff
         if not own.layer.ok and frame.children:  # a parent whose children all matched: its own code
-            after = f"after {_relative(frame.last_child, frame.name)!r}" if frame.last_child else "around its children"
             return Origin(frame.name, frame.call, "parent-code", err, type_name=tname, previous=frame.last_child,
-                          detail=(f"own code {after}: its children computed what they computed before, but re-run on "
-                                  f"the golden's own inputs its output still differs ({_numbers(own.layer)})"))
+                          detail=(f"own code: its {frame.children} child call(s) computed what they computed before, "
+                                  f"but re-run on the golden's own inputs its output still differs "
+                                  f"({_numbers(own.layer)})"))
         if not own.layer.ok:
             return Origin(frame.name, frame.call, "layer", err, type_name=tname, detail=(
                 f"re-run on the golden's own inputs it still differs ({_numbers(own.layer)}): its own "
@@ -269,20 +284,47 @@ def _relative(name: str | None, parent: str) -> str:
     return name[len(parent) + 1:] if parent and name.startswith(parent + ".") else display_name(name)
 
 
+@dataclass
+class CallStart:
+    """What a call's arguments were when it started, beyond their tensors' values: the tensors'
+    in-place versions (did the layer change its inputs?) and copies of opaque objects (a KV cache
+    the layer appends to), so a replay sees them as the live call did."""
+
+    versions: list[tuple[torch.Tensor, int]]
+    objects: dict[int, Any]
+
+
 def _modified_in_place(frame: Frame) -> bool:
-    versions = frame.data
-    if not isinstance(versions, list):
+    start = frame.data
+    if not isinstance(start, CallStart):
         return False
-    return any(t._version != v for t, v in versions)
+    return any(t._version != v for t, v in start.versions)
 
 
-def input_versions(frame: Frame) -> None:
-    """Remember the in-place version of a call's top-level tensor arguments as it starts."""
-    vs = []
+_PLAIN = (str, bytes, bool, int, float, complex, type(None))
+
+
+def remember_start(frame: Frame) -> None:
+    """At a call's start (compare with replay): see :class:`CallStart`."""
+    start = CallStart([], {})
     for v in (*frame.args, *frame.kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            try:
-                vs.append((v, v._version))
-            except RuntimeError:  # inference tensors have no version counter
-                continue
-    frame.data = vs
+        _scan(start, v, 0)
+    frame.data = start
+
+
+def _scan(start: CallStart, v: Any, depth: int) -> None:
+    # a module-level function, not a closure: a recursive closure is a reference cycle that would
+    # keep every call's input tensors alive until the cyclic collector runs (+46 MiB measured)
+    if isinstance(v, torch.Tensor):
+        with contextlib.suppress(RuntimeError):  # inference tensors have no version counter
+            start.versions.append((v, v._version))
+    elif isinstance(v, (*_PLAIN, torch.nn.Module)) or depth > 2:
+        return
+    elif type(v) in (list, tuple, dict):
+        for x in (v.values() if isinstance(v, dict) else v):
+            _scan(start, x, depth + 1)
+    elif id(v) not in start.objects:
+        try:
+            start.objects[id(v)] = copy.deepcopy(v)
+        except Exception:  # cannot be copied: the replay is told it may differ
+            start.objects[id(v)] = None
