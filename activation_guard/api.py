@@ -112,14 +112,17 @@ def record(
 
 
 def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
-                path: str | os.PathLike[str], spec: RecordSpec) -> RecordSummary:
-    """:func:`record` with its options already in a :class:`RecordSpec` (the plugin's entry)."""
+                path: str | os.PathLike[str], spec: RecordSpec, per_rank: bool = True) -> RecordSummary:
+    """:func:`record` with its options already in a :class:`RecordSpec` (the plugin's entry).
+
+    ``per_rank=False`` (issue 16): in a multi-rank run write ``path`` itself, with full values, as
+    a single-device golden (only for a path no other rank writes: compare_models' private one)."""
     target = check_model(model)
     model = target.root
     a, kw = normalize_inputs(args, kwargs)
     inc, exc = spec.include, spec.exclude
     meta = _build_meta(model, a, kw, spec)  # fingerprint inputs before the forward can mutate them
-    path, dcap = distcap.for_record(golden_path(path))  # issue 16: in a multi-rank run, this rank's own golden
+    path, dcap = distcap.for_record(golden_path(path), per_rank)  # issue 16: a multi-rank run: this rank's golden
     if dcap is not None:
         meta["distributed"] = dcap.meta()
     writer = GoldenWriter(path, compression=spec.compression)  # a bad path fails before the forward
@@ -345,7 +348,9 @@ def compare_models(
         # the reference runs on its own copy: a forward that changes its inputs in place must
         # not hand the candidate different inputs
         a, kw = normalize_inputs(args, kwargs)
-        record_spec(reference, clone_inputs(a), clone_inputs(kw), path=p, spec=rspec)
+        # per_rank=False: a private file holding full values, so a parallel candidate is compared
+        # with it as with a single-device golden (issue 16)
+        record_spec(reference, clone_inputs(a), clone_inputs(kw), path=p, spec=rspec, per_rank=False)
         report = compare_spec(candidate, args, kwargs, path=p, spec=spec)
     report.path = f"<reference {type(reference).__name__}>"
     return report

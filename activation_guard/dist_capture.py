@@ -97,14 +97,18 @@ class RankCapture:
         return how + [f"placements pattern {p!r} matched no layer" for p in self.placements.unmatched()]
 
 
-def for_record(path: str) -> tuple[str, RankCapture | None]:
+def for_record(path: str, per_rank: bool = True) -> tuple[str, RankCapture | None]:
     """The golden a record in this process writes, and its capture (None outside a process group).
 
     In a multi-rank run every rank writes its own ``<golden>.rank<r>-of-<w>.h5`` of local values;
-    a path naming another rank's golden is refused (two processes would write one file)."""
+    a path naming another rank's golden is refused (two processes would write one file).
+    ``per_rank=False``: ``path`` itself, of full values (DTensors gathered), for a private path
+    that only this process writes (compare_models' temporary reference)."""
     info = rank_info()
     if info is None:
         return path, None
+    if not per_rank:
+        return path, RankCapture(info, local=False)
     parsed = split_rank_path(path)
     if parsed is not None and parsed[1] != info:
         raise DistributedError(f"recording golden {path!r} ({parsed[1]}'s file) in {info}: every rank records "

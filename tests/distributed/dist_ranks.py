@@ -90,6 +90,8 @@ def tp_vs_single(golden: str) -> dict[str, Any]:
     out["plain"] = _summary(ag.compare(model, x, path=golden))
     placed = {"1": Shard(-1)}
     out["placed"] = _summary(ag.compare(model, x, path=golden, placements={**placed, "no.such.layer": Shard(0)}))
+    # refactor check without files: the single-device model as reference, recorded privately per rank
+    out["models"] = _summary(ag.compare_models(mlp(), model, x, placements=placed))
     with torch.no_grad():
         if rank == 1:
             model[0].weight.to_local().mul_(1.01)

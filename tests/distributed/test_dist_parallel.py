@@ -52,6 +52,13 @@ def test_tp_with_placements_matches_single_device(suite):
             "as this rank's local values", REPLAY_OFF, "placements pattern 'no.such.layer' matched no layer"]
 
 
+def test_compare_models_single_device_reference_vs_tp_candidate(suite):
+    for r in suite:
+        models = r["tp"]["models"]
+        assert models["ok"], models["text"]
+        assert models["counts"] == {"match": 4} and models["max_abs"] < 1e-5
+
+
 def test_one_percent_bug_on_rank1_shard_found_at_its_layer_and_rank(suite):
     for r in suite:
         bug = r["tp"]["bug"]

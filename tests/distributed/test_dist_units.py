@@ -360,6 +360,8 @@ def test_rank_paths_and_refusals_of_what_would_hang_or_race(tmp_path, pretend_ra
     path, cap = for_record(g)  # every rank records its own file
     assert path == own and cap.local and cap.meta() == {"rank": 1, "world_size": 2, "values": "local"}
     assert for_record(own)[0] == own
+    path, cap = for_record(g, per_rank=False)  # a private file (compare_models): full values at the path itself
+    assert path == g and not cap.local and cap.meta()["values"] == "full"
     with pytest.raises(DistributedError, match=r"\(rank 0 of 2's file\) in rank 1 of 2: every rank records its own"):
         for_record(str(tmp_path / "g.rank0-of-2.h5"))
     with pytest.raises(DistributedError, match=r"must end in '\.h5'"):
