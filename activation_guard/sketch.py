@@ -40,7 +40,7 @@ from .seeded_hash import (
     u_keys,
 )
 
-CHUNK = 1 << 18  # elements per chunk: a few MB of float64, cache friendly, few ops per element
+CHUNK = 1 << 17  # elements per chunk: 1 MB of float64 per buffer, cache friendly, few ops per element
 FLUSH_BLOCKS = 1 << 14  # blocks summed into the routing matrix before it is folded (rounding depth)
 
 
@@ -176,26 +176,34 @@ class _HashCache:
     byte budget per process instead of being recomputed.
     """
 
-    def __init__(self, budget: int = 64 << 20):
+    def __init__(self, budget: int = 32 << 20):
         self.budget = budget
         self.used = 0
+        self.lock = threading.Lock()
         self.items: OrderedDict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
     def get(self, key: tuple[object, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        hit = self.items.get(key)
-        if hit is not None:
-            self.items.move_to_end(key)
-        return hit
+        with self.lock:
+            hit = self.items.get(key)
+            if hit is not None:
+                self.items.move_to_end(key)
+            return hit
 
     def put(self, key: tuple[object, ...], value: tuple[torch.Tensor, torch.Tensor]) -> None:
         size = sum(v.numel() * v.element_size() for v in value)
-        if size > self.budget:
-            return
-        self.items[key] = value
-        self.used += size
-        while self.used > self.budget:
-            _, old = self.items.popitem(last=False)
-            self.used -= sum(v.numel() * v.element_size() for v in old)
+        with self.lock:
+            if size > self.budget or key in self.items:
+                return
+            self.items[key] = value
+            self.used += size
+            while self.used > self.budget:
+                _, old = self.items.popitem(last=False)
+                self.used -= sum(v.numel() * v.element_size() for v in old)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.items.clear()
+            self.used = 0
 
 
 HASHES = _HashCache()
@@ -308,60 +316,65 @@ def run_kernel(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: 
     the sketch.
     """
     dev = work_device(real.device)
+    ws = workspace(dev, rows, buckets, chunk)
+    try:
+        return _run(real, seed, rows, buckets, samples, chunk, masked, per, dev, ws)
+    except BaseException:
+        ws.route.zero_()  # the routing matrix is reused: never leave a partial sum behind
+        raise
+
+
+def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, chunk: int, masked: bool,
+         per: int, dev: torch.device, ws: Workspace) -> KernelResult:
     bits = bits_view(real)
     dtype = real.dtype
     n = real.numel()
-    ws = workspace(dev, rows, buckets, chunk)
     sk = _Sketcher(seed, rows, buckets, dev, ws)
     parts: list[torch.Tensor] = []
-    counts = [torch.zeros((), dtype=torch.int64, device=dev) for _ in range(3)]
-    hashes = [torch.zeros((), dtype=torch.int64, device=dev) for _ in range(6)]
-    hkeys = torch.tensor([signed64(k) for k in nonfinite_keys(seed)], dtype=torch.int64, device=dev).view(2, 1)
+    # nan, +inf, -inf counts, then two position-hash sums per kind
+    nonfinite = torch.zeros(9, dtype=torch.int64, device=dev) if masked else _zeros9(dev)
     longest = 0
-    xbuf = ws.x if dtype != torch.float64 else None
-    abuf = ws.a
     for off, piece in flat_chunks(bits, chunk, dev):
         m = piece.numel()
-        if xbuf is None:
-            x = piece.view(dtype)
+        src = piece.view(dtype)
+        if dtype == torch.float64:
+            x = src
         else:
-            x = xbuf[:m]
-            x.copy_(piece.view(dtype))  # exact: every float dtype converts to float64 exactly
+            x = ws.x[:m]
+            x.copy_(src)  # exact: every float dtype converts to float64 exactly
         longest = max(longest, m)
         if masked:
             fin = torch.isfinite(x)
             if not bool(fin.all()):
-                classes = (torch.isnan(x), x == float("inf"), x == float("-inf"))
-                for c, mask in enumerate(classes):
+                hkeys = _hash_keys(seed, dev)
+                for c, mask in enumerate((torch.isnan(x), x == float("inf"), x == float("-inf"))):
                     pos = torch.nonzero(mask).view(1, -1) + off
-                    counts[c] = counts[c] + pos.numel()
-                    hv = torch.bitwise_and(prf_tensor(hkeys, pos), HASH31).sum(1)
-                    hashes[2 * c] = hashes[2 * c] + hv[0]
-                    hashes[2 * c + 1] = hashes[2 * c + 1] + hv[1]
+                    nonfinite[c] += pos.numel()
+                    nonfinite[3 + 2 * c : 5 + 2 * c] += torch.bitwise_and(prf_tensor(hkeys, pos), HASH31).sum(1)
                 lo = torch.where(fin, x, float("inf")).min()
                 hi = torch.where(fin, x, float("-inf")).max()
                 x = torch.where(fin, x, 0.0)
-                parts.append(torch.stack([x.sum(), torch.abs(x, out=abuf[:m]).sum(), torch.dot(x, x), lo, hi]))
+                parts.append(torch.stack([x.sum(), torch.abs(x, out=ws.a[:m]).sum(), torch.dot(x, x), lo, hi]))
                 sk.add(off, x)
                 continue
-        lo, hi = torch.aminmax(x)
-        parts.append(torch.stack([x.sum(), torch.abs(x, out=abuf[:m]).sum(), torch.dot(x, x), lo, hi]))
+        lo, hi = torch.aminmax(src if dtype == torch.float32 else x)  # exact in the source dtype
+        parts.append(torch.stack([x.sum(), torch.abs(x, out=ws.a[:m]).sum(), torch.dot(x, x),
+                                  lo.to(torch.float64), hi.to(torch.float64)]))
         sk.add(off, x)
     if sk.window:
         sk.fold()
-    if parts:
+    if len(parts) == 1:
+        stats = parts[0]
+    elif parts:
         st = torch.stack(parts)
         stats = torch.cat([st[:, :3].sum(0), st[:, 3].min().view(1), st[:, 4].max().view(1)])
-        finite_flag = torch.isfinite(st[:, 0]).all().to(torch.int64).view(1)
     else:
         stats = torch.tensor([0.0, 0.0, 0.0, float("inf"), float("-inf")], dtype=torch.float64, device=dev)
-        finite_flag = torch.ones(1, dtype=torch.int64, device=dev)
+    finite_flag = torch.isfinite(stats[:1]).to(torch.int64)  # a finite total sum: no NaN/Inf anywhere
     drawn = sample_positions(seed, n // per, samples) if n else ()
     sample_bits = _take(bits, tuple(p * per + c for p in drawn for c in range(per)), dev)
-    floats = torch.cat([stats, ws.total.view(-1)])
-    packed = torch.cat([
-        floats.view(torch.int64), finite_flag, torch.stack(counts), torch.stack(hashes), sample_bits.reshape(-1),
-    ])
+    packed = torch.cat([stats.view(torch.int64), ws.total.view(-1).view(torch.int64), finite_flag, nonfinite,
+                        sample_bits])
     host = to_host(packed)  # the single device -> host transfer
     nf = 5 + rows * buckets
     fl = host[:nf].view(np.float64)
@@ -378,18 +391,30 @@ def run_kernel(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: 
     )
 
 
+@functools.lru_cache(maxsize=16)
+def _zeros9(dev: torch.device) -> torch.Tensor:
+    return torch.zeros(9, dtype=torch.int64, device=dev)
+
+
+@functools.lru_cache(maxsize=16)
+def _hash_keys(seed: int, dev: torch.device) -> torch.Tensor:
+    return torch.tensor([signed64(k) for k in nonfinite_keys(seed)], dtype=torch.int64, device=dev).view(2, 1)
+
+
 def _take(bits: torch.Tensor, pos: tuple[int, ...], dev: torch.device) -> torch.Tensor:
     """Raw bits at the flat positions ``pos``, as int64 on the work device."""
     if not pos:
         return torch.zeros(0, dtype=torch.int64, device=dev)
-    return _gather_flat(bits, pos).to(dev).to(torch.int64)
-
-
-def _gather_flat(bits: torch.Tensor, pos: tuple[int, ...]) -> torch.Tensor:
-    """Elements at logical flat positions without materializing a contiguous copy."""
     if bits.dim() == 0:
-        return bits.reshape(1)
-    if bits.is_contiguous():
-        return bits.reshape(-1)[torch.tensor(pos, dtype=torch.int64, device=bits.device)]
-    idx = np.unravel_index(np.asarray(pos, dtype=np.int64), tuple(bits.shape))
-    return bits[tuple(torch.as_tensor(i, device=bits.device) for i in idx)]
+        got = bits.reshape(1)
+    elif bits.is_contiguous():
+        got = bits.reshape(-1)[_index_tensor(pos, bits.device)]
+    else:  # index the strided tensor in place: no contiguous copy of it
+        idx = np.unravel_index(np.asarray(pos, dtype=np.int64), tuple(bits.shape))
+        got = bits[tuple(torch.as_tensor(i, device=bits.device) for i in idx)]
+    return got.to(device=dev, dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=256)
+def _index_tensor(pos: tuple[int, ...], dev: torch.device) -> torch.Tensor:
+    return torch.tensor(pos, dtype=torch.int64, device=dev)

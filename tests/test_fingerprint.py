@@ -369,7 +369,7 @@ def test_many_folds_match_one_fold(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.randn(200_000, dtype=torch.float64)
     one = compute_fingerprint(g)
     monkeypatch.setattr(sketch, "FLUSH_BLOCKS", 64)
-    sketch.HASHES.items.clear()
+    sketch.HASHES.clear()
     many = compute_fingerprint(g, chunk=4096)
     assert many.depth < one.depth
     assert np.abs(one.sketch - many.sketch).max() <= 1e-10 * one.abs_sum
@@ -717,7 +717,7 @@ def test_device_path_moves_only_the_fingerprint_and_uses_cuda_ops(monkeypatch: p
 
     monkeypatch.setattr(sketch, "to_host", spy)
     x = torch.randn(1_500_000)
-    sketch.HASHES.items.clear()
+    sketch.HASHES.clear()
     params = FingerprintParams()
     chunk = 1 << 16
     with _Watch() as watch:
