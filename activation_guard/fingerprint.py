@@ -102,14 +102,15 @@ def _is_int(x: Any) -> bool:
 class FingerprintParams:
     """How fingerprints are taken; golden and live must use the same parameters.
 
-    Defaults: 5 rows of 128 buckets (5 KiB of float64) and 64 samples, a false-alarm bound of
-    1e-6 per compared tensor, which makes the sketch threshold 1.69x the tolerance bound.
+    Defaults: 5 rows of 64 buckets (2.5 KiB of float64) and 64 samples, a false-alarm bound of
+    1e-6 per compared tensor, which makes the sketch threshold 1.89x the tolerance bound.
+    (7 x 64 gives 1.59x for about 20% more time; see docs/fingerprint.md.)
     """
 
     seed: int = DEFAULT_SEED
     samples: int = 64
     rows: int = 5
-    buckets: int = 128
+    buckets: int = 64
     false_alarm: float = 1e-6
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ permutation is applied once per few million elements on a ``B x B`` matrix, not 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -357,9 +358,8 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
                 parts.append(torch.stack([x.sum(), torch.abs(x, out=ws.a[:m]).sum(), torch.dot(x, x), lo, hi]))
                 sk.add(off, x)
                 continue
-        lo, hi = torch.aminmax(src if dtype == torch.float32 else x)  # exact in the source dtype
-        parts.append(torch.stack([x.sum(), torch.abs(x, out=ws.a[:m]).sum(), torch.dot(x, x),
-                                  lo.to(torch.float64), hi.to(torch.float64)]))
+        lo, hi = torch.aminmax(x)
+        parts.append(torch.stack([x.sum(), torch.abs(x, out=ws.a[:m]).sum(), torch.dot(x, x), lo, hi]))
         sk.add(off, x)
     if sk.window:
         sk.fold()
@@ -370,11 +370,8 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
         stats = torch.cat([st[:, :3].sum(0), st[:, 3].min().view(1), st[:, 4].max().view(1)])
     else:
         stats = torch.tensor([0.0, 0.0, 0.0, float("inf"), float("-inf")], dtype=torch.float64, device=dev)
-    finite_flag = torch.isfinite(stats[:1]).to(torch.int64)  # a finite total sum: no NaN/Inf anywhere
-    drawn = sample_positions(seed, n // per, samples) if n else ()
-    sample_bits = _take(bits, tuple(p * per + c for p in drawn for c in range(per)), dev)
-    packed = torch.cat([stats.view(torch.int64), ws.total.view(-1).view(torch.int64), finite_flag, nonfinite,
-                        sample_bits])
+    sample_bits = _take(bits, _sample_flat(seed, n // per, samples, per) if n else (), dev)
+    packed = torch.cat([stats.view(torch.int64), ws.total.view(-1).view(torch.int64), nonfinite, sample_bits])
     host = to_host(packed)  # the single device -> host transfer
     nf = 5 + rows * buckets
     fl = host[:nf].view(np.float64)
@@ -383,12 +380,18 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
     return KernelResult(
         sum=float(fl[0]), abs_sum=float(fl[1]), sq_sum=float(fl[2]), min=float(fl[3]), max=float(fl[4]),
         sketch=fl[5:].reshape(rows, buckets).copy(),
-        all_finite=bool(rest[0]),
-        counts=(int(rest[1]), int(rest[2]), int(rest[3])),
-        hashes=tuple(int(v) for v in rest[4:10]),
-        samples=rest[10:].copy(),
+        all_finite=math.isfinite(float(fl[0])),  # a finite total sum: no NaN or Inf anywhere
+        counts=(int(rest[0]), int(rest[1]), int(rest[2])),
+        hashes=tuple(int(v) for v in rest[3:9]),
+        samples=rest[9:].copy(),
         depth=depth,
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _sample_flat(seed: int, elements: int, samples: int, per: int) -> tuple[int, ...]:
+    """Flat positions of the sampled values: each sampled element's ``per`` real components."""
+    return tuple(p * per + c for p in sample_positions(seed, elements, samples) for c in range(per))
 
 
 @functools.lru_cache(maxsize=16)

@@ -10,7 +10,7 @@ this runs on are shared; and the fingerprint's stored size against the raw size.
 floating output leaf larger than a fingerprint (clones the rest), the issue's target being at
 most 1.3x the plain forward.
 
-    python benchmarks/fingerprint_cost.py [--quick] [--model] [--threads N] [--repeats N]
+    python benchmarks/fingerprint_cost.py [--quick] [--model] [--threads N] [--repeats N] [--rows R --buckets B]
 """
 
 from __future__ import annotations
@@ -161,15 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", action="store_true", help="also time a GPT-2-small-shaped forward (minutes)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--rows", type=int, default=FingerprintParams.rows, help="sketch rows R")
+    ap.add_argument("--buckets", type=int, default=FingerprintParams.buckets, help="sketch buckets B")
+    ap.add_argument("--no-sizes", action="store_true", help="skip the per-size table")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    params = FingerprintParams()
+    params = FingerprintParams(rows=args.rows, buckets=args.buckets)
     sizes = SIZES[:4] if args.quick else SIZES
     repeats = args.repeats or (3 if args.quick else 7)
     print(f"torch {torch.__version__}, {args.threads} thread(s); fingerprint: {params.rows} rows x {params.buckets} "
           f"buckets, {params.samples} samples, threshold {params.multiplier:.3f} x bound, "
           f"false alarm <= {params.false_alarm_bound:.2g}; medians of {repeats} interleaved repeats, float32")
-    print_tensors(tensors_table(sizes, repeats, params))
+    if not args.no_sizes:
+        print_tensors(tensors_table(sizes, repeats, params))
     if args.model:
         r = model_table(max(3, repeats // 2), params)
         if r is not None:
