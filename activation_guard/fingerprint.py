@@ -104,7 +104,7 @@ class FingerprintParams:
 
     Defaults: 5 rows of 64 buckets (2.5 KiB of float64) and 64 samples, a false-alarm bound of
     1e-6 per compared tensor, which makes the sketch threshold 1.89x the tolerance bound.
-    (7 x 64 gives 1.59x for about 20% more time; see docs/fingerprint.md.)
+    (7 x 64 gives 1.59x for about 25% more time; see docs/fingerprint.md.)
     """
 
     seed: int = DEFAULT_SEED
