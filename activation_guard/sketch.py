@@ -11,7 +11,7 @@ The sketch (derivation in docs/fingerprint.md): element ``i`` is split into bloc
 and in-block position ``j = i % B``. In row ``r`` it is added, with sign
 ``u_r[j] * v_r[k] * w_r[k + j]`` (a 4-wise independent tabulation hash, Thorup and Zhang), to
 bucket ``j XOR m_r[k]``. The signs multiply a whole block at once through a strided view of
-``w``; blocks are routed to their masks with one ``index_add_`` per chunk, and the in-block XOR
+``w``; blocks are routed to their masks with one ``index_add_`` per row and chunk, and the in-block XOR
 permutation is applied once per few million elements on a ``B x B`` matrix, not per element.
 """
 
@@ -51,7 +51,8 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def real_view(t: torch.Tensor) -> torch.Tensor:
-    """The real values to fingerprint: a complex tensor as (..., 2) pairs of reals, no copy."""
+    """The real values to fingerprint: a complex tensor as (..., 2) pairs of reals. No copy, except
+    that a lazily conjugated or negated view must be resolved first (torch cannot view it as reals)."""
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
