@@ -214,7 +214,7 @@ class Fingerprint:
 
     @property
     def is_complex(self) -> bool:
-        return dtypes.info_by_name(self.dtype).kind == "complex"
+        return dtypes.BY_NAME[self.dtype].kind == "complex"
 
     @property
     def real_numel(self) -> int:
@@ -231,7 +231,7 @@ class Fingerprint:
 
     def sample_values(self) -> torch.Tensor:
         """The sampled elements as a 1-D CPU tensor of the fingerprint's dtype (bit-exact)."""
-        info = dtypes.info_by_name(self.dtype)
+        info = dtypes.BY_NAME[self.dtype]
         real = _real_dtype(info)
         raw = torch.from_numpy(np.ascontiguousarray(self.samples).copy())
         vals = raw.view(real)

@@ -22,7 +22,6 @@ from torch import nn
 
 from activation_guard import seeded_hash as sh
 from activation_guard import sketch
-from activation_guard.compare import compare_tensors
 from activation_guard.fingerprint import (
     Fingerprint,
     FingerprintError,
@@ -35,6 +34,7 @@ from activation_guard.fingerprint import (
     solve_multiplier,
 )
 from activation_guard.fingerprint_judge import judge_fingerprint, judge_fingerprint_calibrated
+from activation_guard.kernel import compare_tensors
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 17), (1031,), (64, 129), (5, 0, 3), (4, 1, 513)]
@@ -43,7 +43,7 @@ SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 17), (1031,), (64, 129), (5, 0, 3
 
 
 def element_ok(g: torch.Tensor, lv: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
-    """The comparator's element rule (compare.py), elementwise."""
+    """The comparator's element rule (kernel.py), elementwise."""
     cdt = torch.float64 if torch.float64 in (g.dtype, lv.dtype) else torch.float32
     gc, lc = g.to(cdt), lv.to(cdt)
     eq = (gc == lc) | (torch.isnan(gc) & torch.isnan(lc))
