@@ -18,153 +18,44 @@ field on the way back in.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any
 
 import numpy as np
 import torch
 
 from . import dtypes
-from .errors import ActivationGuardError
+from .fingerprint_params import (
+    DEFAULT_SEED,
+    MAX_BUCKETS,
+    MAX_ROWS,
+    MAX_SAMPLES,
+    MIN_BUCKETS,
+    FingerprintError,
+    FingerprintFormatError,
+    FingerprintParams,
+    is_int,
+    binomial_tail,
+    row_false_alarm,
+    solve_multiplier,
+)
 from .sketch import CHUNK, real_view, run_kernel, sample_positions
+
+__all__ = [
+    "ARRAY_NAMES", "COUNT_FIELDS", "DEFAULT_SEED", "FORMAT", "FORMAT_VERSION", "MAX_BUCKETS", "MAX_ROWS",
+    "MAX_SAMPLES", "MIN_BUCKETS", "STATS_FIELDS", "Fingerprint", "FingerprintError", "FingerprintFormatError",
+    "FingerprintParams", "binomial_tail", "compute_fingerprint", "fingerprintable_dtype", "row_false_alarm",
+    "should_fingerprint", "solve_multiplier",
+]
 
 FORMAT = "activation_guard.fingerprint"
 FORMAT_VERSION = 1
-DEFAULT_SEED = 0x5EED_F16E_1234_ABCD
-MAX_ROWS = 31
-MIN_BUCKETS, MAX_BUCKETS = 16, 4096
-MAX_SAMPLES = 1 << 16
 STATS_FIELDS = ("sum", "abs_sum", "sq_sum", "min", "max")
 COUNT_FIELDS = ("count", "nan", "posinf", "neginf", "depth")
 ARRAY_NAMES = ("sketch", "samples", "stats", "counts", "nonfinite_hash")
 _UNSIGNED: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
-
-
-class FingerprintError(ActivationGuardError, ValueError):
-    """Bad fingerprint parameters, or fingerprints that cannot be compared."""
-
-
-class FingerprintFormatError(FingerprintError):
-    """A fingerprint read back from storage is malformed (the message names the field)."""
-
-
-# --------------------------------------------------------------------------- false-alarm math
-
-
-def row_false_alarm(multiplier: float, buckets: int) -> Fraction:
-    """Cantelli's bound on one row's false alarm: P(Y > c^2 T^2) <= 2 / (2 + B (c^2 - 1)^2),
-    exactly, for the float ``multiplier`` c (see docs/fingerprint.md)."""
-    x = Fraction(multiplier) ** 2 - 1
-    return Fraction(2) / (2 + buckets * x * x)
-
-
-def binomial_tail(rows: int, p: Fraction) -> Fraction:
-    """P(at least a majority of ``rows`` independent rows fail), each with probability ``p``:
-    the false-alarm probability of the median test, in exact rational arithmetic."""
-    need = rows // 2 + 1
-    return sum((math.comb(rows, k) * p**k * (1 - p) ** (rows - k) for k in range(need, rows + 1)), Fraction(0))
-
-
-@functools.lru_cache(maxsize=64)
-def solve_multiplier(rows: int, buckets: int, false_alarm: float) -> float:
-    """The smallest multiplier c (to about 1e-12) whose exact median-test false-alarm bound is
-    <= ``false_alarm``; the returned float itself satisfies the bound exactly."""
-    alpha = Fraction(false_alarm)
-
-    def ok(c: float) -> bool:
-        return binomial_tail(rows, row_false_alarm(c, buckets)) <= alpha
-
-    lo, hi = 1.0, 2.0
-    while not ok(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1e-12 * hi:
-        mid = (lo + hi) / 2
-        if ok(mid):
-            hi = mid
-        else:
-            lo = mid
-    assert ok(hi)
-    return hi
-
-
-# --------------------------------------------------------------------------- parameters
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-@dataclass(frozen=True)
-class FingerprintParams:
-    """How fingerprints are taken; golden and live must use the same parameters.
-
-    Defaults: 5 rows of 64 buckets (2.5 KiB of float64) and 64 samples, a false-alarm bound of
-    1e-6 per compared tensor, which makes the sketch threshold 1.89x the tolerance bound.
-    (7 x 64 gives 1.59x for about 25% more time; see docs/fingerprint.md.)
-    """
-
-    seed: int = DEFAULT_SEED
-    samples: int = 64
-    rows: int = 5
-    buckets: int = 64
-    false_alarm: float = 1e-6
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.seed) or not 0 <= self.seed < 1 << 64:
-            raise FingerprintError(f"fingerprint seed must be an integer in [0, 2**64), got {self.seed!r}")
-        if not _is_int(self.samples) or not 0 <= self.samples <= MAX_SAMPLES:
-            raise FingerprintError(f"fingerprint samples must be an integer in [0, {MAX_SAMPLES}], "
-                                   f"got {self.samples!r}")
-        if not _is_int(self.rows) or not 1 <= self.rows <= MAX_ROWS or self.rows % 2 == 0:
-            raise FingerprintError(f"fingerprint rows must be an odd integer in [1, {MAX_ROWS}] (the median "
-                                   f"of the rows is the estimate), got {self.rows!r}")
-        b = self.buckets
-        if not _is_int(b) or not MIN_BUCKETS <= b <= MAX_BUCKETS or b & (b - 1):
-            raise FingerprintError(f"fingerprint buckets must be a power of two in [{MIN_BUCKETS}, {MAX_BUCKETS}], "
-                                   f"got {b!r}")
-        fa = self.false_alarm
-        if isinstance(fa, bool) or not isinstance(fa, (int, float)) or not math.isfinite(fa) or not 1e-15 <= fa < 0.5:
-            raise FingerprintError(f"fingerprint false_alarm must be a probability in [1e-15, 0.5), got {fa!r}")
-        for name in ("seed", "samples", "rows", "buckets"):
-            object.__setattr__(self, name, int(getattr(self, name)))
-        object.__setattr__(self, "false_alarm", float(fa))
-        binomial = binomial_tail(self.rows, row_false_alarm(self.multiplier, self.buckets))
-        if binomial > Fraction(self.false_alarm):  # solve_multiplier guarantees this; kept as a check
-            raise FingerprintError(f"fingerprint parameters {self}: false-alarm bound {float(binomial):.3g} "
-                                   f"exceeds {self.false_alarm:g}")
-
-    @property
-    def multiplier(self) -> float:
-        """c: the sketch fails a run whose estimated ||diff||_2 exceeds c x the tolerance bound."""
-        return solve_multiplier(self.rows, self.buckets, self.false_alarm)
-
-    @property
-    def false_alarm_bound(self) -> float:
-        """The exact binomial tail for these parameters (<= ``false_alarm``)."""
-        return float(binomial_tail(self.rows, row_false_alarm(self.multiplier, self.buckets)))
-
-    def nbytes(self, itemsize: int = 4, numel: int | None = None) -> int:
-        """Stored size of a fingerprint of elements of ``itemsize`` bytes (complex: both parts)."""
-        k = self.samples if numel is None else min(self.samples, numel)
-        return 8 * self.rows * self.buckets + k * itemsize + 8 * (5 + 5 + 6) + 256  # + meta JSON
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "samples": self.samples, "rows": self.rows, "buckets": self.buckets,
-                "false_alarm": self.false_alarm}
-
-    @classmethod
-    def from_dict(cls, d: Any) -> FingerprintParams:
-        if not isinstance(d, Mapping) or set(d) != {"seed", "samples", "rows", "buckets", "false_alarm"}:
-            raise FingerprintFormatError(f"fingerprint params must be an object with keys seed, samples, rows, "
-                                         f"buckets, false_alarm; got {d!r:.200}")
-        try:
-            return cls(**d)
-        except FingerprintError as e:
-            raise FingerprintFormatError(str(e)) from None
 
 
 # --------------------------------------------------------------------------- the fingerprint
@@ -293,7 +184,7 @@ def _from_arrays(arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> Fingerpr
     if meta.get("format") != FORMAT:
         raise _bad(f"meta 'format' is {meta.get('format')!r}, expected {FORMAT!r}")
     ver_raw: Any = meta.get("version")
-    if not _is_int(ver_raw) or int(ver_raw) < 1:
+    if not is_int(ver_raw) or int(ver_raw) < 1:
         raise _bad(f"meta 'version' must be a positive integer, got {ver_raw!r}")
     ver = int(ver_raw)
     if ver > FORMAT_VERSION:
@@ -305,7 +196,7 @@ def _from_arrays(arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> Fingerpr
         raise _bad(f"meta 'dtype' {name!r} is not a floating or complex dtype")
     shape_raw = meta.get("shape")
     if (not isinstance(shape_raw, list) or len(shape_raw) > 64
-            or not all(_is_int(s) and 0 <= s < 1 << 62 for s in shape_raw)):
+            or not all(is_int(s) and 0 <= s < 1 << 62 for s in shape_raw)):
         raise _bad(f"meta 'shape' must be a list of at most 64 non-negative integers, got {shape_raw!r:.200}")
     shape = tuple(int(s) for s in shape_raw)
     numel = math.prod(shape)
