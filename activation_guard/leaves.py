@@ -24,10 +24,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .fingerprint import Fingerprint
 
 MAX_DEPTH = 32
 EMPTY_PREFIX = "empty "  # type names of empty containers: a structure marker, not a value
@@ -42,6 +45,8 @@ class Leaf:
     ``object`` (anything else: recorded by type name only, never iterated). ``type_name`` is the
     Python type a value had (``Tensor``, ``numpy.ndarray``, ``float``...). ``legacy_path`` is the
     path golden format 1 gave this leaf, when it differs (non-string keys, digit-like strings).
+    A ``fingerprint`` leaf stands for a tensor by its ``fingerprint`` (being recorded, or read back
+    from a recording for ``diff``).
     """
 
     path: str
@@ -50,6 +55,7 @@ class Leaf:
     type_name: str = "Tensor"
     value: str | None = None
     legacy_path: str | None = None
+    fingerprint: Fingerprint | None = None
 
     @property
     def type_only(self) -> bool:

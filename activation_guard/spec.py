@@ -207,10 +207,10 @@ def _fingerprint(v: Any) -> bool | tuple[str, ...]:
             return True
         if word in _FP_FALSE:
             return False
-        pats = tuple(p for p in re.split(r"[\s,]+", v.strip()) if p)
-        if not pats:
+        words = tuple(p for p in re.split(r"[\s,]+", v.strip()) if p)
+        if not words:
             raise _Bad("must be True, False, or layer globs (e.g. 'encoder.*'), got an empty string")
-        return pats
+        return words
     if isinstance(v, (bytes, Mapping)) or not isinstance(v, Iterable):
         raise _Bad(f"must be True, False, a layer glob or a list of them, got {v!r}")
     pats = _patterns(v)
