@@ -21,6 +21,8 @@ from . import env as envmod
 from .capture import check_model, hooked, normalize_inputs, run_forward
 from .comparator import Comparator, StopForward, recorded_selection
 from .errors import ActivationGuardError
+from .fingerprint import FingerprintParams
+from .fingerprint_leaves import Fingerprinter, meta_entry
 from .judges import Judge, StrictJudge
 from .leaves import clone_inputs, flatten
 from .report import Report
@@ -42,14 +44,18 @@ class RecordSummary:
     file_bytes: int
     names: list[str] = field(default_factory=list)
     output: Any = field(default=None, repr=False, compare=False)
+    fingerprints: int = 0  # outputs stored as fingerprints (``nbytes`` counts their stored bytes)
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "layer_calls": self.layer_calls, "leaves": self.leaves, "nbytes": self.nbytes,
-                "file_bytes": self.file_bytes}
+                "file_bytes": self.file_bytes, "fingerprints": self.fingerprints, "notes": list(self.notes)}
 
     def __str__(self) -> str:
-        return (f"activation_guard: recorded {self.layer_calls} layer calls ({self.leaves} outputs, "
+        fp = f", {self.fingerprints} of them as fingerprints" if self.fingerprints else ""
+        text = (f"activation_guard: recorded {self.layer_calls} layer calls ({self.leaves} outputs{fp}, "
                 f"{self.nbytes / 1e6:.3g} MB of values) to {self.path} ({self.file_bytes / 1e6:.3g} MB)")
+        return "\n".join([text, *(f"  note: {n}" for n in self.notes)])
 
 
 # --------------------------------------------------------------------------- record
@@ -82,6 +88,8 @@ def record(
     compression: str | None = None,
     calibrate: bool = False,
     grad: bool = False,
+    fingerprint: bool | str | Sequence[str] = False,
+    fingerprint_params: FingerprintParams | Mapping[str, Any] | None = None,
 ) -> RecordSummary:
     """Run ``model(*args, **kwargs)`` once and write every layer's outputs to a golden.
 
@@ -93,11 +101,18 @@ def record(
     the one positional argument. The forward runs under ``torch.no_grad()`` unless ``grad=True``
     (forwards that call ``torch.autograd.grad`` themselves, e.g. forces from an energy).
 
+    ``fingerprint=True`` stores a fixed-size fingerprint (a few KiB) instead of the values of every
+    floating output larger than that; layer globs (``"encoder.*"`` or a list) fingerprint only
+    those layers and keep the rest exact. Integer and bool outputs are always exact. A compare
+    against fingerprints is sound but probabilistic (docs/fingerprint.md); ``fingerprint_params``
+    (``samples``, ``rows``, ``buckets``, ``false_alarm``, ``seed``) sets their size and bound.
+
     The write is atomic: the golden at ``path`` is replaced only after the new one is complete,
     so an error or a kill mid-forward leaves the previous golden as it was.
     """
     spec = RecordSpec.build(dict(include=include, exclude=exclude, compression=compression, calibrate=calibrate,
-                                 grad=grad))
+                                 grad=grad, fingerprint=None if fingerprint is False else fingerprint,
+                                 fingerprint_params=fingerprint_params))
     return record_spec(model, args, kwargs, path=path, spec=spec)
 
 
@@ -118,11 +133,13 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
         raise
     floors = calmod.FloorTable()
     names: list[str] = []
+    fingerprinter = Fingerprinter.for_spec(spec)
 
     def on_output(name: str, call: int, module: torch.nn.Module, output: Any) -> None:
         try:
             leaves = flatten(output)
-            writer.add_call(name, call, type(module).__name__, leaves)
+            stored = leaves if fingerprinter is None else fingerprinter(name, leaves)  # computed on their device
+            writer.add_call(name, call, type(module).__name__, stored)
             if shadow is not None:
                 shadow.measure(name, call, leaves, floors)
         except ActivationGuardError:
@@ -138,6 +155,7 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
         if not writer.calls:
             raise nothing_selected(inc, exc, [n for n, _ in model.named_modules()])
         meta["layer_calls"] = len(writer.calls)
+        meta.update(meta_entry(fingerprinter))
         if shadow is not None:
             floors.info = {"reference_device": str(shadow.device)}
             meta[calmod.META_KEY] = floors.to_meta()
@@ -150,7 +168,9 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
             shadow.close()
     return RecordSummary(
         path=writer.path, layer_calls=len(writer.calls), leaves=writer.nleaves, nbytes=writer.nbytes,
-        file_bytes=os.path.getsize(writer.path), names=names, output=out,
+        file_bytes=os.path.getsize(writer.path), names=names, output=out, fingerprints=writer.nfingerprints,
+        notes=[] if fingerprinter is None else [f"fingerprint pattern {p!r} matched no layer"
+                                                for p in fingerprinter.unmatched()],
     )
 
 
@@ -236,7 +256,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
                     if layer.status != "missing" or math.isfinite(order.get(i, (math.inf, 0))[0])]
             order = {k: order[i] for k, i in enumerate(keep) if i in order}
             layers = [layers[i] for i in keep]
-        notes = judge.notes()
+        notes = judge.notes() + comp.notes()
     finally:
         reader.close()
         if judge is not None:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from .dtypes import BY_NAME, dtype_name, tensor_bytes, tensor_from_bytes
+from .fingerprint_rule import FingerprintJudge
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaves import Leaf, flatten
 from .rename import apply_rename, renamed_patterns
@@ -51,13 +52,15 @@ class Comparator:
     """Compares each live layer call against its golden as soon as the layer returns."""
 
     def __init__(self, reader: GoldenReader, spec: CompareSpec, judge: Judge, *,
-                 golden_filter: Selection | None = None):
+                 golden_filter: Selection | None = None, fingerprints: FingerprintJudge | None = None):
         """``golden_filter``: the golden's own recorded selection, by golden name, when the hooks
         could not apply it (under ``rename``): a live layer outside it was never stored, so it is
-        not "unexpected"."""
+        not "unexpected". ``fingerprints``: the rule for fingerprinted leaves (default: the one
+        matching ``judge``)."""
         self.reader = reader
         self.spec = spec
         self.judge = judge
+        self.fingerprints = fingerprints
         self.golden_filter = golden_filter
         self.results: list[LayerResult] = []
         self.seen: set[tuple[str, int]] = set()
@@ -138,6 +141,10 @@ class Comparator:
 
     def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry) -> LeafResult:
         p = g.path
+        if "fingerprint" in (g.kind, lv.kind):  # fingerprint_rule decides (no memcmp fast path)
+            if self.fingerprints is None:
+                self.fingerprints = FingerprintJudge.for_judge(self.judge)
+            return self.fingerprints.compare_leaf(self.reader, g, lv, name, entry, self.spec.allow_dtype_change)
         if g.kind != lv.kind:
             return LeafResult(p, "structure", f"{_out(p)} was {_kind(g)}, is now {lv.type_name}")
         if g.kind == "none":
@@ -185,6 +192,10 @@ class Comparator:
         return self.judge.judge(ctx, golden, t)
 
     # ------------------------------------------------------------------ end of run
+    def notes(self) -> list[str]:
+        """The report notes of the rules the comparator added (fingerprints), after the judge's."""
+        return [] if self.fingerprints is None else self.fingerprints.notes()
+
     def finish(self) -> tuple[list[LayerResult], dict[int, tuple[float, int]]]:
         """All results: live calls in execution order, then golden calls the live run never made
         (``missing``), each placed where the live run passed its spot in the golden's order.

@@ -36,8 +36,8 @@ from .fingerprint_params import (
     FingerprintError,
     FingerprintFormatError,
     FingerprintParams,
-    is_int,
     binomial_tail,
+    is_int,
     row_false_alarm,
     solve_multiplier,
 )

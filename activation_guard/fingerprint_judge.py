@@ -68,6 +68,7 @@ class FingerprintVerdict:
     status: str  # ok | diverged | nonfinite | shape | dtype
     check: str | None  # the check that failed: shape, dtype, nonfinite, sample, max, min, sum, sketch
     detail: str  # one human sentence for the report
+    reason: str = ""  # the failing check's own sentence (without the sketch numbers), "" when ok
     estimate: float = math.nan  # sketch estimate of ||live - golden||_2 (median over rows)
     bound: float = math.nan  # ||live - golden||_2 can be at most this if every element is within tolerance
     threshold: float = math.nan  # what the row estimates were compared with: c * bound + rounding
@@ -280,6 +281,7 @@ def _judge(g: Fingerprint, lf: Fingerprint, *, elem: tuple[float, float] | None,
         check, sentence = failures[0]
         v.status = "nonfinite" if check == "nonfinite" else "diverged"
         v.check = check
+        v.reason = sentence
         v.detail = sentence if check == "sketch" else f"{sentence}; {_sketch_phrase(v, rms)}"
     else:
         v.detail = f"{_sketch_phrase(v, rms)}; {v.sampled} sampled elements within tolerance"

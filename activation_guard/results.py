@@ -13,6 +13,8 @@ from typing import Any
 
 from .kernel import TensorStats, unravel
 
+# a fingerprinted output's numbers (LeafResult fields): estimates, not measured differences
+ESTIMATE_NUMBERS = ("estimated_l2", "l2_bound", "l2_threshold", "false_alarm")
 STATUS_ORDER = ("structure", "shape", "dtype", "missing", "unexpected", "nonfinite", "diverged", "match")
 PHASES = ("forward", "backward", "param-grad")
 
@@ -46,7 +48,7 @@ def _fields_from_dict(cls: Any, d: Any) -> dict[str, Any]:
         raise TypeError(f"expected a dict for {cls.__name__}, got {type(d).__name__}")
     names = set(cls.__dataclass_fields__)
     out = {k: v for k, v in d.items() if k in names}
-    for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple"):
+    for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple", *ESTIMATE_NUMBERS):
         if k in out:
             out[k] = from_json_number(out[k])
     for k in ("shape", "live_shape", "index"):
@@ -80,10 +82,21 @@ class LeafResult:
     error_multiple: float | None = None  # calibrated mode: error / allowed noise
     type_name: str | None = None  # the live value's Python type, when it is not a plain tensor
     type_only: bool = False  # an opaque object (a cache, a generator): only its type was compared
+    # judged against a fingerprint (docs/fingerprint.md): "l2" (strict rule) or "rms" (calibrated rule
+    # in L2 form); None for outputs compared value by value. The numbers are estimates from the sketch:
+    estimate: str | None = None
+    fingerprint_check: str | None = None  # the check that failed: nonfinite, sample, max, min, sum, sketch
+    estimated_l2: float | None = None  # the sketch's estimate of ||live - golden||_2 (median of its rows)
+    l2_bound: float | None = None  # ||live - golden||_2 is at most this if every element is within tolerance
+    l2_threshold: float | None = None  # what each row's estimate is compared with (c x bound + rounding)
+    sketch_rows_over: int = 0  # rows above the threshold (a majority fails)
+    sketch_rows: int = 0
+    sampled: int = 0  # elements checked exactly (bit-exact samples); ``mismatched`` counts those outside
+    false_alarm: float | None = None  # bound on P(a within-tolerance run fails the sketch check)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple"):
+        for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple", *ESTIMATE_NUMBERS):
             d[k] = json_number(d[k])
         for k in ("shape", "live_shape", "index"):
             if d[k] is not None:
