@@ -147,7 +147,7 @@ class Report:
             return None
         fa = max((leaf.false_alarm for leaf in est if leaf.false_alarm is not None), default=None)
         bound = f", false alarm <= {fa:.1g} each" if fa is not None else ""
-        return f"{len(est)} output{'s' if len(est) != 1 else ''} checked by fingerprint (estimates{bound})"
+        return f"{len(est)} output{'s' if len(est) != 1 else ''} checked by fingerprint: estimates{bound}"
 
     def to_dict(self) -> dict[str, Any]:
         fd = self.first_divergence
@@ -305,7 +305,7 @@ class Report:
         estimated = any(_estimate_ratio(layer) is not None for layer in live[lo:hi])
         head = f"    {'#':>5}  {'layer':<{width}} {'call':>4}  {'status':<10} {'max abs':>9} {'max rel':>9}"
         head += f" {'x allowed':>10}" if calibrated else ""
-        head += f" {'est/bound':>10}" if estimated else ""
+        head += f" {'est/limit':>10}" if estimated else ""
         out = ["", "  context (execution order):", head]
         missing_row = (f"  > {'-':>5}  {display_name(fd.name)[-width:]:<{width}} {fd.call:>4}  "
                        "missing    (did not run; expected here)")
@@ -318,7 +318,7 @@ class Report:
                    f"{fmt_diff(layer.max_abs_diff):>9} {fmt_diff(layer.max_rel_diff):>9}")
             if calibrated:  # error as a multiple of the calibrated noise allowance (fails above 1)
                 row += f" {'-' if layer.error_multiple is None else f'{layer.error_multiple:.3g}':>10}"
-            if estimated:  # fingerprinted outputs: the sketch's estimate over the tolerance bound
+            if estimated:  # fingerprinted outputs: the sketch's estimate over its threshold (fails above 1)
                 ratio = _estimate_ratio(layer)
                 row += f" {'-' if ratio is None else f'~{ratio:.3g}':>10}"
             out.append(row)
@@ -333,9 +333,10 @@ class Report:
 
 
 def _estimate_ratio(layer: LayerResult) -> float | None:
-    """The largest estimated ||diff||_2 / bound over a layer's fingerprinted outputs."""
-    ratios = [leaf.estimated_l2 / leaf.l2_bound for leaf in layer.leaves
-              if leaf.estimate and leaf.estimated_l2 is not None and leaf.l2_bound]
+    """The largest estimated ||diff||_2 / threshold over a layer's fingerprinted outputs (the sketch
+    check fails above 1)."""
+    ratios = [leaf.estimated_l2 / leaf.l2_threshold for leaf in layer.leaves
+              if leaf.estimate and leaf.estimated_l2 is not None and leaf.l2_threshold]
     return max(ratios) if ratios else None
 
 
