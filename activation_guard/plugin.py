@@ -27,7 +27,8 @@ WORKER_KEY = "activation_guard"
 MARKER_DOC = (
     "activation_guard(**options): per-test options for activation_guard checks (rtol=, atol=, "
     "tolerances={glob: dict(rtol=, atol=)}, include=, exclude=, fail_fast=, rename=, "
-    "allow_dtype_change=, and any other activation_guard.compare/record option); "
+    "allow_dtype_change=, fingerprint=True or [layer globs], fingerprint_params=, and any other "
+    "activation_guard.compare/record option); "
     "check() keyword arguments override them"
 )
 
@@ -64,6 +65,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--ag-tolerance", dest="ag_tolerance", default=None, metavar="{strict,calibrated}",
                 help="strict: per-dtype/per-layer rtol+atol (default); calibrated: judge each layer's error against "
                      "the golden's and the live run's float64 noise floors (cross-device, TF32, reduced precision).")
+    g.addoption("--ag-fingerprint", dest="ag_fingerprint", action="store_true", default=False,
+                help="when recording, store a fixed-size fingerprint (a few KiB) instead of the values of every "
+                     "float output larger than that (integer, bool and small outputs stay exact): goldens of real "
+                     "models small enough to commit. Comparing against one needs no flag; it is sound but "
+                     "probabilistic (docs/fingerprint.md). Overrides ini ag_fingerprint; markers and check() "
+                     "override it (fingerprint=[globs] fingerprints only those layers).")
     g.addoption("--ag-check-determinism", dest="ag_check_determinism", action="store_true", default=False,
                 help="run each checked forward twice more and list layers whose outputs differ between runs "
                      "(reported in the summary, never failed).")
@@ -72,6 +79,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   default="")
     parser.addini("ag_atol", "activation_guard default atol for float layers (default: per-dtype, as torch.testing)",
                   default="")
+    parser.addini("ag_fingerprint", "activation_guard: record fingerprints instead of values: true, or layer globs "
+                  "separated by spaces or commas (those layers only); default false", default="")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -94,6 +103,8 @@ def pytest_configure(config: pytest.Config) -> None:
             cli_calibrate=o.ag_calibrate,
             cli_tolerance=o.ag_tolerance,
             check_determinism=o.ag_check_determinism,
+            ini_fingerprint=str(config.getini("ag_fingerprint")),
+            cli_fingerprint=o.ag_fingerprint,
         )
     except (OptionError, SpecOptionError) as e:
         raise pytest.UsageError(prefixed(str(e))) from None

@@ -189,7 +189,7 @@ def test_help_describes_what_each_option_does(ag: pytest.Pytester) -> None:
     opts = _help_options(out)
     assert set(opts) == {"--ag-update", "--ag-update=missing", "--ag-golden-dir", "--ag-rtol", "--ag-atol",
                          "--ag-fail-fast", "--ag-report", "--ag-unused", "--ag-unused=list", "--ag-calibrate",
-                         "--ag-tolerance", "--ag-check-determinism"}
+                         "--ag-tolerance", "--ag-check-determinism", "--ag-fingerprint"}
     must_say = {
         "--ag-update": ["write the goldens", "non-cpu ag_device"],
         "--ag-update=missing": ["only create goldens that do not exist", "compared"],
@@ -203,11 +203,13 @@ def test_help_describes_what_each_option_does(ag: pytest.Pytester) -> None:
         "--ag-tolerance": ["={strict,calibrated}", "noise floors"],
         "--ag-golden-dir": ["=DIR", "invocation directory", "ag_golden_dir"],
         "--ag-check-determinism": ["twice", "differ between runs", "never failed"],
+        "--ag-fingerprint": ["when recording", "fixed-size fingerprint", "integer, bool and small outputs stay exact",
+                             "needs no flag", "ini ag_fingerprint", "fingerprint=[globs]"],
     }
     for opt, phrases in must_say.items():
         for phrase in phrases:
             assert phrase in opts[opt], (opt, phrase, opts[opt])
-    for ini in ("ag_golden_dir", "ag_rtol", "ag_atol"):
+    for ini in ("ag_golden_dir", "ag_rtol", "ag_atol", "ag_fingerprint"):
         assert re.search(rf"^  {ini} \(", out, re.M), ini
 
 
