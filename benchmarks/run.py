@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from fingerprints import run as run_fingerprints  # benchmarks/fingerprints.py: issue 15's figures
 
 import activation_guard as ag
-from fingerprints import run as run_fingerprints  # benchmarks/fingerprints.py: issue 15's figures
 
 CHUNK = 1 << 18  # elements per step of the limit's max-abs-diff kernel (1 MB of float32)
 MB = 1e6
