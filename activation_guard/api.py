@@ -40,7 +40,7 @@ class RecordSummary:
     path: str
     layer_calls: int
     leaves: int
-    nbytes: int  # raw bytes of all stored tensors
+    nbytes: int  # raw bytes of all stored tensors (and of the stored fingerprints)
     file_bytes: int
     names: list[str] = field(default_factory=list)
     output: Any = field(default=None, repr=False, compare=False)
@@ -52,9 +52,10 @@ class RecordSummary:
                 "file_bytes": self.file_bytes, "fingerprints": self.fingerprints, "notes": list(self.notes)}
 
     def __str__(self) -> str:
-        fp = f", {self.fingerprints} of them as fingerprints" if self.fingerprints else ""
-        text = (f"activation_guard: recorded {self.layer_calls} layer calls ({self.leaves} outputs{fp}, "
-                f"{self.nbytes / 1e6:.3g} MB of values) to {self.path} ({self.file_bytes / 1e6:.3g} MB)")
+        stored = (f"{self.fingerprints} of them as fingerprints, {self.nbytes / 1e6:.3g} MB stored" if self.fingerprints
+                  else f"{self.nbytes / 1e6:.3g} MB of values")
+        text = (f"activation_guard: recorded {self.layer_calls} layer calls ({self.leaves} outputs, {stored}) "
+                f"to {self.path} ({self.file_bytes / 1e6:.3g} MB)")
         return "\n".join([text, *(f"  note: {n}" for n in self.notes)])
 
 

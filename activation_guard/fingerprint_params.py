@@ -71,6 +71,12 @@ def solve_multiplier(rows: int, buckets: int, false_alarm: float) -> float:
     return hi
 
 
+@functools.lru_cache(maxsize=64)
+def _exact_bound(rows: int, buckets: int, false_alarm: float) -> Fraction:
+    """The binomial tail at the solved multiplier (exact; cached: every compared leaf reports it)."""
+    return binomial_tail(rows, row_false_alarm(solve_multiplier(rows, buckets, false_alarm), buckets))
+
+
 # --------------------------------------------------------------------------- parameters
 
 
@@ -112,7 +118,7 @@ class FingerprintParams:
         for name in ("seed", "samples", "rows", "buckets"):
             object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "false_alarm", float(fa))
-        binomial = binomial_tail(self.rows, row_false_alarm(self.multiplier, self.buckets))
+        binomial = _exact_bound(self.rows, self.buckets, self.false_alarm)
         if binomial > Fraction(self.false_alarm):  # solve_multiplier guarantees this; kept as a check
             raise FingerprintError(f"fingerprint parameters {self}: false-alarm bound {float(binomial):.3g} "
                                    f"exceeds {self.false_alarm:g}")
@@ -125,7 +131,7 @@ class FingerprintParams:
     @property
     def false_alarm_bound(self) -> float:
         """The exact binomial tail for these parameters (<= ``false_alarm``)."""
-        return float(binomial_tail(self.rows, row_false_alarm(self.multiplier, self.buckets)))
+        return float(_exact_bound(self.rows, self.buckets, self.false_alarm))
 
     def nbytes(self, itemsize: int = 4, numel: int | None = None) -> int:
         """Stored size of a fingerprint of elements of ``itemsize`` bytes (complex: both parts)."""
