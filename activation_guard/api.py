@@ -20,11 +20,12 @@ from . import calibrate as calmod
 from . import env as envmod
 from .capture import check_model, hooked, normalize_inputs, run_forward
 from .comparator import Comparator, StopForward, recorded_selection
-from .errors import ActivationGuardError
 from .fingerprint import FingerprintParams
 from .fingerprint_leaves import Fingerprinter, meta_entry
 from .judges import Judge, StrictJudge
-from .leaves import clone_inputs, flatten
+from .leaves import clone_inputs
+from .recorder import Recorder
+from .replay import Replayer
 from .report import Report
 from .results import LayerResult
 from .selection import nothing_selected, parent_hint, unmatched
@@ -73,6 +74,7 @@ def _build_meta(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str,
         **envmod.training_modes(model),
         "inputs": envmod.input_fingerprint(args, kwargs),
         "numerics": envmod.numerics_flags(),
+        "layer_inputs": spec.inputs,  # whether each call's inputs are recorded (replay needs them)
         "include": None if spec.include is None else list(spec.include),
         "exclude": None if spec.exclude is None else list(spec.exclude),
     }
@@ -89,6 +91,7 @@ def record(
     compression: str | None = None,
     calibrate: bool = False,
     grad: bool = False,
+    inputs: bool = True,
     fingerprint: bool | str | Sequence[str] = False,
     fingerprint_params: FingerprintParams | Mapping[str, Any] | None = None,
 ) -> RecordSummary:
@@ -102,17 +105,23 @@ def record(
     the one positional argument. The forward runs under ``torch.no_grad()`` unless ``grad=True``
     (forwards that call ``torch.autograd.grad`` themselves, e.g. forces from an energy).
 
+    ``inputs=True`` (the default) also records each layer call's inputs, so a later compare can
+    re-run a diverging layer on exactly what it received (``replay=``) and say whether the layer
+    itself changed; inputs that are already stored values are kept as references, not again.
+
     ``fingerprint=True`` stores a fixed-size fingerprint (a few KiB) instead of the values of every
     floating output larger than that; layer globs (``"encoder.*"`` or a list) fingerprint only
     those layers and keep the rest exact. Integer and bool outputs are always exact. A compare
     against fingerprints is sound but probabilistic (docs/fingerprint.md); ``fingerprint_params``
-    (``samples``, ``rows``, ``buckets``, ``false_alarm``, ``seed``) sets their size and bound.
+    (``samples``, ``rows``, ``buckets``, ``false_alarm``, ``seed``) sets their size and bound. The
+    inputs of fingerprinted layers are fingerprinted alike (replay needs full inputs: such a
+    layer is not replayed).
 
     The write is atomic: the golden at ``path`` is replaced only after the new one is complete,
     so an error or a kill mid-forward leaves the previous golden as it was.
     """
     spec = RecordSpec.build(dict(include=include, exclude=exclude, compression=compression, calibrate=calibrate,
-                                 grad=grad, fingerprint=None if fingerprint is False else fingerprint,
+                                 grad=grad, inputs=inputs, fingerprint=None if fingerprint is False else fingerprint,
                                  fingerprint_params=fingerprint_params))
     return record_spec(model, args, kwargs, path=path, spec=spec)
 
@@ -133,25 +142,10 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
         writer.abort()
         raise
     floors = calmod.FloorTable()
-    names: list[str] = []
     fingerprinter = Fingerprinter.for_spec(spec)
-
-    def on_output(name: str, call: int, module: torch.nn.Module, output: Any) -> None:
-        try:
-            leaves = flatten(output)
-            stored = leaves if fingerprinter is None else fingerprinter(name, leaves)  # computed on their device
-            writer.add_call(name, call, type(module).__name__, stored)
-            if shadow is not None:
-                shadow.measure(name, call, leaves, floors)
-        except ActivationGuardError:
-            raise
-        except Exception as e:
-            raise ActivationGuardError(f"recording layer {name or '<root>'!r} call {call} failed: {e}") from e
-        if call == 0:
-            names.append(name)
-
+    rec = Recorder(writer, inputs=spec.inputs, shadow=shadow, floors=floors, fingerprinter=fingerprinter)
     try:
-        with hooked(target, on_output, inc, exc) as state:
+        with hooked(target, rec.on_output, inc, exc, on_enter=rec.on_enter) as state:
             out = run_forward(target, a, kw, state, grad=spec.grad)
         if not writer.calls:
             raise nothing_selected(inc, exc, [n for n, _ in model.named_modules()])
@@ -169,7 +163,7 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
             shadow.close()
     return RecordSummary(
         path=writer.path, layer_calls=len(writer.calls), leaves=writer.nleaves, nbytes=writer.nbytes,
-        file_bytes=os.path.getsize(writer.path), names=names, output=out, fingerprints=writer.nfingerprints,
+        file_bytes=os.path.getsize(writer.path), names=rec.names, output=out, fingerprints=writer.nfingerprints,
         notes=[] if fingerprinter is None else [f"fingerprint pattern {p!r} matched no layer"
                                                 for p in fingerprinter.unmatched()],
     )
@@ -191,6 +185,7 @@ def compare(
     allow_dtype_change: bool = False,
     tolerance: str = "strict",
     grad: bool = False,
+    replay: str = "first",
 ) -> Report:
     """Run the model with hooks and compare every layer call against the golden at ``path``.
 
@@ -198,12 +193,17 @@ def compare(
     (measured with float64 shadow forwards) instead of fixed rtol/atol; the golden must have
     been recorded with ``calibrate=True``. See docs/cross-device.md.
 
+    ``replay`` re-runs layers on the golden's recorded inputs: ``"first"`` (default) the first
+    diverging call, to tell whether the layer itself changed or inherited the difference
+    (``report.origin``); ``"all"`` every call, judging each by its own error (immune to drift
+    across devices and precisions); ``"off"``. See :mod:`activation_guard.replay`.
+
     Comparison streams: each layer's golden is read when that layer returns, and compared while
     its output is still as the layer produced it. Memory stays near one layer's worth of data.
     """
     spec = CompareSpec.build(dict(
         rtol=rtol, atol=atol, tolerances=tolerances, include=include, exclude=exclude, fail_fast=fail_fast,
-        rename=rename, allow_dtype_change=allow_dtype_change, tolerance=tolerance, grad=grad))
+        rename=rename, allow_dtype_change=allow_dtype_change, tolerance=tolerance, grad=grad, replay=replay))
     return compare_spec(model, args, kwargs, path=path, spec=spec)
 
 
@@ -213,8 +213,17 @@ def _judge(spec: CompareSpec, resolver: ToleranceResolver, gmeta: Mapping[str, A
     if not spec.calibrated:
         return strict
     floors = calmod.FloorTable.from_meta(gmeta, path)
-    shadow = calmod.ShadowRun(model, a, kw, spec.include, spec.exclude, dev, grad=spec.grad)
+    shadow = calmod.ShadowRun(model, a, kw, spec.include, spec.exclude, dev, grad=spec.grad,
+                              keep_model=spec.replay != "off")
     return calmod.CalibratedJudge(floors, shadow, strict)
+
+
+def _replayer(spec: CompareSpec, reader: GoldenReader, judge: Judge, resolver: ToleranceResolver) -> Replayer | None:
+    if spec.replay == "off":
+        return None
+    if isinstance(judge, calmod.CalibratedJudge):
+        return Replayer(reader, judge.strict, grad=spec.grad, calibrated=judge, reference=judge.shadow.model)
+    return Replayer(reader, judge if isinstance(judge, StrictJudge) else StrictJudge(resolver), grad=spec.grad)
 
 
 def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
@@ -241,14 +250,22 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         resolver = ToleranceResolver(spec, golden_device=gdev, live_device=str(dev))
         judge = _judge(spec, resolver, gmeta, path, model, a, kw, dev)
         comp = Comparator(reader, spec, judge, golden_filter=golden_filter)
+        comp.replayer = _replayer(spec, reader, judge, resolver)
+        inputs_raw = gmeta.get("inputs")
+        input_changes = envmod.describe_input_change(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs)
+        comp.inputs_changed = bool(input_changes)
         stopped = False
         out = None
         try:
-            with hooked(target, comp.on_output, spec.include, spec.exclude) as state:
+            with hooked(target, comp.on_output, spec.include, spec.exclude, on_enter=comp.on_enter,
+                        want_rng=comp.replayer is not None) as state:
+                if comp.replayer is not None:
+                    comp.replayer.state = state
                 out = run_forward(target, a, kw, state, grad=spec.grad)
         except StopForward:
             stopped = True
         layers, order = comp.finish()
+        origin = comp.replay_origin()
         if not layers:
             raise nothing_selected(spec.include, spec.exclude, [n for n, _ in model.named_modules()])
         if stopped:  # golden-only calls after the stop were never reached: not "missing"; those
@@ -257,7 +274,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
                     if layer.status != "missing" or math.isfinite(order.get(i, (math.inf, 0))[0])]
             order = {k: order[i] for k, i in enumerate(keep) if i in order}
             layers = [layers[i] for i in keep]
-        notes = judge.notes() + comp.notes()
+        notes = judge.notes() + comp.notes() + ([] if comp.replayer is None else comp.replayer.notes())
     finally:
         reader.close()
         if judge is not None:
@@ -265,11 +282,10 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     env_changes = envmod.describe_env_change(gmeta.get("numerics"), envmod.numerics_flags())
     env_changes += envmod.describe_device_change(gmeta.get("device"), envmod.device_info(dev))
     env_changes += envmod.describe_version_change(gmeta.get("versions"), envmod.versions())
-    inputs_raw = gmeta.get("inputs")
     report = Report(
-        path=path, layers=layers, golden_meta=report_meta(gmeta), live_device=str(dev),
-        input_changes=envmod.describe_input_change(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs),
+        path=path, layers=layers, golden_meta=report_meta(gmeta), live_device=str(dev), input_changes=input_changes,
         env_changes=env_changes, stopped_early=stopped, output=out, _order=order, mode=spec.tolerance,
+        origin=origin, replay=spec.replay,
     )
     report.mode_changes = envmod.describe_training_change(gmeta, live_modes)
     if resolver.cross_device:

@@ -99,7 +99,7 @@ class CalibratedJudge:
             res.tolerance_source = f"{tol.source}; strict: no noise floor"
             return res
         self.judged += 1
-        return _calibrated_verdict(ctx, golden, live, gf, lf)
+        return calibrated_verdict(ctx, golden, live, gf, lf)
 
     def identical(self, ctx: LeafContext, live: torch.Tensor) -> LeafResult:
         res = self.strict.identical(ctx, live)
@@ -147,7 +147,7 @@ def _where(ctx: LeafContext) -> str:
     return f"{ctx.name or '<root>'}[{ctx.call}]{'/' + ctx.path if ctx.path else ''}"
 
 
-def _calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor,
+def calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor,
                         gf: NoiseFloor, lf: NoiseFloor) -> LeafResult:
     gdt, ldt = ctx.golden_dtype, ctx.live_dtype
     low = gdt if PRECISION.get(gdt, 0) < PRECISION.get(ldt, 0) else ldt

@@ -94,19 +94,48 @@ def check_model(model: Any) -> Target:
     return Target(model, root, tuple(compiled))
 
 
-LayerCallback = Callable[[str, int, torch.nn.Module, Any], None]
+class Frame:
+    """One module call in progress (and, once it returned, its record): which layer, which call,
+    the arguments it was called with, the call it runs inside (``parent``), the sibling that had
+    returned inside that parent when it started (``previous``), how many child calls returned
+    inside it (``children``; the last one's name in ``last_child``), the RNG state when it started
+    (modules in training mode, when replay may re-run them), and ``data`` for the consumer."""
+
+    __slots__ = ("args", "call", "children", "data", "kwargs", "last_child", "module", "name", "parent", "previous",
+                 "rng")
+
+    def __init__(self, name: str, module: torch.nn.Module, args: Any, kwargs: Any, parent: Frame | None):
+        self.name = name
+        self.module = module
+        self.args = args
+        self.kwargs = kwargs
+        self.parent = parent
+        self.previous = None if parent is None else parent.last_child
+        self.call = -1  # numbered when it returns (calls count completions, children first)
+        self.children = 0
+        self.last_child: str | None = None
+        self.rng: tuple[torch.Tensor, Any] | None = None
+        self.data: Any = None
+
+
+LayerCallback = Callable[[Frame, Any], None]
+EnterCallback = Callable[[Frame], None]
 
 
 @dataclass
 class HookState:
-    """Per-forward bookkeeping: call counts per layer, the hooked modules by ``id`` (to name the
-    layer an exception came from), layers called from another thread, and (compiled regions)
-    outputs staged for the consumer."""
+    """Per-forward bookkeeping: call counts per layer, the calls in progress (``stack``), the
+    hooked modules by ``id`` (to name the layer an exception came from), layers called from another
+    thread, and (compiled regions) calls staged for the consumer. While ``replaying`` (a module
+    re-run on golden inputs) the hooks stand aside."""
 
     calls: dict[str, int] = field(default_factory=dict)
     modules: dict[int, str] = field(default_factory=dict)
     foreign_threads: dict[str, int] = field(default_factory=dict)
-    staged: list[tuple[str, int, torch.nn.Module, Any]] = field(default_factory=list)
+    stack: list[Frame] = field(default_factory=list)
+    staged: list[tuple[Frame, Any]] = field(default_factory=list)
+    replaying: bool = False
+    want_rng: bool = False
 
 
 def _layers(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -137,22 +166,34 @@ def _snapshot(output: Any) -> Any:
     return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), output)
 
 
+def _rng_state(module: torch.nn.Module) -> tuple[torch.Tensor, Any] | None:
+    """The generators a training-mode module may draw from, as they are when it starts."""
+    if not module.training:
+        return None
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
 @contextmanager
 def hooked(
     target: Target | torch.nn.Module,
     on_output: LayerCallback,
     include: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
+    *,
+    on_enter: EnterCallback | None = None,
+    want_rng: bool = False,
 ) -> Iterator[HookState]:
-    """Install forward hooks on every (selected) module; always remove them.
+    """Install hooks on every (selected) module; always remove them.
 
-    ``on_output(name, call, module, output)`` runs when a module's forward returns (eager), or
-    for each staged output after :func:`run_forward` (compiled regions). Modules run
-    post-order, so children complete (and are reported) before their parents.
+    ``on_enter(frame)`` runs when a selected module is called, before its forward (its arguments
+    as passed); ``on_output(frame, output)`` when it returns (eager), or for each staged call after
+    :func:`run_forward` (compiled regions, whose arguments and outputs are cloned snapshots).
+    Modules return post-order, so children complete (and are reported) before their parents.
     """
     if not isinstance(target, Target):
         target = check_model(target)
-    state = HookState()
+    state = HookState(want_rng=want_rng)
     handles: list[Any] = []
     layers = _layers(target.root)
     for name, mod in layers:
@@ -160,28 +201,43 @@ def hooked(
     owner = threading.get_ident()
     staged = bool(target.compiled)
     wanted_by = Selector(include, exclude, [n for n, _ in layers])
+    stack = state.stack
 
-    def make_hook(name: str, wanted: bool) -> Callable[..., None]:
-        if staged:
-            def staged_hook(mod: torch.nn.Module, args: Any, output: Any) -> None:
-                k = state.calls.get(name, 0)
-                state.calls[name] = k + 1
+    def make_hooks(name: str, wanted: bool) -> tuple[Callable[..., None], Callable[..., None]]:
+        def pre(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            if state.replaying:
+                return
+            if not staged and threading.get_ident() != owner:  # numbered by thread timing: refused
                 if wanted:
-                    state.staged.append((name, k, mod, _snapshot(output)))
+                    state.foreign_threads[name] = state.foreign_threads.get(name, 0) + 1
+                return
+            if staged and wanted and on_enter is not None:
+                args, kwargs = _snapshot((args, kwargs))
+            frame = Frame(name, mod, args, kwargs, stack[-1] if stack else None)
+            if state.want_rng and wanted:
+                frame.rng = _rng_state(mod)
+            stack.append(frame)
+            if wanted and on_enter is not None and not staged:
+                on_enter(frame)
 
-            return staged_hook
-
-        def hook(mod: torch.nn.Module, args: Any, output: Any) -> None:
+        def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if state.replaying or (not staged and threading.get_ident() != owner):
+                return
+            frame = stack.pop()
             k = state.calls.get(name, 0)
             state.calls[name] = k + 1
+            frame.call = k
+            if frame.parent is not None:
+                frame.parent.last_child = name
+                frame.parent.children += 1
             if not wanted:
                 return
-            if threading.get_ident() != owner:  # numbered by thread timing: refused after the forward
-                state.foreign_threads[name] = state.foreign_threads.get(name, 0) + 1
-                return
-            on_output(name, k, mod, output)
+            if staged:
+                state.staged.append((frame, _snapshot(output)))
+            else:
+                on_output(frame, output)
 
-        return hook
+        return pre, post
 
     # Objects alive now (the model, torch, a golden's parsed index) are not this forward's
     # garbage, yet the cyclic collector would rescan them every few hundred allocations of the
@@ -192,16 +248,18 @@ def hooked(
         gc.freeze()
     try:
         for name, mod in layers:
-            # no forward pre-hook: it would cost ~3 us per layer call only to name the layer
-            # of an exception, which run_forward reads from the traceback instead
-            handles.append(mod.register_forward_hook(make_hook(name, wanted_by(name))))
+            pre, post = make_hooks(name, wanted_by(name))
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(mod.register_forward_hook(post, with_kwargs=True))
         if staged:
             _reset_dynamo()  # compile the hooks in (hooks added later are not guarded on)
         yield state
         if staged:
             _check_compiled_capture(target, layers, state)
-            for name, k, mod, out in state.staged:
-                on_output(name, k, mod, out)
+            for frame, out in state.staged:
+                if on_enter is not None:
+                    on_enter(frame)
+                on_output(frame, out)
             state.staged.clear()
         if state.foreign_threads:
             raise _thread_error(state.foreign_threads)

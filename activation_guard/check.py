@@ -95,7 +95,7 @@ def _golden_error_fix(e: Exception) -> bool:
 
 def divergence_properties(report: Report) -> list[tuple[str, Any]]:
     """``user_properties`` of a diverged check (``--junitxml`` shows them): the first divergence,
-    its origin and numbers. ``origin`` stays None until reports carry one."""
+    its origin (where replay says the difference was made) and numbers."""
     fd = report.first_divergence
     head = report.headline().replace("activation_guard: ", "", 1)
     props: list[tuple[str, Any]] = [("status", "diverged"), ("first_divergence", head)]
@@ -103,7 +103,8 @@ def divergence_properties(report: Report) -> list[tuple[str, Any]]:
         props += [
             ("layer", fd.name or "<root>"),
             ("call", fd.call),
-            ("origin", None),
+            ("origin", None if report.origin is None else
+             f"{report.origin.kind} {report.origin.name or '<root>'}[{report.origin.call}]: {report.origin.detail}"),
             ("max_abs_diff", fd.max_abs_diff),
             ("max_rel_diff", fd.max_rel_diff),
             ("rtol", fd.rtol),

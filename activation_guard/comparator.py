@@ -18,14 +18,14 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
-import torch
-
+from .capture import Frame
 from .dtypes import BY_NAME, dtype_name, tensor_bytes, tensor_from_bytes
 from .fingerprint_rule import FingerprintJudge
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaves import Leaf, flatten
 from .rename import apply_rename, renamed_patterns
-from .results import LayerResult, LeafResult
+from .replay import REPLAYABLE, Replayer, judge_by_own, remember_start
+from .results import LayerResult, LeafResult, Origin
 from .selection import Selector, selected
 from .spec import CompareSpec
 from .store import CallEntry, GoldenReader, LeafEntry
@@ -78,6 +78,10 @@ class Comparator:
         wanted = Selector(spec.include, spec.exclude, live_names)
         self.golden_selected = [c for c, live in zip(reader.calls, live_names) if wanted(live)]
         self.golden_to_live = {g: live for live, g in self.live_to_golden.items()}
+        self.replayer: Replayer | None = None  # replay on golden inputs (spec.replay), set by the caller
+        self.inputs_changed = False  # the model's inputs differ from the recording's
+        self.origin: Origin | None = None
+        self.parents: dict[tuple[str, int], bool] = {}  # replay="all": call -> it had child calls
 
     @staticmethod
     def default_filter(meta: Mapping[str, Any], spec: CompareSpec) -> Selection | None:
@@ -89,12 +93,36 @@ class Comparator:
         return renamed_patterns(inc, spec.rename), renamed_patterns(exc, spec.rename)
 
     # ------------------------------------------------------------------ per call
-    def on_output(self, name: str, call: int, module: torch.nn.Module, output: Any) -> None:
-        self.on_leaves(name, call, type(module).__name__, lambda: flatten(output))
+    def on_enter(self, frame: Frame) -> None:
+        if self.replayer is not None:
+            remember_start(frame)  # in-place changes to its inputs, copies of objects it may mutate
+
+    def on_output(self, frame: Frame, output: Any) -> None:
+        res, entry = self._judge_call(frame.name, frame.call, type(frame.module).__name__, lambda: flatten(output))
+        if res is None:
+            return
+        if self.replayer is not None and entry is not None:
+            if self.spec.replay == "all":
+                own = self.replayer.own(frame, entry, self._compare_call)
+                if own.layer is not None:
+                    res = judge_by_own(res, own.layer)
+                    self.results[-1] = res
+                self.parents[(res.name, res.call)] = frame.children > 0
+            elif self.origin is None and res.status in REPLAYABLE:
+                self.origin = self.replayer.attribute(frame, entry, res, self._compare_call, self.inputs_changed)
+        if self.spec.fail_fast and not res.ok:
+            raise StopForward
 
     def on_leaves(self, name: str, call: int, tname: str, get_leaves: Callable[[], list[Leaf]]) -> None:
-        """Compare one layer call given its flattened outputs. ``get_leaves`` runs only when the
-        golden has this call."""
+        """Compare one layer call given its flattened outputs (a recording's: :mod:`activation_guard.diff`)."""
+        res, _ = self._judge_call(name, call, tname, get_leaves)
+        if res is not None and self.spec.fail_fast and not res.ok:
+            raise StopForward
+
+    def _judge_call(self, name: str, call: int, tname: str,
+                    get_leaves: Callable[[], list[Leaf]]) -> tuple[LayerResult | None, CallEntry | None]:
+        """Compare one layer call given its flattened outputs; ``get_leaves`` runs only when the
+        golden has this call. None for a call outside the golden's recorded selection."""
         pos = len(self.results)
         # a live name no golden name maps to is new, even if a golden layer had that name
         # before `rename` mapped it elsewhere
@@ -102,7 +130,7 @@ class Comparator:
         entry = None if gname is None else self.reader.by_key.get((gname, call))
         if entry is None:
             if self.golden_filter is not None and not selected(gname or name, *self.golden_filter):
-                return
+                return None, None
             known = None if gname is None else self.golden_calls.get(gname)
             detail = (f"the golden has {known} call(s) of this layer; this is call {call}" if known
                       else "this layer is not in the golden (new layer, or renamed: see `rename=`)")
@@ -115,10 +143,26 @@ class Comparator:
             if entry.type_name and entry.type_name != tname and res.ok:
                 res.detail = f"module type changed {entry.type_name} -> {tname} (values still match)"
         self.results.append(res)
-        if self.spec.fail_fast and not res.ok:
-            raise StopForward
+        return res, entry
 
-    def _compare_call(self, entry: CallEntry, leaves: list[Leaf], name: str) -> list[LeafResult]:
+    def replay_origin(self) -> Origin | None:
+        """``replay="all"``: the first call in execution order whose own error is out of
+        tolerance; a parent there (its children's own errors are within, since they return
+        first) changed its own code between them."""
+        if self.spec.replay != "all" or self.replayer is None:
+            return self.origin
+        for r in self.results:
+            if r.own_status is not None and r.own_status != "match":
+                parent = self.parents.get((r.name, r.call), False)
+                what = ("its children each compute the same on the golden inputs, but its own output on them "
+                        "differs: the change is in its own code between them" if parent else
+                        "re-run on the golden's own inputs it differs: its own computation changed")
+                return Origin(r.name, r.call, "parent-code" if parent else "layer", r.own_max_abs_diff,
+                              detail=what, type_name=r.type_name)
+        return None
+
+    def _compare_call(self, entry: CallEntry, leaves: list[Leaf], name: str,
+                      judge: Judge | None = None) -> list[LeafResult]:
         if self.reader.version < 2:  # a format-1 golden names leaves by its own (non-injective) paths
             for leaf in leaves:
                 if leaf.legacy_path is not None:
@@ -132,14 +176,14 @@ class Comparator:
                 results.append(LeafResult(g.path, "structure",
                                           f"{_out(g.path)} ({_kind(g)}) is missing from the live output"))
                 continue
-            results.append(self._compare_leaf(g, lv, name, entry))
+            results.append(self._compare_leaf(g, lv, name, entry, judge or self.judge))
         for leaf in leaves:
             if leaf.path not in gpaths:
                 results.append(LeafResult(leaf.path, "structure",
                                           f"{_out(leaf.path)} ({leaf.type_name}) is new in the live output"))
         return results
 
-    def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry) -> LeafResult:
+    def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
         p = g.path
         if "fingerprint" in (g.kind, lv.kind):  # fingerprint_rule decides (no memcmp fast path)
             if self.fingerprints is None:
@@ -185,11 +229,11 @@ class Comparator:
             # one memcmp of the stored bytes against the live ones, before building any tensor
             graw = self.reader.packed_bytes(g, label)
             if graw.tobytes() == tensor_bytes(t).tobytes():
-                return self.judge.identical(ctx, t)
+                return judge.identical(ctx, t)
             golden = tensor_from_bytes(graw.copy(), BY_NAME[g.dtype], g.shape)
         else:
             golden = self.reader.load(g, label)
-        return self.judge.judge(ctx, golden, t)
+        return judge.judge(ctx, golden, t)
 
     # ------------------------------------------------------------------ end of run
     def notes(self) -> list[str]:

@@ -97,6 +97,10 @@ def diff_recordings(
     )
     report.notes.append(f"live values read from the recording {os.fspath(other)}")
     report.notes += fp_notes
+    if not report.ok:
+        report.notes.append("not replayed: a diff of two recordings has no model to re-run on the golden's inputs; "
+                            "compare the model itself (activation_guard.compare) to tell whether the first diverging "
+                            "layer changed or inherited the difference")
     gcls, bcls = gmeta.get("model_class"), bmeta.get("model_class")
     if gcls and bcls and gcls != bcls:
         report.notes.append(f"model class differs: golden {gcls}, other {bcls}")

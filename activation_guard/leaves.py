@@ -21,6 +21,7 @@ type name only; reports count those, so "OK" never hides a value that was not co
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,8 +42,9 @@ class Leaf:
     """One addressed value inside a layer's output (or inputs).
 
     ``kind``: ``tensor`` (tensors, numpy arrays and Python numbers, as tensors), ``none``, ``str``
-    (``value`` holds it), ``ref`` (``value`` is the path of the container's first occurrence) or
-    ``object`` (anything else: recorded by type name only, never iterated). ``type_name`` is the
+    (``value`` holds it), ``ref`` (``value`` is the path of the container's first occurrence),
+    ``object`` (anything else: recorded by type name only, never iterated) or, for recorded inputs,
+    ``alias`` (the very tensor another call's output or input already stored). ``type_name`` is the
     Python type a value had (``Tensor``, ``numpy.ndarray``, ``float``...). ``legacy_path`` is the
     path golden format 1 gave this leaf, when it differs (non-string keys, digit-like strings).
     A ``fingerprint`` leaf stands for a tensor by its ``fingerprint`` (being recorded, or read back
@@ -55,6 +57,7 @@ class Leaf:
     type_name: str = "Tensor"
     value: str | None = None
     legacy_path: str | None = None
+    alias: dict[str, Any] | None = None  # kind "alias": where the identical stored value is
     fingerprint: Fingerprint | None = None
 
     @property
@@ -207,6 +210,11 @@ class _Walker:
         self.leaf(path, legacy, "tensor", tensor=t, type_name="Tensor")
 
 
+def flatten_inputs(args: Any, kwargs: Any) -> list[Leaf]:
+    """A call's arguments as leaves: ``args/0``, ``args/1``, ``kwargs/<name>``..."""
+    return flatten({"args": list(args), "kwargs": kwargs})
+
+
 def flatten(obj: Any, prefix: str = "") -> list[Leaf]:
     """Flatten an output into leaves with injective slash-separated paths (module docstring).
 
@@ -239,3 +247,82 @@ def clone_inputs(obj: Any, depth: int = 0) -> Any:
         except Exception:
             return items
     return obj
+
+
+def rebuild(obj: Any, values: Mapping[str, torch.Tensor], prefix: str = "", *,
+            objects: Mapping[int, Any] | None = None) -> Any:
+    """``obj`` with each tensor whose :func:`flatten` path is in ``values`` replaced by that
+    value: the same structure (containers rebuilt, repeated and cyclic references kept), other
+    data. How replay hands a layer the golden's inputs in the shape of the live call's own
+    arguments. ``objects``: opaque objects (a KV cache) are replaced by a fresh copy of the one
+    given for them (by ``id``), so a replay sees them as they were and cannot mutate the live one."""
+    return _Rebuilder(values, objects).walk(obj, prefix, 0)
+
+
+class _Rebuilder:
+    # a class, not a recursive closure: a closure that calls itself is a reference cycle, which
+    # would keep the golden tensors alive until the cyclic collector runs
+    def __init__(self, values: Mapping[str, torch.Tensor], objects: Mapping[int, Any] | None):
+        self.values = values
+        self.objects = objects
+        self.seen: dict[int, Any] = {}
+
+    def walk(self, o: Any, path: str, depth: int) -> Any:
+        values, seen = self.values, self.seen
+        if isinstance(o, torch.Tensor):
+            return values.get(path, o)
+        if isinstance(o, np.ndarray):
+            return values[path].numpy() if path in values else o
+        if o is None or isinstance(o, (str, bytes, bool, int, float, complex, np.generic)):
+            return o
+        if id(o) in seen:
+            return seen[id(o)]
+        is_map = isinstance(o, Mapping)
+        is_seq = isinstance(o, (tuple, list))
+        is_dc = dataclasses.is_dataclass(o) and not isinstance(o, type)
+        if depth >= MAX_DEPTH or not (is_map or is_seq or is_dc):
+            if self.objects is not None and id(o) in self.objects:
+                return _private(self.objects[id(o)])
+            return o
+        if type(o) is dict:  # registered before its items: a cycle through it comes back to it
+            new: Any = {}
+            seen[id(o)] = new
+            for k, v in o.items():
+                new[k] = self.walk(v, _join(path, encode_key(k)), depth + 1)
+            return new
+        if type(o) is list:
+            new = []
+            seen[id(o)] = new
+            new.extend(self.walk(v, _join(path, str(i)), depth + 1) for i, v in enumerate(o))
+            return new
+        seen[id(o)] = o  # other containers are rebuilt after their items (a cycle meets the original)
+        if is_map:
+            items = {k: self.walk(v, _join(path, encode_key(k)), depth + 1) for k, v in o.items()}
+            ctor: Any = type(o)
+            try:
+                new = ctor(items)
+            except Exception:
+                new = items
+        elif is_seq:
+            parts = [self.walk(v, _join(path, str(i)), depth + 1) for i, v in enumerate(o)]
+            new = type(o)(*parts) if isinstance(o, tuple) and hasattr(o, "_fields") else type(o)(parts)
+        else:
+            changes = {f.name: self.walk(getattr(o, f.name, None), _join(path, encode_str_key(f.name)), depth + 1)
+                       for f in dataclasses.fields(o) if f.init}
+            new = dataclasses.replace(o, **changes)
+        seen[id(o)] = new
+        return new
+
+
+def _private(o: Any) -> Any:
+    try:
+        return copy.deepcopy(o)
+    except Exception:  # an object that cannot be copied is shared (the replay may change it)
+        return o
+
+
+def rebuild_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any], values: Mapping[str, torch.Tensor],
+                   *, objects: Mapping[int, Any] | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call's arguments with the tensors at :func:`flatten_inputs` paths replaced."""
+    new = rebuild({"args": list(args), "kwargs": kwargs}, values, objects=objects)
+    return tuple(new["args"]), dict(new["kwargs"])

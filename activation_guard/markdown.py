@@ -99,7 +99,13 @@ def _divergence(report: Report | None, check: CheckLike) -> str:
         fd = report.first_divergence
         if fd is not None:
             kind = f" ({text_cell(fd.type_name)})" if fd.type_name else ""
-            return f"{code_span(fd.name or '<root>')}{kind} call {fd.call}: {text_cell(WHY.get(fd.status, fd.status))}"
+            cell = f"{code_span(fd.name or '<root>')}{kind} call {fd.call}: {text_cell(WHY.get(fd.status, fd.status))}"
+            o = report.origin
+            if o is not None and (o.name, o.call) != (fd.name, fd.call):
+                cell += f"; origin: {text_cell(o.kind)} in {code_span(o.name or '<root>')}"
+            elif o is not None:
+                cell += f"; origin: {text_cell(o.kind)}"
+            return cell
         return "-"
     if check.first_divergence:
         return text_cell(check.first_divergence)

@@ -31,13 +31,14 @@ PLUGIN_KEYS = frozenset({"path", "model", "args", "kwargs"})
 PREFIX = "activation_guard"
 
 # Where an option set in ini or on the command line came from, per key (shown in errors).
-INI_KEYS = {"rtol": "ag_rtol", "atol": "ag_atol", "fingerprint": "ag_fingerprint"}
+INI_KEYS = {"rtol": "ag_rtol", "atol": "ag_atol", "replay": "ag_replay", "fingerprint": "ag_fingerprint"}
 CLI_FLAGS = {
     "rtol": "--ag-rtol",
     "atol": "--ag-atol",
     "fail_fast": "--ag-fail-fast",
     "calibrate": "--ag-calibrate",
     "tolerance": "--ag-tolerance",
+    "replay": "--ag-replay",
     "fingerprint": "--ag-fingerprint",
 }
 
@@ -93,6 +94,8 @@ class Settings:
         unused: str | None = None,
         cli_calibrate: bool = False,
         cli_tolerance: str | None = None,
+        cli_replay: str | None = None,
+        ini_replay: str | None = None,
         check_determinism: bool = False,
         ini_fingerprint: str | None = None,
         cli_fingerprint: bool = False,
@@ -113,7 +116,8 @@ class Settings:
             )
         # raw values (ini text, flags as typed), judged once by the spec right here, so a bad one
         # is a usage error before any test runs, worded as from every other source
-        ini = {k: v for k, v in (("rtol", ini_rtol), ("atol", ini_atol), ("fingerprint", ini_fingerprint))
+        ini = {k: v for k, v in (("rtol", ini_rtol), ("atol", ini_atol), ("replay", ini_replay),
+                                 ("fingerprint", ini_fingerprint))
                if v is not None and str(v).strip()}
         cli: dict[str, Any] = {k: v for k, v in (("rtol", cli_rtol), ("atol", cli_atol)) if v is not None}
         if cli_fail_fast:
@@ -122,6 +126,8 @@ class Settings:
             cli["calibrate"] = True
         if cli_tolerance is not None:
             cli["tolerance"] = cli_tolerance
+        if cli_replay is not None:
+            cli["replay"] = cli_replay
         if cli_fingerprint:
             cli["fingerprint"] = True
         build_specs(ini, {k: source_label("ini", k) for k in ini})

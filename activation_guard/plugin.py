@@ -65,6 +65,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--ag-tolerance", dest="ag_tolerance", default=None, metavar="{strict,calibrated}",
                 help="strict: per-dtype/per-layer rtol+atol (default); calibrated: judge each layer's error against "
                      "the golden's and the live run's float64 noise floors (cross-device, TF32, reduced precision).")
+    g.addoption("--ag-replay", dest="ag_replay", default=None, metavar="{first,all,off}",
+                help="re-run layers on the golden's recorded inputs: first (default) the first diverging layer, to "
+                     "report whether it changed itself or inherited the difference (origin); all: judge every "
+                     "layer by its own error (cross-device/precision gate, immune to drift); off.")
     g.addoption("--ag-fingerprint", dest="ag_fingerprint", action="store_true", default=False,
                 help="when recording, store a fixed-size fingerprint (a few KiB) instead of the values of every "
                      "float output larger than that (integer, bool and small outputs stay exact): goldens of real "
@@ -75,6 +79,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="run each checked forward twice more and list layers whose outputs differ between runs "
                      "(reported in the summary, never failed).")
     parser.addini("ag_golden_dir", "activation_guard golden directory, relative to the rootdir", default="golden")
+    parser.addini("ag_replay", "activation_guard replay mode: first (default), all or off", default="")
     parser.addini("ag_rtol", "activation_guard default rtol for float layers (default: per-dtype, as torch.testing)",
                   default="")
     parser.addini("ag_atol", "activation_guard default atol for float layers (default: per-dtype, as torch.testing)",
@@ -93,6 +98,7 @@ def pytest_configure(config: pytest.Config) -> None:
             ini_golden_dir=str(config.getini("ag_golden_dir")),
             ini_rtol=str(config.getini("ag_rtol")),
             ini_atol=str(config.getini("ag_atol")),
+            ini_replay=str(config.getini("ag_replay")),
             cli_golden_dir=o.ag_golden_dir,
             cli_rtol=o.ag_rtol,
             cli_atol=o.ag_atol,
@@ -102,6 +108,7 @@ def pytest_configure(config: pytest.Config) -> None:
             unused=o.ag_unused,
             cli_calibrate=o.ag_calibrate,
             cli_tolerance=o.ag_tolerance,
+            cli_replay=o.ag_replay,
             check_determinism=o.ag_check_determinism,
             ini_fingerprint=str(config.getini("ag_fingerprint")),
             cli_fingerprint=o.ag_fingerprint,

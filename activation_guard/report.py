@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .env import recorded_device
-from .results import STATUS_ORDER, LayerResult, LeafResult, from_json_number, json_number
+from .results import STATUS_ORDER, LayerResult, LeafResult, Origin, from_json_number, json_number
 from .selection import display_name
 
 CONTEXT_BEFORE = 3
@@ -90,6 +90,8 @@ class Report:
     stopped_early: bool = False
     mode: str = "strict"
     notes: list[str] = field(default_factory=list)
+    origin: Origin | None = None  # where the difference was made (replay), None when OK or not replayed
+    replay: str = "off"
     output: Any = field(default=None, repr=False, compare=False)
     _order: dict[int, tuple[float, int]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -166,6 +168,8 @@ class Report:
             "mode_changes": list(self.mode_changes),
             "notes": list(self.notes),
             "golden_meta": self.golden_meta,
+            "origin": None if self.origin is None else self.origin.to_dict(),
+            "replay": self.replay,
             "type_only": dict(self.type_only()),
             "layers": [layer.to_dict() for layer in self.layers],
             # where golden-only (missing) calls sit in execution order: layer index -> [at, golden pos]
@@ -189,6 +193,8 @@ class Report:
             input_changes=list(d.get("input_changes") or []),
             env_changes=list(d.get("env_changes") or []),
             mode_changes=list(d.get("mode_changes") or []),
+            origin=Origin.from_dict(d["origin"]) if isinstance(d.get("origin"), dict) else None,
+            replay=str(d.get("replay", "off")),
             stopped_early=bool(d.get("stopped_early")),
             mode=str(d.get("mode", "strict")),
             notes=list(d.get("notes") or []),
@@ -228,6 +234,7 @@ class Report:
         if fd is None:  # a pass is one line; environment notes matter only when explaining a failure
             return self.headline()
         lines = [self.headline()]
+        lines += self._origin_lines(fd)
         lines += [f"  NOTE {m}" for m in self.mode_changes]
         if self.input_changes:
             lines.append("  NOTE inputs differ from the recording, so every layer may differ for that reason:")
@@ -250,6 +257,16 @@ class Report:
         if self.stopped_early:
             lines.append("  (stopped at the first divergence: fail_fast)")
         return "\n".join(lines)
+
+    def _origin_lines(self, fd: LayerResult) -> list[str]:
+        """Where the difference was made, first: it is what a person acts on."""
+        o = self.origin
+        if o is None:
+            return []
+        who = f"{display_name(o.name)!r} ({o.type_name or '?'})" + (f" call {o.call}" if o.call else "")
+        if (o.name, o.call) == (fd.name, fd.call) and o.kind in ("layer", "unknown"):
+            return [f"  replayed      : {o.detail}"]
+        return [f"  origin        : {who} {o.detail}"]
 
     def _detail(self, fd: LayerResult) -> list[str]:
         out = []
@@ -281,6 +298,9 @@ class Report:
                 out.append(f"  tolerance     : rtol={fd.rtol:g}, atol={fd.atol:g} ({fd.tolerance_source})")
             if fd.error_multiple is not None:
                 out.append(f"  error / noise : {fd.error_multiple:.3g}x the calibrated noise floor (fails above 1)")
+        if fd.inherited_status is not None:
+            out.append(f"  judged by     : its own error (replayed on the golden's inputs); its output, with what it "
+                       f"inherited: {fd.inherited_status}, max abs diff {fmt_diff(fd.inherited_max_abs_diff)}")
         bad_leaves = [leaf for leaf in fd.leaves if leaf.status != "match"]
         if len(bad_leaves) > 1:
             out.append("  other outputs : "

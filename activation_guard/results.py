@@ -48,7 +48,8 @@ def _fields_from_dict(cls: Any, d: Any) -> dict[str, Any]:
         raise TypeError(f"expected a dict for {cls.__name__}, got {type(d).__name__}")
     names = set(cls.__dataclass_fields__)
     out = {k: v for k, v in d.items() if k in names}
-    for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple", *ESTIMATE_NUMBERS):
+    for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple", "own_max_abs_diff",
+              "own_max_rel_diff", "inherited_max_abs_diff", *ESTIMATE_NUMBERS):
         if k in out:
             out[k] = from_json_number(out[k])
     for k in ("shape", "live_shape", "index"):
@@ -147,6 +148,12 @@ class LayerResult:
     error_multiple: float | None = None  # calibrated mode: error / allowed noise
     nonfinite_new: int = 0  # NaN/Inf values the golden does not have at their places
     phase: str = "forward"  # one of PHASES
+    # replay: the layer re-run on the golden's inputs, compared with the golden output ("own error")
+    own_status: str | None = None
+    own_max_abs_diff: float | None = None
+    own_max_rel_diff: float | None = None
+    inherited_status: str | None = None  # replay="all": the output verdict, before own errors judged it
+    inherited_max_abs_diff: float | None = None
     leaves: list[LeafResult] = field(default_factory=list)
 
     @property
@@ -159,7 +166,8 @@ class LayerResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "leaves"}
-        for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple"):
+        for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple", "own_max_abs_diff",
+                  "own_max_rel_diff", "inherited_max_abs_diff"):
             d[k] = json_number(d[k])
         if d["index"] is not None:
             d["index"] = list(d["index"])
@@ -219,3 +227,39 @@ def leaf_from_stats(path: str, dtype: str, live_dtype: str, shape: tuple[int, ..
         golden_value=st.golden_value, live_value=st.live_value, rtol=rtol, atol=atol,
         tolerance_source=source,
     )
+
+
+ORIGIN_KINDS = ("layer", "parent-code", "inputs", "unknown")
+
+
+@dataclass
+class Origin:
+    """Where a difference was made, as replay tells it (``Report.origin``).
+
+    ``kind``: ``layer`` (the layer computes differently on the golden's own inputs), ``parent-code``
+    (code of ``name``'s forward between its children: the children compute the same on the
+    golden's inputs, but ``child``'s inputs differ; ``previous`` is the child that returned just
+    before it), ``inputs`` (the model's inputs differ) or ``unknown`` (``detail`` says why, e.g. a
+    golden recorded without inputs). ``own_error`` is the largest difference of the replayed
+    output from the golden output."""
+
+    name: str
+    call: int
+    kind: str
+    own_error: float | None = None
+    detail: str = ""
+    type_name: str = ""
+    child: str | None = None
+    previous: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["own_error"] = json_number(d["own_error"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Origin:
+        kw = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        if "own_error" in kw:
+            kw["own_error"] = from_json_number(kw["own_error"])
+        return cls(**kw)

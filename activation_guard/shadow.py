@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .capture import hooked, run_forward
+from .capture import Frame, hooked, run_forward
 from .devices import reference_device
 from .dtypes import dtype_name
 from .errors import ActivationGuardError
@@ -31,7 +31,7 @@ from .store import GoldenReader, GoldenWriter
 # --------------------------------------------------------------------------- shadow forward
 
 
-def _to_reference(obj: Any, device: torch.device, depth: int = 0) -> Any:
+def to_reference(obj: Any, device: torch.device, depth: int = 0) -> Any:
     """Inputs for the shadow: floating tensors become float64 copies on ``device``; other
     tensors are copied (the model may modify its inputs in place); containers are rebuilt."""
     if isinstance(obj, torch.Tensor):
@@ -42,11 +42,11 @@ def _to_reference(obj: Any, device: torch.device, depth: int = 0) -> Any:
     if depth > 32:
         return obj
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_reference(v, device, depth + 1) for v in obj))
+        return type(obj)(*(to_reference(v, device, depth + 1) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_reference(v, device, depth + 1) for v in obj)
+        return type(obj)(to_reference(v, device, depth + 1) for v in obj)
     if isinstance(obj, Mapping):
-        items = {k: _to_reference(v, device, depth + 1) for k, v in obj.items()}
+        items = {k: to_reference(v, device, depth + 1) for k, v in obj.items()}
         ctor: Any = type(obj)
         try:
             return ctor(items)
@@ -85,9 +85,12 @@ class ShadowRun:
 
     def __init__(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  include: Sequence[str] | None, exclude: Sequence[str] | None, live_device: torch.device,
-                 *, grad: bool = False):
+                 *, grad: bool = False, keep_model: bool = False):
+        """``keep_model``: keep the float64 copy (``model``) for replays' own noise floors."""
         self.live_device = live_device
         self.grad = grad
+        self.keep_model = keep_model
+        self.model: torch.nn.Module | None = None
         self.device = reference_device(live_device)
         self._tmp = tempfile.TemporaryDirectory(prefix="activation_guard-shadow-")
         self.reader: GoldenReader | None = None
@@ -113,13 +116,13 @@ class ShadowRun:
             if self.device != self.live_device:
                 shadow.to(self.device)
             shadow.double()
-            a = _to_reference(args, self.device)
-            kw = _to_reference(kwargs, self.device)
+            a = to_reference(args, self.device)
+            kw = to_reference(kwargs, self.device)
             path = os.path.join(self._tmp.name, "shadow.h5")
             writer = GoldenWriter(path)
 
-            def on_output(name: str, call: int, module: torch.nn.Module, output: Any) -> None:
-                writer.add_call(name, call, type(module).__name__, flatten(output))
+            def on_output(frame: Frame, output: Any) -> None:
+                writer.add_call(frame.name, frame.call, type(frame.module).__name__, flatten(output))
 
             try:
                 with _isolated_rng(self.live_device), _no_autocast(), full_fp32_precision(), \
@@ -135,8 +138,9 @@ class ShadowRun:
             raise ActivationGuardError(
                 f"the float64 shadow forward for calibrated tolerances failed on {self.device} "
                 f"({type(e).__name__}: {e}); use tolerance='strict' for this model") from e
-        finally:
-            del shadow
+        if self.keep_model:
+            self.model = shadow
+        del shadow
         self.reader = GoldenReader(path)
 
     def reference(self, name: str, call: int, path: str) -> torch.Tensor | None:
@@ -173,6 +177,7 @@ class ShadowRun:
             table.add(name, call, leaf.path, self.floor(name, call, leaf.path, leaf.tensor))
 
     def close(self) -> None:
+        self.model = None
         if self.reader is not None:
             self.reader.close()
             self.reader = None

@@ -27,6 +27,7 @@ from .fingerprint_params import PARAM_KEYS, FingerprintError, FingerprintParams
 
 ARGUMENT = "argument"  # the source of a keyword argument of record/compare/compare_models
 TOLERANCE_MODES = ("strict", "calibrated")
+REPLAY_MODES = ("first", "all", "off")
 COMPRESSIONS = (None, "gzip", "lzf")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -260,6 +261,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("compression", _choice(COMPRESSIONS), True, False, "HDF5 compression of large outputs: gzip or lzf"),
     Option("calibrate", _flag, True, False, "also store float64 noise floors (for tolerance='calibrated')"),
     Option("grad", _flag, True, True, "run the forward with autograd on (forwards that call torch.autograd.grad)"),
+    Option("inputs", _flag, True, False, "also record each layer call's inputs (needed to replay and attribute)"),
+    Option("replay", _choice(REPLAY_MODES), False, True,
+           "re-run diverging layers on the golden's inputs: 'first' (attribute the first divergence), "
+           "'all' (judge every layer by its own error) or 'off'"),
     Option("fingerprint", _fingerprint, True, False,
            "store fixed-size fingerprints instead of values: True (every large float output) or layer globs"),
     Option("fingerprint_params", _fingerprint_params, True, False,
@@ -333,6 +338,7 @@ class RecordSpec(_SpecBase):
     compression: str | None = None
     calibrate: bool = False
     grad: bool = False
+    inputs: bool = True
     fingerprint: bool | tuple[str, ...] = False
     fingerprint_params: FingerprintParams = field(default_factory=FingerprintParams)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -365,6 +371,7 @@ class CompareSpec(_SpecBase):
     allow_dtype_change: bool = False
     tolerance: str = "strict"
     grad: bool = False
+    replay: str = "first"
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

@@ -313,6 +313,10 @@ def _section(i: int, label: str, report: Report, with_plot: bool, fd_id: str) ->
     out = [f'<section class="report" id="report-{i}">', f"<h2>{_e(label)}</h2>",
            f'<p class="headline {state}"><b>{_e(report.headline())}</b></p>']
     fd = report.first_divergence
+    if report.origin is not None:
+        o = report.origin
+        out.append(f'<p class="origin"><b>origin ({_e(o.kind)})</b>: {_e(o.name or "<root>")} '
+                   f"({_e(o.type_name or '?')}) {_e(o.detail)}</p>")
     if fd is not None:
         out.append(f'<p><a href="#{fd_id}">jump to the first divergence in the table</a></p>')
     body = str(report).split("\n", 1)[1:]  # the text report below its headline, shown just above

@@ -16,6 +16,7 @@ import argparse
 import os
 import tempfile
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,10 +45,10 @@ class Wrapper(nn.Module):
         return self.inner(x)
 
 
-def timed(fn: object) -> float:
+def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, Any]:
     t = time.perf_counter()
-    fn()  # type: ignore[operator]
-    return time.perf_counter() - t
+    out = fn(*args, **kwargs)
+    return time.perf_counter() - t, out
 
 
 def main() -> None:
@@ -62,19 +63,18 @@ def main() -> None:
             model = Chain(n)
             p = os.path.join(d, f"g{n}.h5")
             ag.record(model, x, path=p)
-            plain = timed(lambda: ag.compare(model, x, path=p))
-            rep: list[ag.Report] = []
-            wrapped = timed(lambda: rep.append(ag.compare(Wrapper(model), x, path=p)))
-            counts = rep[0].counts()
+            plain, _ = timed(ag.compare, model, x, path=p)
+            wrapped, rep = timed(ag.compare, Wrapper(model), x, path=p)
+            counts = rep.counts()
             with torch.no_grad():
                 model.layers[-1].weight.mul_(1.01)
-            late = timed(lambda: ag.compare(model, x, path=p, fail_fast=True))
+            late, _ = timed(ag.compare, model, x, path=p, fail_fast=True)
             rows.append((n, plain, wrapped, late, counts))
     print(f"{'layers':>7} {'plain':>9} {'wrapper':>9} {'fail_fast':>9} {'wrapper/plain':>14}  counts (wrapper)")
     for n, plain, wrapped, late, counts in rows:
         print(f"{n:>7} {plain:>8.2f}s {wrapped:>8.2f}s {late:>8.2f}s {wrapped / plain:>13.2f}x  {counts}")
     if len(rows) > 1:
-        (n0, p0, w0, _, _), (n1, p1, w1, _, _) = rows[0], rows[-1]
+        (n0, _, w0, _, _), (n1, _, w1, _, _) = rows[0], rows[-1]
         print(f"per-layer wrapper cost grows {w1 / n1 / (w0 / n0):.2f}x from {n0} to {n1} layers (1.0 = linear)")
 
 

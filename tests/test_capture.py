@@ -523,7 +523,8 @@ def test_unsupported_models_are_refused_with_a_fix(tmp_path):
 def test_hooked_context_manager_counts_and_removes():
     m = shared_loop(steps=2)
     seen = []
-    with hooked(m, lambda n, c, mod, out: seen.append((n, c)), include=["shared", "act"]) as state, torch.no_grad():
+    with hooked(m, lambda f, out: seen.append((f.name, f.call)), include=["shared", "act"]) as state, \
+            torch.no_grad():
         m(torch.randn(1, 6))
     assert seen == [("shared", 0), ("act", 0), ("shared", 1), ("act", 1)]
     assert state.calls["blocks.1"] == 1  # unselected modules are still counted

@@ -487,7 +487,9 @@ def test_input_fingerprint_change_is_reported_first(mlp_golden):
     assert not rep.ok
     assert rep.input_changes == ["input args/0: same dtype and shape, different values"]
     lines = str(rep).splitlines()
-    assert lines[1].startswith("  NOTE inputs differ")
+    assert lines[1].startswith("  origin        : '<root>' (TinyMLP) the model's inputs differ from the recording")
+    assert rep.origin is not None and rep.origin.kind == "inputs"
+    assert lines[2].startswith("  NOTE inputs differ")
     assert rep.to_dict()["input_changes"] == rep.input_changes
     rep = ag.compare(m, X[:2], path=mlp_golden)
     assert rep.input_changes == ["input args/0: float32 [4, 8] -> float32 [2, 8]"]

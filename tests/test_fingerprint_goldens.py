@@ -118,7 +118,7 @@ def test_fingerprint_golden_is_small_reproducible_and_says_how_it_was_made(golde
 def test_fingerprint_params_are_stored_and_used_by_the_compare(tmp_path):
     p = tmp_path / "g.h5"
     s = ag.record(Net(), X, path=p, fingerprint=True, fingerprint_params={"rows": 7, "samples": 16})
-    assert s.fingerprints == 7 and "7 of them as fingerprints" in str(s)  # enc.0-2, enc, norm, head, root
+    assert s.fingerprints == 8 and "8 of them as fingerprints" in str(s)  # enc.0-2, enc, norm, head, root + its input
     with ag.read_golden(p) as r:
         assert r.fingerprint_params == FingerprintParams(rows=7, samples=16)
         fp = r.fingerprint(r.by_key[("enc.0", 0)].leaves[0])
@@ -414,12 +414,25 @@ def test_inspect_and_textconv_show_fingerprint_statistics(goldens):
 def test_replay_hook_says_a_fingerprint_golden_needs_full_inputs(goldens):
     with ag.read_golden(goldens["full"]) as r:
         assert r.replay_blocker() is None and not any(c.fingerprinted for c in r.calls)
-    with ag.read_golden(goldens["mixed"]) as r:
+    with ag.read_golden(goldens["fp"]) as r:
         msg = r.replay_blocker()
         assert msg is not None and msg.startswith("replay needs full inputs")
-        assert "'enc.0'" in msg and "pytest" not in msg
+        assert "'enc.1'" in msg and "pytest" not in msg
+    with ag.read_golden(goldens["mixed"]) as r:
+        # enc.1, enc.2 and head take fingerprinted outputs (aliases of enc.0's, enc.1's, norm's); enc.0
+        # and norm take full values (the model input; enc's output, stored in full): they can be replayed
+        msg = r.replay_blocker()
+        assert msg is not None and "the inputs of 3 layer calls ('enc.1', 'enc.2', 'head')" in msg
         assert [c.name for c in r.calls if c.fingerprinted] == ["enc.0", "enc.1", "enc.2", "norm"]
         assert all(leaf.is_fingerprint for leaf in r.by_key[("norm", 0)].leaves)
+
+
+def test_replay_attributes_where_inputs_are_full_and_says_why_not_elsewhere(goldens):
+    rep = ag.compare(Net(eps=1e-2), X, path=goldens["mixed"])  # norm: full inputs, fingerprinted output
+    assert rep.origin is not None and (rep.origin.name, rep.origin.kind) == ("norm", "layer")
+    rep = ag.compare(Net(eps=1e-2), X, path=goldens["fp"])  # norm's input is a fingerprint too
+    assert rep.origin is not None and (rep.origin.name, rep.origin.kind) == ("norm", "unknown")
+    assert "replay needs full inputs, but its input args/0 is stored as a fingerprint" in rep.origin.detail
 
 
 # --------------------------------------------------------------------------- damaged and forged files

@@ -79,7 +79,7 @@ def test_rows_details_and_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     rows = [_cells(ln) for ln in md.splitlines() if ln.startswith("| ")]
     assert [r[0] for r in rows[1:]] == ["`t.py::test_a`", "`t.py::test_b`", "`t.py::test_e`", "`t.py::test_m (enc)`"]
     assert rows[1][1:3] == ["✅ passed", "-"] and rows[1][3] == "0"
-    assert rows[2][1] == "❌ diverged" and rows[2][2] == "`2` (Linear) call 0: values outside tolerance"
+    assert rows[2][1] == "❌ diverged" and rows[2][2] == "`2` (Linear) call 0: values outside tolerance; origin: layer"
     assert rows[3][2] == "golden /g/e.h5: broken \\| bad" and rows[4][1] == "❔ missing"
     assert md.count("<details>") == 1 and "<summary>t.py::test_b: first divergence at 2[0] (Linear)" in md
     if visual.plot_available():

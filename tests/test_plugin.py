@@ -442,3 +442,20 @@ def test_repository_goldens_stay_small() -> None:
     root = Path(__file__).resolve().parents[1] / "golden"
     total = sum(p.stat().st_size for p in root.rglob("*.h5"))
     assert 0 < total < 600_000, f"committed goldens take {total} bytes; keep examples tiny"
+
+
+def test_a_golden_path_that_is_a_directory_is_named_not_reported_missing(ag: pytest.Pytester) -> None:
+    """Issue 11 item 11: something is at the golden's path; the failure says what it is."""
+    ag.makepyfile(test_dir='''
+        from agmodels import build, inputs
+
+        def test_mlp(activation_guard):
+            activation_guard.check(build(), inputs())
+    ''')
+    (ag.path / "golden" / "test_dir" / "test_mlp.h5").mkdir(parents=True)
+    for args in ((), ("--ag-update",)):
+        r = ag.runpytest(*args)
+        r.assert_outcomes(failed=1)
+        r.stdout.fnmatch_lines(["*activation_guard: the golden path golden/test_dir/test_mlp.h5 is a directory, "
+                                "not a golden file; remove or rename it*"])
+        assert "no golden for this check" not in r.stdout.str()

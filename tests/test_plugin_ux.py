@@ -189,7 +189,7 @@ def test_help_describes_what_each_option_does(ag: pytest.Pytester) -> None:
     opts = _help_options(out)
     assert set(opts) == {"--ag-update", "--ag-update=missing", "--ag-golden-dir", "--ag-rtol", "--ag-atol",
                          "--ag-fail-fast", "--ag-report", "--ag-unused", "--ag-unused=list", "--ag-calibrate",
-                         "--ag-tolerance", "--ag-check-determinism", "--ag-fingerprint"}
+                         "--ag-tolerance", "--ag-check-determinism", "--ag-replay", "--ag-fingerprint"}
     must_say = {
         "--ag-update": ["write the goldens", "non-cpu ag_device"],
         "--ag-update=missing": ["only create goldens that do not exist", "compared"],
@@ -203,13 +203,14 @@ def test_help_describes_what_each_option_does(ag: pytest.Pytester) -> None:
         "--ag-tolerance": ["={strict,calibrated}", "noise floors"],
         "--ag-golden-dir": ["=DIR", "invocation directory", "ag_golden_dir"],
         "--ag-check-determinism": ["twice", "differ between runs", "never failed"],
+        "--ag-replay": ["={first,all,off}", "recorded inputs", "origin", "own error"],
         "--ag-fingerprint": ["when recording", "fixed-size fingerprint", "integer, bool and small outputs stay exact",
                              "needs no flag", "ini ag_fingerprint", "fingerprint=[globs]"],
     }
     for opt, phrases in must_say.items():
         for phrase in phrases:
             assert phrase in opts[opt], (opt, phrase, opts[opt])
-    for ini in ("ag_golden_dir", "ag_rtol", "ag_atol", "ag_fingerprint"):
+    for ini in ("ag_golden_dir", "ag_rtol", "ag_atol", "ag_replay", "ag_fingerprint"):
         assert re.search(rf"^  {ini} \(", out, re.M), ini
 
 
@@ -299,7 +300,7 @@ def test_junit_xml_carries_the_first_divergence(ag: pytest.Pytester, monkeypatch
     assert props["activation_guard.status"] == "diverged"
     assert props["activation_guard.first_divergence"].startswith("first divergence at layer '2' (Linear) call 0")
     assert props["activation_guard.layer"] == "2" and props["activation_guard.call"] == "0"
-    assert props["activation_guard.origin"] == "None"
+    assert props["activation_guard.origin"].startswith("layer 2[0]: re-run on the golden's own inputs it still differs")
     assert float(props["activation_guard.max_abs_diff"]) == layer["max_abs_diff"]
     assert float(props["activation_guard.max_rel_diff"]) == layer["max_rel_diff"]
     assert (float(props["activation_guard.rtol"]), float(props["activation_guard.atol"])) == (1.3e-06, 1e-05)

@@ -58,7 +58,7 @@ def listing(d) -> list[str]:
 
 def test_layout_is_readable_with_plain_h5py(tmp_path):
     path = tmp_path / "g.h5"
-    summary = ag.record(PackedAndLarge(), XB, path=path)
+    summary = ag.record(PackedAndLarge(), XB, path=path, inputs=False)  # the output layout
     assert summary.file_bytes == os.path.getsize(path)
     assert summary.layer_calls == 4 and summary.names == ["small", "big", "low", ""]
     assert summary.leaves == 3 + 4
@@ -264,7 +264,7 @@ def test_plain_hdf5_and_newer_version_are_refused(tmp_path):
 
 def test_flipped_byte_is_corruption_not_divergence(tmp_path):
     path = tmp_path / "g.h5"
-    ag.record(tiny_mlp(), X, path=path)
+    ag.record(tiny_mlp(), X, path=path, inputs=False)  # every packed byte is an output compare reads
     with h5py.File(path, "r") as f:
         off = f["packs/0000"].id.get_offset()
     data = bytearray(path.read_bytes())
@@ -337,6 +337,7 @@ def test_writer_takes_plain_leaves(tmp_path):
         tensor: torch.Tensor | None = None
         type_name: str = ""
         value: str | None = None
+        alias: dict | None = None
 
     t = torch.arange(20000, dtype=torch.float32)  # 80 KB: its own dataset
     fields = [("a", "tensor", t[:3], "Tensor", None), ("b", "tensor", t, "Parameter", None),

@@ -46,7 +46,8 @@ LFS_SIGNATURE = b"version https://git-lfs"
 ALLOWED_FILTERS = {1, 2, 3, 32000}
 COMPRESSIONS = {None, "gzip", "lzf"}
 ROOT_MEMBERS = ("index", "meta", "packs", "data")
-LEAF_KINDS = ("tensor", "none", "str", "object", "ref", "fingerprint")
+LEAF_KINDS = ("tensor", "none", "str", "object", "ref", "alias", "fingerprint")
+SECTIONS = ("out", "in")  # a call's outputs ("leaves") and its inputs ("inputs")
 _DATASET_NAME = re.compile(r"data/\d{6}")
 
 
@@ -71,6 +72,7 @@ class LeafEntry:
     dataset: str | None = None
     type_name: str = ""
     value: str | None = None
+    alias: tuple[str, int, str, str] | None = None  # (layer, call, section, path) of the stored value
 
     @property
     def numel(self) -> int:
@@ -95,11 +97,13 @@ class CallEntry:
     type_name: str
     leaves: list[LeafEntry]
     position: int  # 0-based position in the golden's execution order
+    inputs: list[LeafEntry] | None = None  # the call's arguments ("args/0", "kwargs/mask"), if recorded
 
     @property
     def fingerprinted(self) -> bool:
-        """Some output of this call is stored as a fingerprint: its values cannot be replayed."""
-        return any(leaf.kind == "fingerprint" for leaf in self.leaves)
+        """Some output or input of this call is stored as a fingerprint (an input may also be an
+        alias of a fingerprint: :meth:`GoldenReader.resolve` tells)."""
+        return any(leaf.kind == "fingerprint" for leaf in (*self.leaves, *(self.inputs or ())))
 
 
 def parse_calls(path: str, calls: list[Any]) -> list[CallEntry]:
@@ -116,6 +120,7 @@ def _parse_call(p: str, c: Any, position: int) -> CallEntry:
     if not isinstance(c, dict):
         raise GoldenFormatError(p, f"index entry #{position} is malformed")
     name, call, tname, leaves = c.get("name"), c.get("call"), c.get("type", ""), c.get("leaves")
+    inputs = c.get("inputs")
     if (
         not isinstance(name, str)
         or not isinstance(call, int)
@@ -123,13 +128,17 @@ def _parse_call(p: str, c: Any, position: int) -> CallEntry:
         or call < 0
         or not isinstance(leaves, list)
         or not isinstance(tname, str)
+        or not (inputs is None or isinstance(inputs, list))
     ):
         raise GoldenFormatError(p, f"index entry #{position} is malformed")
-    return CallEntry(name, call, tname, [_parse_leaf(p, leaf, name, call) for leaf in leaves], position)
+    entry = CallEntry(name, call, tname, [_parse_leaf(p, leaf, name, call) for leaf in leaves], position)
+    if inputs is not None:
+        entry.inputs = [_parse_leaf(p, leaf, name, call, "inputs") for leaf in inputs]
+    return entry
 
 
-def _parse_leaf(p: str, e: Any, lname: str, call: int) -> LeafEntry:
-    where = f"layer {lname!r} call {call}"
+def _parse_leaf(p: str, e: Any, lname: str, call: int, section: str = "outputs") -> LeafEntry:
+    where = f"layer {lname!r} call {call}" + (" inputs" if section == "inputs" else "")
     if not isinstance(e, dict) or not isinstance(e.get("path"), str) or e.get("kind") not in LEAF_KINDS:
         raise GoldenFormatError(p, f"index entry for {where} has a malformed leaf")
     kind = e["kind"]
@@ -137,6 +146,13 @@ def _parse_leaf(p: str, e: Any, lname: str, call: int) -> LeafEntry:
         return LeafEntry(e["path"], kind, type_name="None")
     if kind == "object":
         return LeafEntry(e["path"], kind, type_name=str(e.get("type", "")))
+    if kind == "alias":
+        tgt = (e.get("name"), e.get("call"), e.get("section"), e.get("of"))
+        if (not isinstance(tgt[0], str) or not isinstance(tgt[1], int) or isinstance(tgt[1], bool) or tgt[1] < 0
+                or tgt[2] not in SECTIONS or not isinstance(tgt[3], str)):
+            raise GoldenFormatError(p, f"index entry for {where} has a malformed alias leaf")
+        return LeafEntry(e["path"], kind, type_name=str(e.get("py", "Tensor")),
+                         alias=(str(tgt[0]), int(tgt[1]), str(tgt[2]), str(tgt[3])))
     if kind == "ref":
         v = e.get("value")
         if not isinstance(v, str):

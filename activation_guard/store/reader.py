@@ -181,7 +181,7 @@ class GoldenReader:
         self.fingerprint_params: FingerprintParams | None = None
         self.fingerprint_leaves = 0
         for c in self.calls:
-            for leaf in c.leaves:
+            for leaf in (*c.leaves, *(c.inputs or ())):
                 if leaf.kind != "fingerprint":
                     continue
                 if self.fingerprint_params is None:
@@ -200,17 +200,28 @@ class GoldenReader:
         return self.fingerprint_leaves > 0
 
     def replay_blocker(self) -> str | None:
-        """Why this golden cannot drive a replay (re-running layers from recorded values), or None.
+        """Why some calls of this golden cannot be replayed (re-run on their recorded inputs), or None.
 
-        Replay needs full values; a fingerprint cannot be turned back into a tensor. The hook for
-        replay: refuse with this sentence (neutral wording, the front end adds its command)."""
+        Replay needs full inputs; a fingerprint cannot be turned back into a tensor. A call whose
+        recorded inputs are (or alias) fingerprints is not replayed; the replay names the input
+        per call, this says it for the whole golden (neutral wording, front ends add a command)."""
         if not self.fingerprinted:
             return None
-        calls = [c for c in self.calls if c.fingerprinted]
+        calls = [c for c in self.calls if self._fingerprint_inputs(c)]
+        if not calls:
+            return None
         shown = ", ".join(f"{c.name or '<root>'!r}" for c in calls[:3]) + (", ..." if len(calls) > 3 else "")
-        return (f"replay needs full inputs, but {self.fingerprint_leaves} outputs of {len(calls)} layer calls "
-                f"({shown}) are stored as fingerprints; re-record the golden without fingerprints for the layers "
-                "to replay")
+        return (f"replay needs full inputs, but the inputs of {len(calls)} layer calls ({shown}) are stored as "
+                "fingerprints; re-record the golden without fingerprints for the layers to replay")
+
+    def _fingerprint_inputs(self, c: CallEntry) -> bool:
+        for e in c.inputs or ():
+            try:
+                if self.resolve(e).kind == "fingerprint":
+                    return True
+            except GoldenError:  # a broken alias: the replay reports it when it gets there
+                continue
+        return False
 
     def fingerprint(self, entry: LeafEntry, where: str = "") -> Fingerprint:
         """Read one fingerprint leaf: checksum-verified bytes (a mismatch is corruption), then
@@ -285,12 +296,28 @@ class GoldenReader:
             raise GoldenCorruptError(p, f"{label}: {CORRUPT_VALUES}")
         return raw
 
+    def resolve(self, entry: LeafEntry, where: str = "") -> LeafEntry:
+        """The stored leaf an ``alias`` entry (an input that was already stored) stands for."""
+        if entry.kind != "alias":
+            return entry
+        assert entry.alias is not None
+        name, call, section, path = entry.alias
+        c = self.by_key.get((name, call))
+        leaves = None if c is None else (c.leaves if section == "out" else c.inputs)
+        target = next((x for x in leaves or () if x.path == path), None)
+        if target is None or target.kind == "alias":
+            raise GoldenFormatError(self.path, f"{where or entry.path}: refers to layer {name!r} call {call} "
+                                               f"{'output' if section == 'out' else 'input'} {path!r}, "
+                                               f"which the golden does not hold")
+        return target
+
     def load(self, entry: LeafEntry, where: str = "") -> torch.Tensor:
         """Read one leaf, verify its checksum, return a CPU tensor of its recorded dtype."""
         p = self.path
+        label = where or entry.path
+        entry = self.resolve(entry, label)
         assert entry.kind == "tensor" and entry.dtype is not None
         info = dtypes.BY_NAME[entry.dtype]
-        label = where or entry.path
         try:
             if entry.pack is not None:
                 return dtypes.tensor_from_bytes(self.packed_bytes(entry, label).copy(), info, entry.shape)

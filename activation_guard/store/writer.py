@@ -43,9 +43,11 @@ WRITE_FIX = "free disk space or fix permissions, then re-record"
 class LeafLike(Protocol):
     """What the writer needs of one leaf of a layer's output.
 
-    ``kind`` is ``tensor`` (``tensor`` set), ``str`` (``value`` set), ``none`` or ``object``
-    (recorded by ``type_name`` only). ``capture.Leaf`` has exactly these attributes. A
-    ``fingerprint`` leaf also has a ``fingerprint`` attribute (a :class:`Fingerprint`).
+    ``kind`` is ``tensor`` (``tensor`` set), ``str`` (``value`` set), ``ref`` (``value`` is the path
+    of a container seen before), ``alias`` (``alias`` names a stored value: layer, call, section,
+    path), ``none`` or ``object`` (recorded by ``type_name`` only). ``leaves.Leaf`` has exactly
+    these attributes. A ``fingerprint`` leaf also has a ``fingerprint`` attribute (a
+    :class:`Fingerprint`).
     """
 
     @property
@@ -58,6 +60,8 @@ class LeafLike(Protocol):
     def type_name(self) -> str: ...
     @property
     def value(self) -> str | None: ...
+    @property
+    def alias(self) -> dict[str, Any] | None: ...
 
 
 class GoldenWriter:
@@ -170,8 +174,9 @@ class GoldenWriter:
         self.nfingerprints += 1
         return entry
 
-    def add_call(self, name: str, call: int, module_type: str, leaves: Iterable[LeafLike]) -> None:
-        """Record one layer call (``name``, 0-based ``call`` count) with its leaves, in order."""
+    def write_leaves(self, leaves: Iterable[LeafLike], where: str) -> list[dict[str, Any]]:
+        """Write the values of ``leaves`` now (the snapshot) and return their index entries.
+        An :class:`AliasLike` leaf (an input that is an already stored value) writes nothing."""
         out = []
         for leaf in leaves:
             if leaf.kind == "tensor":
@@ -181,8 +186,7 @@ class GoldenWriter:
                 except OSError as err:  # disk full, file size limit, I/O error: not a model problem
                     raise GoldenWriteError(
                         self.path,
-                        f"could not write layer {name or '<root>'!r} call {call} ({err}); "
-                        "the previous golden, if any, is unchanged",
+                        f"could not write {where} ({err}); the previous golden, if any, is unchanged",
                         fix=WRITE_FIX,
                     ) from err
                 if leaf.type_name != "Tensor":
@@ -190,8 +194,8 @@ class GoldenWriter:
             elif leaf.kind == "fingerprint":
                 fp = getattr(leaf, "fingerprint", None)
                 if not isinstance(fp, Fingerprint):
-                    raise TypeError(f"layer {name or '<root>'!r} call {call} path {leaf.path!r}: a fingerprint leaf "
-                                    f"needs a Fingerprint, got {type(fp).__name__}")
+                    raise TypeError(f"{where} path {leaf.path!r}: a fingerprint leaf needs a Fingerprint, "
+                                    f"got {type(fp).__name__}")
                 e = self._write_fingerprint(fp)
                 if leaf.type_name != "Tensor":
                     e["py"] = leaf.type_name
@@ -199,12 +203,24 @@ class GoldenWriter:
                 e = {"kind": "str", "value": leaf.value, "py": leaf.type_name}
             elif leaf.kind == "ref":
                 e = {"kind": "ref", "value": leaf.value, "type": leaf.type_name}
+            elif leaf.kind == "alias":
+                e = {"kind": "alias", **(leaf.alias or {})}
             else:
                 e = {"kind": leaf.kind, "type": leaf.type_name}
             e["path"] = leaf.path
             out.append(e)
             self.nleaves += 1
-        self.calls.append({"name": name, "call": call, "type": module_type, "leaves": out})
+        return out
+
+    def add_call(self, name: str, call: int, module_type: str, leaves: Iterable[LeafLike],
+                 inputs: list[dict[str, Any]] | None = None) -> None:
+        """Record one layer call (``name``, 0-based ``call`` count) with its output leaves, in
+        order, and the index entries of its inputs (written earlier by :meth:`write_leaves`)."""
+        out = self.write_leaves(leaves, f"layer {name or '<root>'!r} call {call}")
+        rec: dict[str, Any] = {"name": name, "call": call, "type": module_type, "leaves": out}
+        if inputs is not None:
+            rec["inputs"] = inputs
+        self.calls.append(rec)
 
     # -- finishing
     def commit(self, meta: dict[str, Any]) -> None:

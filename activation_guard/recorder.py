@@ -1,0 +1,135 @@
+"""Recording one forward into a golden: each layer call's outputs and, by default, its inputs.
+
+Inputs make a golden replayable: a diverging layer can be re-run on exactly what it received when
+the golden was recorded (:mod:`activation_guard.replay`). They are snapshotted when the call
+starts, before the layer can modify them in place, and most of them cost nothing: an input that
+*is* a tensor already stored (the previous layer's output, the model's own input passed on,
+an attention mask handed to every block) unchanged since (same object, same version counter) is
+stored as an ``alias`` naming where its bytes are, not again.
+
+With fingerprints (``record(fingerprint=...)``), a fingerprinted layer's outputs and its inputs
+that are not aliases are stored as fingerprints alike (:class:`~activation_guard.fingerprint_leaves.Fingerprinter`),
+and an alias may name a fingerprint: such a call cannot be replayed (replay needs full inputs),
+and the replay says so.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from .capture import Frame
+from .errors import ActivationGuardError
+from .fingerprint_leaves import Fingerprinter
+from .leaves import Leaf, flatten, flatten_inputs
+from .store import GoldenWriter
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter (None for inference tensors, which have none)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
+
+
+class _Stored:
+    """Where a stored tensor's bytes are, and the tensor as it was then (object and version)."""
+
+    __slots__ = ("call", "fingerprint", "name", "path", "ref", "section", "version")
+
+    def __init__(self, t: torch.Tensor, name: str, call: int, section: str, path: str, fingerprint: bool = False):
+        self.ref = weakref.ref(t)
+        self.version = _version(t)
+        self.name, self.call, self.section, self.path = name, call, section, path
+        self.fingerprint = fingerprint  # stored as a fingerprint: a full copy stored later is preferred
+
+
+class Recorder:
+    """The consumer of a recording forward: writes outputs (and inputs) as the hooks deliver
+    them; ``shadow``/``floors`` (calibration) measure each output's noise floor as it is written."""
+
+    def __init__(self, writer: GoldenWriter, *, inputs: bool, shadow: Any = None, floors: Any = None,
+                 fingerprinter: Fingerprinter | None = None):
+        self.writer = writer
+        self.inputs = inputs
+        self.fingerprinter = fingerprinter
+        self.shadow = shadow
+        self.floors = floors
+        self.names: list[str] = []
+        self._stored: dict[int, _Stored] = {}
+        self._pending: dict[int, list[dict[str, Any]]] = {}  # id(frame) -> its inputs' index entries
+        self._calls_started: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ inputs
+    def on_enter(self, frame: Frame) -> None:
+        if not self.inputs:
+            return
+        # this call's index, known now: calls are numbered as they return, and a module cannot
+        # return twice while it runs, except recursively (then its inputs are never aliased)
+        call = self._calls_started.get(frame.name, 0)
+        recursive = self._running(frame)
+        leaves = flatten_inputs(frame.args, frame.kwargs)
+        for i, leaf in enumerate(leaves):
+            if leaf.kind == "tensor" and leaf.tensor is not None:
+                alias = self._alias(leaf.tensor)
+                if alias is not None:
+                    leaves[i] = Leaf(leaf.path, "alias", type_name=leaf.type_name, alias=alias)
+        where = f"the inputs of layer {frame.name or '<root>'!r} call {call}"
+        try:
+            stored = leaves if self.fingerprinter is None else self.fingerprinter(frame.name, leaves)
+            entries = self.writer.write_leaves(stored, where)
+        except ActivationGuardError:
+            raise
+        except Exception as e:
+            raise ActivationGuardError(f"recording {where} failed: {e}") from e
+        if not recursive:
+            for leaf, kept in zip(leaves, stored):
+                if leaf.kind == "tensor" and leaf.tensor is not None:
+                    self._remember(leaf.tensor, frame.name, call, "in", leaf.path, kept.kind == "fingerprint")
+        self._pending[id(frame)] = entries
+
+    def _running(self, frame: Frame) -> bool:
+        f = frame.parent
+        while f is not None:
+            if f.module is frame.module:
+                return True
+            f = f.parent
+        return False
+
+    def _alias(self, t: torch.Tensor) -> dict[str, Any] | None:
+        s = self._stored.get(id(t))
+        if s is None or s.ref() is not t or s.version is None or s.version != _version(t):
+            return None
+        return {"name": s.name, "call": s.call, "section": s.section, "of": s.path}
+
+    def _remember(self, t: torch.Tensor, name: str, call: int, section: str, path: str,
+                  fingerprint: bool = False) -> None:
+        old = self._stored.get(id(t))
+        # a full copy beats a fingerprint (a Sequential returns its last child's output object)
+        if old is None or old.ref() is not t or (old.fingerprint and not fingerprint):
+            self._stored[id(t)] = _Stored(t, name, call, section, path, fingerprint)
+
+    # ------------------------------------------------------------------ outputs
+    def on_output(self, frame: Frame, output: Any) -> None:
+        name, call = frame.name, frame.call
+        self._calls_started[name] = call + 1
+        try:
+            leaves = flatten(output)
+            stored = leaves if self.fingerprinter is None else self.fingerprinter(name, leaves)  # on their device
+            self.writer.add_call(name, call, type(frame.module).__name__, stored,
+                                 inputs=self._pending.pop(id(frame), None) if self.inputs else None)
+            if self.shadow is not None:
+                self.shadow.measure(name, call, leaves, self.floors)
+        except ActivationGuardError:
+            raise
+        except Exception as e:
+            raise ActivationGuardError(f"recording layer {name or '<root>'!r} call {call} failed: {e}") from e
+        if self.inputs:
+            for leaf, kept in zip(leaves, stored):
+                if leaf.kind == "tensor" and leaf.tensor is not None:
+                    self._remember(leaf.tensor, name, call, "out", leaf.path, kept.kind == "fingerprint")
+        if call == 0:
+            self.names.append(name)

@@ -1,0 +1,332 @@
+"""Replay: re-run a live layer on the golden's own inputs, and say where a difference was made.
+
+The first diverging output names where numbers first differ, not why. Re-running that module on
+the inputs it received when the golden was recorded separates the two cases:
+
+* its output on the golden's inputs still differs: the layer itself computes differently
+  (``kind="layer"``: a changed weight, epsilon, activation, kernel);
+* it gives the golden's output back, yet its live inputs differ: the difference was made before
+  it, by code of its parent's ``forward`` between its children (``kind="parent-code"``), since
+  every module output before the first divergence matched; or by the model's inputs
+  (``kind="inputs"``).
+
+``replay="all"`` judges every call by this *own error* instead of its inherited output: the gate
+for cross-device and cross-precision runs, where drift accumulates through depth. In calibrated
+mode the own error is weighed against the layer's own noise floor: a float64 copy of the module
+replayed on the same golden inputs (:class:`OwnFloorJudge`).
+
+A replay never changes the live run: hooks stand aside, the RNG is forked (and set to the state
+the module started with, for training-mode modules), the module's buffers are restored, and
+objects passed as inputs (caches) are deep-copied before the module can mutate them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .calibrate import CalibratedJudge, calibrated_verdict
+from .capture import Frame, HookState
+from .devices import stats_device
+from .floors import CALIBRATED_DTYPES, NoiseFloor, diff_stats
+from .judges import Judge, LeafContext, StrictJudge
+from .leaves import flatten, flatten_inputs, rebuild_inputs
+from .results import LayerResult, LeafResult, Origin
+from .selection import display_name
+from .shadow import to_reference
+from .store import CallEntry, GoldenReader
+
+REPLAYABLE = frozenset({"diverged", "nonfinite", "shape", "dtype", "structure"})
+NO_INPUTS = ("the golden has no recorded inputs (recorded with inputs=False, or before inputs were recorded): "
+             "re-record it to replay layers and attribute divergences")
+
+
+@dataclass
+class OwnResult:
+    """A replay's verdict (``layer``), or why the call could not be replayed (``reason``)."""
+
+    layer: LayerResult | None
+    reason: str | None = None
+
+
+class Replayer:
+    """Replays live calls on golden inputs during a compare (the comparator calls it)."""
+
+    def __init__(self, reader: GoldenReader, strict: StrictJudge, *, grad: bool = False,
+                 calibrated: CalibratedJudge | None = None, reference: torch.nn.Module | None = None):
+        """``reference``: the float64 copy of the model (calibrated mode), for own noise floors."""
+        self.reader = reader
+        self.strict = strict
+        self.grad = grad
+        self.calibrated = calibrated
+        self.reference = reference
+        self.state: HookState | None = None  # set once the hooks are installed
+        self.replayed = 0
+        self.failures: dict[str, int] = {}  # why calls could not be replayed -> how many
+
+    # ------------------------------------------------------------------ running
+    def _golden_inputs(self, frame: Frame, entry: CallEntry) -> dict[str, torch.Tensor] | str:
+        """Golden tensors by input path, placed like the live ones, or why that is impossible."""
+        if entry.inputs is None:
+            return NO_INPUTS
+        golden = {e.path: e for e in entry.inputs}
+        out: dict[str, torch.Tensor] = {}
+        for lv in flatten_inputs(frame.args, frame.kwargs):
+            if lv.kind != "tensor" or lv.tensor is None:
+                continue
+            g = golden.get(lv.path)
+            if g is not None:
+                g = self.reader.resolve(g, f"layer {display_name(entry.name)!r} call {entry.call} input {lv.path!r}")
+            if g is not None and g.kind == "fingerprint":
+                return f"replay needs full inputs, but its input {lv.path} is stored as a fingerprint"
+            if g is None or g.kind != "tensor":
+                return f"its input {lv.path} is not a tensor in the golden"
+            if g.shape != tuple(lv.tensor.shape):
+                return f"its input {lv.path} changed shape {list(g.shape)} -> {list(lv.tensor.shape)}"
+            t = self.reader.load(g, f"layer {display_name(entry.name)!r} call {entry.call} input {lv.path!r}")
+            out[lv.path] = t.to(device=lv.tensor.device, dtype=lv.tensor.dtype)
+        return out
+
+    def _run(self, module: torch.nn.Module, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        assert self.state is not None
+        saved = [(b, b.detach().clone()) for b in module.buffers()]
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        self.state.replaying = True
+        try:
+            with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(self.grad):
+                if frame.rng is not None:
+                    torch.set_rng_state(frame.rng[0])
+                    if frame.rng[1] is not None:
+                        torch.cuda.set_rng_state(frame.rng[1])
+                out = module(*args, **kwargs)
+            return out
+        finally:
+            self.state.replaying = False
+            with torch.no_grad():
+                for b, v in saved:
+                    b.copy_(v)
+
+    def own(self, frame: Frame, entry: CallEntry, compare: Any) -> OwnResult:
+        """The call re-run on the golden's inputs and judged against the golden output.
+        ``compare(entry, leaves, name, judge)`` is the comparator's leaf matching."""
+        golden = self._golden_inputs(frame, entry)
+        if isinstance(golden, str):
+            self.failures[golden] = self.failures.get(golden, 0) + 1
+            return OwnResult(None, golden)
+        start = frame.data if isinstance(frame.data, CallStart) else CallStart([], {})
+        if any(v is None for v in start.objects.values()):
+            reason = "it takes an object that could not be copied when the call started, so a re-run would differ"
+            self.failures[reason] = self.failures.get(reason, 0) + 1
+            return OwnResult(None, reason)
+        args, kwargs = rebuild_inputs(frame.args, frame.kwargs, golden, objects=start.objects)
+        try:
+            out = self._run(frame.module, frame, args, kwargs)
+        except Exception as e:  # a replay never breaks the comparison: the origin says why
+            reason = f"re-running it on the golden's inputs raised {type(e).__name__}: {e}"
+            self.failures[reason] = self.failures.get(reason, 0) + 1
+            return OwnResult(None, reason)
+        judge: Judge = self.strict
+        if self.calibrated is not None and self.reference is not None:
+            judge = OwnFloorJudge(self.calibrated, self._reference_outputs(frame, args, kwargs))
+        leaves: list[LeafResult] = compare(entry, flatten(out), frame.name, judge)
+        self.replayed += 1
+        return OwnResult(LayerResult.from_leaves(frame.name, frame.call, type(frame.module).__name__, leaves))
+
+    def _reference_outputs(self, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The float64 module replayed on the same golden inputs: the own noise floor's reference."""
+        assert self.reference is not None
+        try:
+            module = self.reference.get_submodule(frame.name) if frame.name else self.reference
+        except AttributeError:
+            return {}
+        dev = next((p.device for p in module.parameters()), torch.device("cpu"))
+        try:
+            out = self._run(module, frame, to_reference(args, dev), to_reference(kwargs, dev))
+        except Exception:  # no float64 reference: the calibrated rule falls back to the golden's floors
+            return {}
+        return {leaf.path: leaf.tensor for leaf in flatten(out) if leaf.kind == "tensor"}
+
+    # ------------------------------------------------------------------ attribution
+    def attribute(self, frame: Frame, entry: CallEntry, res: LayerResult, compare: Any,
+                  inputs_changed: bool) -> Origin:
+        """Why the first diverging call ``frame`` differs (see the module docstring)."""
+        tname = type(frame.module).__name__
+        own = self.own(frame, entry, compare)
+        if own.layer is None:
+            return Origin(frame.name, frame.call, "unknown", detail=f"not replayed: {own.reason}", type_name=tname)
+        keep_own(res, own.layer)
+        err = own.layer.max_abs_diff
+        if not own.layer.ok and frame.children:  # a parent whose children all matched: its own code
+            return Origin(frame.name, frame.call, "parent-code", err, type_name=tname, previous=frame.last_child,
+                          detail=(f"own code: its {frame.children} child call(s) computed what they computed before, "
+                                  f"but re-run on the golden's own inputs its output still differs "
+                                  f"({_numbers(own.layer)})"))
+        if not own.layer.ok:
+            return Origin(frame.name, frame.call, "layer", err, type_name=tname, detail=(
+                f"re-run on the golden's own inputs it still differs ({_numbers(own.layer)}): its own "
+                f"computation changed"))
+        if inputs_changed:
+            root = self._root(frame)
+            return Origin(root.name, 0, "inputs", err, type_name=type(root.module).__name__, detail=(
+                f"the model's inputs differ from the recording: the first diverging layer, "
+                f"{display_name(frame.name)!r}, gives the golden's output when re-run on the golden's inputs"))
+        parent = frame.parent
+        differ = self._inputs_differ(frame, entry)
+        if parent is None or differ is False:
+            why = ("its live inputs equal the golden's, so the live call differed for another reason (randomness, "
+                   "state changed during the forward)") if differ is False else "it is the model itself"
+            return Origin(frame.name, frame.call, "unknown", err, type_name=tname, detail=(
+                f"re-run on the golden's inputs it gives the golden's output; {why}"))
+        assert self.state is not None
+        pcall = self.state.calls.get(parent.name, 0)
+        child, prev = _relative(frame.name, parent.name), frame.previous
+        between = (f"between {_relative(prev, parent.name)!r} and {child!r}" if prev is not None
+                   else f"before {child!r}")
+        return Origin(parent.name, pcall, "parent-code", err, type_name=type(parent.module).__name__, child=frame.name,
+                      previous=prev, detail=(
+                          f"own code {between}: its children compute the same on the golden inputs, but the inputs of "
+                          f"{child!r} differ"))
+
+    @staticmethod
+    def _root(frame: Frame) -> Frame:
+        while frame.parent is not None:
+            frame = frame.parent
+        return frame
+
+    def _inputs_differ(self, frame: Frame, entry: CallEntry) -> bool | None:
+        """Whether the live call's tensor inputs differ from the golden's beyond tolerance (None:
+        cannot tell: the golden has no inputs, or the layer changed its inputs in place)."""
+        if entry.inputs is None or _modified_in_place(frame):
+            return None
+        golden = {e.path: e for e in entry.inputs}
+        for lv in flatten_inputs(frame.args, frame.kwargs):
+            if lv.kind != "tensor" or lv.tensor is None:
+                continue
+            g = golden.get(lv.path)
+            if g is None:
+                return True
+            g = self.reader.resolve(g)
+            if g.kind != "tensor" or g.shape != tuple(lv.tensor.shape) or g.dtype is None:
+                return True
+            t = self.reader.load(g, f"layer {display_name(entry.name)!r} call {entry.call} input {lv.path!r}")
+            ctx = LeafContext(frame.name, entry.name, entry.call, lv.path, g.dtype, g.dtype)
+            if self.strict.judge(ctx, t, lv.tensor.to(t.dtype)).status != "match":
+                return True
+        return False
+
+    def notes(self) -> list[str]:
+        out = [f"{n} layer call(s) not replayed: {why}" for why, n in self.failures.items()]
+        return out
+
+
+class OwnFloorJudge:
+    """Calibrated mode for replays: a replayed output is weighed against its own noise floor
+    (the float64 module on the same golden inputs), not the floor accumulated through depth."""
+
+    def __init__(self, calibrated: CalibratedJudge, refs: dict[str, Any]):
+        self.calibrated = calibrated
+        self.refs = refs
+
+    def judge(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
+        ref = self.refs.get(ctx.path)
+        if (ref is None or tuple(ref.shape) != tuple(live.shape) or ctx.golden_dtype not in CALIBRATED_DTYPES
+                or ctx.live_dtype not in CALIBRATED_DTYPES):
+            return self.calibrated.judge(ctx, golden, live)
+        dev = stats_device(live)
+        gf = diff_stats(golden.to(dev), ref.to(dev))
+        lf = diff_stats(live, ref.to(dev))
+        if not (gf.finite and lf.finite):
+            return self.calibrated.judge(ctx, golden, live)
+        res = calibrated_verdict(ctx, golden, live, NoiseFloor(gf.max_abs, gf.rms), NoiseFloor(lf.max_abs, lf.rms))
+        res.tolerance_source = f"{res.tolerance_source} (own noise floor: float64 replay on the golden inputs)"
+        return res
+
+    def identical(self, ctx: LeafContext, live: torch.Tensor) -> LeafResult:
+        return self.calibrated.identical(ctx, live)
+
+    def notes(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def keep_own(res: LayerResult, own: LayerResult) -> None:
+    """Put a replay's verdict on the call's result (the report shows both)."""
+    res.own_status = own.status
+    res.own_max_abs_diff = own.max_abs_diff
+    res.own_max_rel_diff = own.max_rel_diff
+
+
+def judge_by_own(res: LayerResult, own: LayerResult) -> LayerResult:
+    """``replay="all"``: the call's verdict becomes its own error; the output verdict is kept as
+    ``inherited_*``."""
+    new = LayerResult.from_leaves(res.name, res.call, res.type_name, own.leaves, position=res.position,
+                                  golden_position=res.golden_position, golden_name=res.golden_name)
+    keep_own(new, own)
+    new.inherited_status = res.status
+    new.inherited_max_abs_diff = res.max_abs_diff
+    return new
+
+
+def _numbers(layer: LayerResult) -> str:
+    if layer.max_abs_diff is None:
+        return layer.status
+    return f"max abs diff {layer.max_abs_diff:.3g}" + (f", rtol={layer.rtol:g}, atol={layer.atol:g}"
+                                                      if layer.rtol is not None and layer.atol is not None else "")
+
+
+def _relative(name: str | None, parent: str) -> str:
+    if name is None:
+        return "?"
+    return name[len(parent) + 1:] if parent and name.startswith(parent + ".") else display_name(name)
+
+
+@dataclass
+class CallStart:
+    """What a call's arguments were when it started, beyond their tensors' values: the tensors'
+    in-place versions (did the layer change its inputs?) and copies of opaque objects (a KV cache
+    the layer appends to), so a replay sees them as the live call did."""
+
+    versions: list[tuple[torch.Tensor, int]]
+    objects: dict[int, Any]
+
+
+def _modified_in_place(frame: Frame) -> bool:
+    start = frame.data
+    if not isinstance(start, CallStart):
+        return False
+    return any(t._version != v for t, v in start.versions)
+
+
+_PLAIN = (str, bytes, bool, int, float, complex, type(None))
+
+
+def remember_start(frame: Frame) -> None:
+    """At a call's start (compare with replay): see :class:`CallStart`."""
+    start = CallStart([], {})
+    for v in (*frame.args, *frame.kwargs.values()):
+        _scan(start, v, 0)
+    frame.data = start
+
+
+def _scan(start: CallStart, v: Any, depth: int) -> None:
+    # a module-level function, not a closure: a recursive closure is a reference cycle that would
+    # keep every call's input tensors alive until the cyclic collector runs (+46 MiB measured)
+    if isinstance(v, torch.Tensor):
+        with contextlib.suppress(RuntimeError):  # inference tensors have no version counter
+            start.versions.append((v, v._version))
+    elif isinstance(v, (*_PLAIN, torch.nn.Module)) or depth > 2:
+        return
+    elif type(v) in (list, tuple, dict):
+        for x in (v.values() if isinstance(v, dict) else v):
+            _scan(start, x, depth + 1)
+    elif id(v) not in start.objects:
+        try:
+            start.objects[id(v)] = copy.deepcopy(v)
+        except Exception:  # cannot be copied: the replay is told it may differ
+            start.objects[id(v)] = None

@@ -1,0 +1,255 @@
+"""Replay and attribution (issue 13): did this layer change, or did it inherit the difference?"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import h5py
+import pytest
+import torch
+import torch.nn.functional as F
+from models import (
+    bert_mask,
+    build_cnn,
+    build_hf_bert,
+    build_hf_gpt2,
+    build_hf_llama,
+    cnn_input,
+    scale_weight,
+    token_input,
+)
+from torch import nn
+
+import activation_guard as ag
+from activation_guard.report import Report
+
+
+def _check(model: nn.Module, changed: nn.Module, args: Any, tmp_path: Path, kwargs: Any = None,
+           **options: Any) -> ag.Report:
+    p = tmp_path / "g.h5"
+    ag.record(model, args, kwargs, path=p)
+    assert ag.compare(model, args, kwargs, path=p, **options).ok
+    return ag.compare(changed, args, kwargs, path=p, **options)
+
+
+# --------------------------------------------------------------------------- code between children
+
+
+def _encoder_layer() -> nn.TransformerEncoderLayer:
+    torch.manual_seed(0)
+    return nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True).eval()
+
+
+X = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+
+
+def test_a_changed_activation_function_inside_a_parent_is_the_parents_code(tmp_path: Path) -> None:
+    """The issue's measured failure: a GELU passed as a function lives in the parent's forward;
+    the first diverging module ('dropout') computes what it always did on what it was given."""
+    layer = _encoder_layer()
+    changed = copy.deepcopy(layer)
+    changed.activation = lambda t: F.gelu(t, approximate="tanh")
+    report = _check(layer, changed, X, tmp_path)
+    assert report.first_divergence is not None and report.first_divergence.name == "dropout"
+    o = report.origin
+    assert o is not None and (o.kind, o.name, o.child, o.previous) == ("parent-code", "", "dropout", "linear1")
+    assert report.first_divergence.own_status == "match" and report.first_divergence.own_max_abs_diff == 0.0
+    line = str(report).splitlines()[1]
+    assert line == ("  origin        : '<root>' (TransformerEncoderLayer) own code between 'linear1' and 'dropout': "
+                    "its children compute the same on the golden inputs, but the inputs of 'dropout' differ")
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, scale: float = 1.0, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(8, 8)
+        self.scale, self.eps = scale, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(self.act(self.fc1(x)))
+        y = F.layer_norm(x + self.scale * h, (8,), eps=self.eps)  # functional: the parent's own code
+        return y
+
+
+class Net(nn.Module):
+    def __init__(self, scale: float = 1.0, eps: float = 1e-5) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = ResidualBlock(scale, eps)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+@pytest.mark.parametrize("change", [dict(scale=0.99), dict(eps=1e-2)])
+def test_a_scaled_residual_or_a_functional_eps_is_the_parents_own_code(tmp_path: Path, change: dict) -> None:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    report = _check(Net(), Net(**change), x, tmp_path)
+    assert report.first_divergence is not None and report.first_divergence.name == "block"
+    o = report.origin
+    assert o is not None and (o.kind, o.name, o.previous) == ("parent-code", "block", "block.fc2")
+    assert "its 3 child call(s) computed what they computed before" in o.detail
+
+
+# --------------------------------------------------------------------------- real models
+
+
+def test_bert_attention_scaling_is_the_attention_modules_code(tmp_path: Path) -> None:
+    model = build_hf_bert()
+    changed = copy.deepcopy(model)
+    changed.encoder.layer[0].attention.self.scaling *= 1.05
+    report = _check(model, changed, token_input(), tmp_path, bert_mask())
+    o = report.origin
+    assert o is not None and (o.kind, o.name) == ("parent-code", "encoder.layer.0.attention.self")
+
+
+def test_gpt2_attention_scaling_is_found_between_its_projections(tmp_path: Path) -> None:
+    model = build_hf_gpt2()
+    changed = copy.deepcopy(model)
+    changed.h[0].attn.scaling *= 1.5
+    report = _check(model, changed, token_input(), tmp_path)
+    o = report.origin
+    assert o is not None and o.kind == "parent-code" and o.name == "h.0.attn"
+
+
+def test_llama_replay_with_a_kv_cache_leaves_the_live_cache_alone(tmp_path: Path) -> None:
+    """Llama's attention appends to a DynamicCache: the replay gets a copy of the cache as it was
+    when the call started, so it neither fails nor corrupts the live run's cache."""
+    model = build_hf_llama()
+    changed = copy.deepcopy(model)
+    changed.model.layers[0].self_attn.scaling *= 1.05
+    report = _check(model, changed, token_input(), tmp_path)
+    o = report.origin
+    assert o is not None and (o.kind, o.name) == ("parent-code", "model.layers.0.self_attn")
+    assert not any("not replayed" in n for n in report.notes)
+    plain = ag.compare(changed, token_input(), path=tmp_path / "g.h5", replay="off")
+    assert [r.to_dict() | {"own_status": None, "own_max_abs_diff": None, "own_max_rel_diff": None}
+            for r in report.layers] == [r.to_dict() for r in plain.layers]  # replay changed nothing live
+
+
+@pytest.mark.parametrize(("build", "inputs", "layer"), [
+    (build_hf_bert, token_input, "encoder.layer.1.intermediate.dense"),
+    (build_cnn, cnn_input, "conv2"),
+])
+def test_a_changed_weight_is_its_own_layer(tmp_path: Path, build: Any, inputs: Any, layer: str) -> None:
+    model = build()
+    changed = copy.deepcopy(model)
+    scale_weight(changed, layer, 1.01)
+    report = _check(model, changed, inputs(), tmp_path)
+    o = report.origin
+    assert o is not None and (o.kind, o.name) == ("layer", layer)
+    assert o.own_error is not None and o.own_error > 0
+    line = str(report).splitlines()[1]
+    assert line.startswith("  replayed      : re-run on the golden's own inputs it still differs")
+
+
+def test_changed_model_inputs_are_the_inputs(tmp_path: Path) -> None:
+    layer = _encoder_layer()
+    p = tmp_path / "g.h5"
+    ag.record(layer, X, path=p)
+    report = ag.compare(layer, X * 1.001, path=p)
+    o = report.origin
+    assert o is not None and o.kind == "inputs" and o.name == ""
+
+
+def test_a_golden_without_inputs_says_it_needs_a_re_record(tmp_path: Path) -> None:
+    p = tmp_path / "g.h5"
+    ag.record(Net(), torch.randn(4, 8), path=p, inputs=False)
+    report = ag.compare(Net(scale=0.9), torch.randn(4, 8), path=p)
+    o = report.origin
+    assert o is not None and o.kind == "unknown" and "re-record it" in o.detail
+
+
+def test_corrupted_input_bytes_are_corruption_not_an_attribution(tmp_path: Path) -> None:
+    p = tmp_path / "g.h5"
+    x = torch.randn(4, 8)
+    ag.record(Net(), x, path=p)
+    with ag.read_golden(p) as g:
+        block = g.by_key[("block", 0)]
+        stored = [g.resolve(e) for e in block.inputs or [] if e.kind in ("tensor", "alias")]
+    # the block's input is the model's input (an alias): damage the model input's bytes
+    target = next(e for e in stored if e.pack is not None)
+    with h5py.File(p, "r") as f:
+        off = f[f"packs/{target.pack:04d}"].id.get_offset() + target.offset
+    data = bytearray(p.read_bytes())
+    data[off] ^= 0x01
+    p.write_bytes(bytes(data))
+    with pytest.raises(ag.GoldenCorruptError, match="checksum"):
+        ag.compare(Net(scale=0.9), x, path=p)
+
+
+# --------------------------------------------------------------------------- the live run is untouched
+
+
+class TrainNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.3)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(self.bn(self.fc(x))))
+
+
+def test_replay_restores_rng_buffers_and_leaves_the_live_results_alone(tmp_path: Path) -> None:
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(3))
+    p = tmp_path / "g.h5"
+    torch.manual_seed(5)
+    ag.record(TrainNet().train(), x, path=p)
+    changed = TrainNet().train()
+    scale_weight(changed, "bn", 1.01)
+    stats = changed.bn.running_mean.clone()
+    torch.manual_seed(5)
+    with_replay = ag.compare(changed, x, path=p)
+    after = changed.bn.running_mean.clone()
+    changed.bn.running_mean.copy_(stats)
+    torch.manual_seed(5)
+    without = ag.compare(changed, x, path=p, replay="off")
+    assert torch.equal(after, changed.bn.running_mean)  # the replay restored the batch-norm statistics
+    assert with_replay.origin is not None and (with_replay.origin.kind, with_replay.origin.name) == ("layer", "bn")
+    strip = ("own_status", "own_max_abs_diff", "own_max_rel_diff")
+    assert [{k: v for k, v in r.to_dict().items() if k not in strip} for r in with_replay.layers] == \
+           [{k: v for k, v in r.to_dict().items() if k not in strip} for r in without.layers]
+    assert torch.equal(with_replay.output, without.output)  # the dropout after it drew the same numbers
+
+
+# --------------------------------------------------------------------------- replay="all"
+
+
+def test_replay_all_judges_each_call_by_its_own_error_immune_to_inherited_drift(tmp_path: Path) -> None:
+    model = build_cnn()
+    changed = copy.deepcopy(model)
+    scale_weight(changed, "conv1", 1.001)
+    p = tmp_path / "g.h5"
+    ag.record(model, cnn_input(), path=p)
+    plain = ag.compare(changed, cnn_input(), path=p, replay="off")
+    inherited = {r.name for r in plain.layers if not r.ok}
+    assert len(inherited) > 3  # the change propagates through everything after conv1
+    report = ag.compare(changed, cnn_input(), path=p, replay="all")
+    bad = [r.name for r in report.layers if not r.ok]
+    assert "conv1" in bad and report.first_divergence.name == "conv1"
+    leaves_after = [r for r in report.layers if r.name in inherited and r.name not in ("conv1", "")
+                    and r.type_name not in ("SmallCNN",)]
+    assert leaves_after and all(r.inherited_status != "match" for r in leaves_after)
+    assert all(r.ok for r in leaves_after if r.type_name in ("ReLU", "BatchNorm2d", "Conv2d", "Linear"))
+    assert report.origin is not None and (report.origin.kind, report.origin.name) == ("layer", "conv1")
+    text = str(report)
+    assert "judged by     : its own error" in text
+
+
+def test_origin_round_trips_through_json(tmp_path: Path) -> None:
+    layer = _encoder_layer()
+    changed = copy.deepcopy(layer)
+    changed.activation = lambda t: F.gelu(t, approximate="tanh")
+    report = _check(layer, changed, X, tmp_path)
+    back = Report.from_dict(json.loads(json.dumps(report.to_dict(), allow_nan=False)))
+    assert back.origin == report.origin and back == report and str(back) == str(report)
