@@ -121,7 +121,7 @@ def report(out: Callable[[str], None], name: str, note: str, r: dict[str, Any],
            targets: list[tuple[str, str, bool]]) -> None:
     fwd = r["forward"]
     out(f"\n== fingerprints, {name}: {note}")
-    out(f"   {r['layer_calls']} layer calls, {r['outputs']} outputs ({r['fingerprints']} fingerprinted, "
+    out(f"   {r['layer_calls']} layer calls, {r['outputs']} stored values ({r['fingerprints']} fingerprinted, "
         f"{r['elements'] / 1e6:.1f} M elements), {r['raw_bytes'] / 1e6:.1f} MB of activations")
     size = r["fp_bytes"] / r["full_bytes"]
     out(f"   golden size      full {r['full_bytes'] / 1e6:9.2f} MB   fingerprints {r['fp_bytes'] / 1e6:9.3f} MB   "
