@@ -76,6 +76,6 @@ def test_quick_benchmark_json_has_consistent_figures(quick_run):
     fp = res["fingerprint"]["wide"]
     for k in ("forward", "kernel", "record full", "record fp", "compare full", "compare fp"):
         assert fp[k] > 0, k
-    assert fp["fingerprints"] == 9 and 0 < fp["fp_bytes"] < fp["full_bytes"]
+    assert fp["fingerprints"] >= 9 and 0 < fp["fp_bytes"] < fp["full_bytes"]  # 9 outputs (+ inputs, if recorded)
     assert any("fingerprint golden <= 1% of full" in n for n in names)
 

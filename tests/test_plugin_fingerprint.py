@@ -162,10 +162,13 @@ def test_corrupt_fingerprint_fails_the_test_naming_the_file(ag_: pytest.Pytester
 
     ag_.runpytest("--ag-update", "--ag-fingerprint", *LEAN).assert_outcomes(passed=1)
     path = ag_.path / GOLDEN
+    with ag.read_golden(path) as r:
+        enc = r.by_key[("enc", 0)].leaves[0]
+    assert enc.kind == "fingerprint" and enc.pack is not None
     with h5py.File(path, "r+") as f:
-        data = f["packs/0000"][()]
-        data[200] ^= 0x01
-        f["packs/0000"][...] = data
+        data = f[f"packs/{enc.pack:04d}"][()]
+        data[enc.offset + 200] ^= 0x01
+        f[f"packs/{enc.pack:04d}"][...] = data
     r = ag_.runpytest(*LEAN)
     r.assert_outcomes(failed=1)
     out = r.stdout.str()
