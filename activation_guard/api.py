@@ -21,6 +21,8 @@ from . import dist_capture as distcap  # issue 16 (distributed)
 from . import env as envmod
 from .capture import check_model, hooked, normalize_inputs, run_forward
 from .comparator import Comparator, StopForward, recorded_selection
+from .fingerprint import FingerprintParams
+from .fingerprint_leaves import Fingerprinter, meta_entry
 from .judges import Judge, StrictJudge
 from .leaves import clone_inputs
 from .recorder import Recorder
@@ -40,18 +42,23 @@ class RecordSummary:
     path: str
     layer_calls: int
     leaves: int
-    nbytes: int  # raw bytes of all stored tensors
+    nbytes: int  # raw bytes of all stored tensors (and of the stored fingerprints)
     file_bytes: int
     names: list[str] = field(default_factory=list)
     output: Any = field(default=None, repr=False, compare=False)
+    fingerprints: int = 0  # outputs stored as fingerprints (``nbytes`` counts their stored bytes)
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "layer_calls": self.layer_calls, "leaves": self.leaves, "nbytes": self.nbytes,
-                "file_bytes": self.file_bytes}
+                "file_bytes": self.file_bytes, "fingerprints": self.fingerprints, "notes": list(self.notes)}
 
     def __str__(self) -> str:
-        return (f"activation_guard: recorded {self.layer_calls} layer calls ({self.leaves} outputs, "
-                f"{self.nbytes / 1e6:.3g} MB of values) to {self.path} ({self.file_bytes / 1e6:.3g} MB)")
+        stored = (f"{self.fingerprints} of them as fingerprints, {self.nbytes / 1e6:.3g} MB stored" if self.fingerprints
+                  else f"{self.nbytes / 1e6:.3g} MB of values")
+        text = (f"activation_guard: recorded {self.layer_calls} layer calls ({self.leaves} outputs, {stored}) "
+                f"to {self.path} ({self.file_bytes / 1e6:.3g} MB)")
+        return "\n".join([text, *(f"  note: {n}" for n in self.notes)])
 
 
 # --------------------------------------------------------------------------- record
@@ -86,6 +93,8 @@ def record(
     calibrate: bool = False,
     grad: bool = False,
     inputs: bool = True,
+    fingerprint: bool | str | Sequence[str] = False,
+    fingerprint_params: FingerprintParams | Mapping[str, Any] | None = None,
 ) -> RecordSummary:
     """Run ``model(*args, **kwargs)`` once and write every layer's outputs to a golden.
 
@@ -101,13 +110,22 @@ def record(
     re-run a diverging layer on exactly what it received (``replay=``) and say whether the layer
     itself changed; inputs that are already stored values are kept as references, not again.
 
+    ``fingerprint=True`` stores a fixed-size fingerprint (a few KiB) instead of the values of every
+    floating output larger than that; layer globs (``"encoder.*"`` or a list) fingerprint only
+    those layers and keep the rest exact. Integer and bool outputs are always exact. A compare
+    against fingerprints is sound but probabilistic (docs/fingerprint.md); ``fingerprint_params``
+    (``samples``, ``rows``, ``buckets``, ``false_alarm``, ``seed``) sets their size and bound. The
+    inputs of fingerprinted layers are fingerprinted alike (replay needs full inputs: such a
+    layer is not replayed).
+
     The write is atomic: the golden at ``path`` is replaced only after the new one is complete,
     so an error or a kill mid-forward leaves the previous golden as it was. In a multi-rank
     torch.distributed run each rank writes its own local values to ``<golden>.rank<r>-of-<w>.h5``
     (the summary's ``path``; docs/distributed.md).
     """
     spec = RecordSpec.build(dict(include=include, exclude=exclude, compression=compression, calibrate=calibrate,
-                                 grad=grad, inputs=inputs))
+                                 grad=grad, inputs=inputs, fingerprint=None if fingerprint is False else fingerprint,
+                                 fingerprint_params=fingerprint_params))
     return record_spec(model, args, kwargs, path=path, spec=spec)
 
 
@@ -133,7 +151,8 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
         writer.abort()
         raise
     floors = calmod.FloorTable()
-    rec = Recorder(writer, inputs=spec.inputs, shadow=shadow, floors=floors,
+    fingerprinter = Fingerprinter.for_spec(spec)
+    rec = Recorder(writer, inputs=spec.inputs, shadow=shadow, floors=floors, fingerprinter=fingerprinter,
                    transform=None if dcap is None else dcap.convert)
     try:
         with hooked(target, rec.on_output, inc, exc, on_enter=rec.on_enter) as state:
@@ -141,6 +160,7 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
         if not writer.calls:
             raise nothing_selected(inc, exc, [n for n, _ in model.named_modules()])
         meta["layer_calls"] = len(writer.calls)
+        meta.update(meta_entry(fingerprinter))
         if shadow is not None:
             floors.info = {"reference_device": str(shadow.device)}
             meta[calmod.META_KEY] = floors.to_meta()
@@ -153,7 +173,9 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
             shadow.close()
     return RecordSummary(
         path=writer.path, layer_calls=len(writer.calls), leaves=writer.nleaves, nbytes=writer.nbytes,
-        file_bytes=os.path.getsize(writer.path), names=rec.names, output=out,
+        file_bytes=os.path.getsize(writer.path), names=rec.names, output=out, fingerprints=writer.nfingerprints,
+        notes=[] if fingerprinter is None else [f"fingerprint pattern {p!r} matched no layer"
+                                                for p in fingerprinter.unmatched()],
     )
 
 
@@ -272,7 +294,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
                     if layer.status != "missing" or math.isfinite(order.get(i, (math.inf, 0))[0])]
             order = {k: order[i] for k, i in enumerate(keep) if i in order}
             layers = [layers[i] for i in keep]
-        notes = judge.notes() + ([] if comp.replayer is None else comp.replayer.notes())
+        notes = judge.notes() + comp.notes() + ([] if comp.replayer is None else comp.replayer.notes())
     finally:
         reader.close()
         if judge is not None:

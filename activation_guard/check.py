@@ -114,6 +114,12 @@ def divergence_properties(report: Report) -> list[tuple[str, Any]]:
     return [(PROPERTY_PREFIX + k, v) for k, v in props]
 
 
+def _fingerprinted_everywhere(report: Report) -> bool:
+    """The golden was recorded with ``fingerprint=True`` (its meta says so)."""
+    fp = report.golden_meta.get("fingerprint")
+    return isinstance(fp, dict) and fp.get("layers") is True
+
+
 class GoldenCheck:
     """What the ``activation_guard`` fixture returns: bound to one test and its golden file(s).
 
@@ -158,8 +164,8 @@ class GoldenCheck:
         s = self._session.settings
         return resolve_options(s.ini_options, s.cli_options, self.marker, call)
 
-    def rerecord_command(self, opts: ResolvedOptions | None = None) -> str:
-        cmd = rerecord_command(self._session.settings, opts, self.record_nodeid)
+    def rerecord_command(self, opts: ResolvedOptions | None = None, *, fingerprinted: bool = False) -> str:
+        cmd = rerecord_command(self._session.settings, opts, self.record_nodeid, fingerprinted=fingerprinted)
         ranks = self._session.ranks
         if ranks is not None and cmd.startswith("pytest "):  # issue 16: every rank re-records its own golden
             cmd = f"torchrun --nproc-per-node {ranks.info.world_size} -m {cmd}"
@@ -289,7 +295,8 @@ class GoldenCheck:
             prefixed(
                 f"{report}\n\n"
                 f"  options in force: {describe(rec_spec, cmp_spec)}\n"
-                f"  If this change is intended, re-record the golden: {self.rerecord_command(opts)}"
+                f"  If this change is intended, re-record the golden: "
+                f"{self.rerecord_command(opts, fingerprinted=_fingerprinted_everywhere(report))}"
             ),
             pytrace=False,
         )

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from .capture import Frame
 from .dist_capture import attribute, shard_verdict
 from .dtypes import BY_NAME, dtype_name, tensor_bytes, tensor_from_bytes
+from .fingerprint_rule import FingerprintJudge
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaves import Leaf, LeafTransform, flatten
 from .rename import apply_rename, renamed_patterns
@@ -52,15 +53,18 @@ class Comparator:
     """Compares each live layer call against its golden as soon as the layer returns."""
 
     def __init__(self, reader: GoldenReader, spec: CompareSpec, judge: Judge, *,
-                 golden_filter: Selection | None = None, transform: LeafTransform | None = None):
+                 golden_filter: Selection | None = None, transform: LeafTransform | None = None,
+                 fingerprints: FingerprintJudge | None = None):
         """``golden_filter``: the golden's own recorded selection, by golden name, when the hooks
         could not apply it (under ``rename``): a live layer outside it was never stored, so it is
         not "unexpected". ``transform``: applied to every hooked call's leaves before the golden is
-        consulted (a multi-rank run's conversions, which are collectives: see dist_capture)."""
+        consulted (a multi-rank run's conversions, which are collectives: see dist_capture).
+        ``fingerprints``: the rule for fingerprinted leaves (default: the one matching ``judge``)."""
         self.reader = reader
         self.transform = transform
         self.spec = spec
         self.judge = judge
+        self.fingerprints = fingerprints
         self.golden_filter = golden_filter
         self.results: list[LayerResult] = []
         self.seen: set[tuple[str, int]] = set()
@@ -194,6 +198,10 @@ class Comparator:
 
     def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
         p = g.path
+        if "fingerprint" in (g.kind, lv.kind):  # fingerprint_rule decides (no memcmp fast path)
+            if self.fingerprints is None:
+                self.fingerprints = FingerprintJudge.for_judge(self.judge)
+            return self.fingerprints.compare_leaf(self.reader, g, lv, name, entry, self.spec.allow_dtype_change)
         if g.kind != lv.kind:
             return LeafResult(p, "structure", f"{_out(p)} was {_kind(g)}, is now {lv.type_name}")
         if g.kind == "none":
@@ -243,6 +251,10 @@ class Comparator:
         return judge.judge(ctx, golden, t)
 
     # ------------------------------------------------------------------ end of run
+    def notes(self) -> list[str]:
+        """The report notes of the rules the comparator added (fingerprints), after the judge's."""
+        return [] if self.fingerprints is None else self.fingerprints.notes()
+
     def finish(self) -> tuple[list[LayerResult], dict[int, tuple[float, int]]]:
         """All results: live calls in execution order, then golden calls the live run never made
         (``missing``), each placed where the live run passed its spot in the golden's order.

@@ -33,10 +33,13 @@ def _leaves(reader: GoldenReader, c: CallEntry) -> list[Leaf]:
         if e.kind == "tensor":
             t = reader.load(e, f"layer {c.name!r} call {c.call} output {e.path!r}")
             out.append(Leaf(e.path, "tensor", tensor=t, type_name=e.type_name or "Tensor"))
+        elif e.kind == "fingerprint":  # judged fingerprint against fingerprint (or a full golden, fingerprinted)
+            fp = reader.fingerprint(e, f"layer {c.name!r} call {c.call} output {e.path!r}")
+            out.append(Leaf(e.path, "fingerprint", type_name=e.type_name or "Tensor", fingerprint=fp))
         elif e.kind == "str":
             out.append(Leaf(e.path, "str", type_name=e.type_name or "str", value=e.value))
         else:
-            out.append(Leaf(e.path, e.kind, type_name=e.type_name))
+            out.append(Leaf(e.path, e.kind, type_name=e.type_name, value=e.value))
     return out
 
 
@@ -81,6 +84,7 @@ def diff_recordings(
         layers, order = comp.finish()
         if not layers:
             raise nothing_selected(inc, exc, [c.name for c in gb.calls if c.call == 0])
+        fp_notes = comp.notes()
     env_changes = envmod.describe_env_change(
         gmeta.get("numerics"), bmeta.get("numerics") if isinstance(bmeta.get("numerics"), dict) else {})
     env_changes += envmod.describe_version_change(gmeta.get("versions"), bmeta.get("versions"), "other")
@@ -92,6 +96,7 @@ def diff_recordings(
         input_changes=input_changes, env_changes=env_changes, _order=order,
     )
     report.notes.append(f"live values read from the recording {os.fspath(other)}")
+    report.notes += fp_notes
     if not report.ok:
         report.notes.append("not replayed: a diff of two recordings has no model to re-run on the golden's inputs; "
                             "compare the model itself (activation_guard.compare) to tell whether the first diverging "

@@ -24,16 +24,22 @@ import numpy as np
 import torch
 
 from . import dtypes
+from .fingerprint import Fingerprint
 from .results import json_number
 from .selection import match_any
 from .store import FORMAT_VERSION, CallEntry, GoldenReader, LeafEntry
+from .store.fingerprints import encode as fingerprint_bytes
 
 CHUNK = 1 << 20
 
 
 @dataclass
 class LeafStats:
-    """Summary of one stored tensor. min/max/mean/std ignore NaN and +-Inf (counted apart)."""
+    """Summary of one stored tensor. min/max/mean/std ignore NaN and +-Inf (counted apart).
+
+    ``fingerprint``: the statistics come from a fingerprint (exact float64 sums over the finite
+    values; for complex tensors over the real and imaginary parts, not ``|z|``), and ``sha256``
+    is that of the stored fingerprint, not of the values."""
 
     numel: int
     nonfinite: int = 0
@@ -42,6 +48,7 @@ class LeafStats:
     mean: float | None = None
     std: float | None = None
     sha256: str = ""
+    fingerprint: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -129,9 +136,27 @@ def tensor_stats(t: torch.Tensor) -> LeafStats:
     return st
 
 
+def fingerprint_stats(fp: Fingerprint) -> LeafStats:
+    """The statistics a fingerprint holds, shaped like :func:`tensor_stats`'s (std from the exact
+    sums: ``sqrt(max(sum x^2 / n - mean^2, 0))``)."""
+    st = LeafStats(numel=fp.numel, nonfinite=fp.nonfinite, fingerprint=True,
+                   sha256=hashlib.sha256(fingerprint_bytes(fp)).hexdigest())
+    n = fp.count
+    if n:
+        mean = fp.sum / n
+        st.min, st.max, st.mean = fp.min, fp.max, mean
+        st.std = math.sqrt(max(fp.sq_sum / n - mean * mean, 0.0))
+    return st
+
+
 def _leaf_info(reader: GoldenReader, c: CallEntry, leaf: LeafEntry, with_stats: bool) -> LeafInfo:
     info = LeafInfo(c.name, c.call, c.type_name, c.position, leaf.path, leaf.kind)
-    if leaf.kind == "tensor":
+    if leaf.kind == "fingerprint":
+        info.dtype, info.shape = leaf.dtype, leaf.shape
+        if with_stats:
+            info.stats = fingerprint_stats(reader.fingerprint(leaf, f"layer {c.name!r} call {c.call} output "
+                                                                    f"{leaf.path!r}"))
+    elif leaf.kind == "tensor":
         info.dtype, info.shape = leaf.dtype, leaf.shape
         if with_stats:
             t = reader.load(leaf, f"layer {c.name!r} call {c.call} output {leaf.path!r}")
@@ -232,8 +257,16 @@ def meta_lines(meta: dict[str, Any]) -> list[str]:
     for k in ("include", "exclude"):
         if meta.get(k):
             out.append(f"{k:<12}: {meta[k]}")
+    fp = meta.get("fingerprint")
+    if isinstance(fp, dict):
+        layers = fp.get("layers")
+        which = "every layer" if layers is True else f"layers {layers}"
+        prm = fp.get("params") if isinstance(fp.get("params"), dict) else {}
+        size = (f"; {prm.get('rows')} x {prm.get('buckets')} sketch, {prm.get('samples')} samples, false alarm "
+                f"{prm.get('false_alarm')}, seed {prm.get('seed')}" if prm else "")
+        out.append(f"fingerprint : {which}{size}")
     known = {"model_class", "training", "training_differs", "training_differs_count", "device", "versions", "inputs",
-             "numerics", "include", "exclude", "layer_calls"}
+             "numerics", "include", "exclude", "layer_calls", "fingerprint"}
     for k in sorted(set(meta) - known):
         out.append(f"{k:<12}: {meta[k]}")
     return out
@@ -244,11 +277,12 @@ TABLE_COLUMNS = ("#", "layer", "call", "type", "path", "dtype", "shape", "min", 
 
 def _row(x: LeafInfo) -> list[str]:
     s = x.stats
-    if x.kind != "tensor":
+    if x.kind not in ("tensor", "fingerprint"):
         shown = x.value if x.kind == "str" else (x.value or x.kind)
         return [str(x.position + 1), x.layer or "<root>", str(x.call), x.type_name, path_str(x.path), x.kind,
                 "-", repr(shown)[:40] if x.kind == "str" else str(shown), "", "", "", ""]
-    return [str(x.position + 1), x.layer or "<root>", str(x.call), x.type_name, path_str(x.path), x.dtype or "?",
+    dtype = (x.dtype or "?") + (" (fp)" if x.kind == "fingerprint" else "")
+    return [str(x.position + 1), x.layer or "<root>", str(x.call), x.type_name, path_str(x.path), dtype,
             shape_str(x.shape), num(s.min if s else None, 4), num(s.max if s else None, 4),
             num(s.mean if s else None, 4), num(s.std if s else None, 4), str(s.nonfinite) if s else "-"]
 
@@ -279,6 +313,10 @@ def format_inspect(gi: GoldenInfo, layer: str | Sequence[str] | None = None) -> 
     lines.append(f"{len(calls)} layer calls, {len(gi.leaves)} outputs, in execution order"
                  + (f" (layers matching {layer!r})" if layer else "") + "; stats over finite values:")
     lines += format_table(gi.leaves)
+    nfp = sum(1 for x in gi.leaves if x.kind == "fingerprint")
+    if nfp:
+        lines.append(f"(fp): {nfp} outputs stored as fingerprints, not values; their stats are the fingerprint's "
+                     "exact float64 sums (complex: over real and imaginary parts)")
     nonfinite = [x for x in gi.leaves if x.stats and x.stats.nonfinite]
     if nonfinite:
         first = nonfinite[0]
@@ -314,12 +352,16 @@ def textconv_lines(path: str | os.PathLike[str]) -> Iterator[str]:
         flags = meta.get("numerics") if isinstance(meta.get("numerics"), dict) else {}
         for k, v in sorted(flags.items()):  # one per line: a changed flag is one changed line
             yield f"# numerics {k}={v}"
+        fp = meta.get("fingerprint")
+        if isinstance(fp, dict) and isinstance(fp.get("params"), dict):
+            yield f"# fingerprint params {' '.join(f'{k}={v}' for k, v in sorted(fp['params'].items()))}"
         for x in iter_leaves(reader):
             head = f"{x.layer or '<root>'}[{x.call}] {path_str(x.path)}"
-            if x.kind == "tensor":
+            if x.kind in ("tensor", "fingerprint"):
                 s = x.stats
                 assert s is not None
-                yield (f"{head} {x.dtype} {shape_str(x.shape)} sha256:{s.sha256[:16]} "
+                what = "fingerprint " if x.kind == "fingerprint" else ""
+                yield (f"{head} {what}{x.dtype} {shape_str(x.shape)} sha256:{s.sha256[:16]} "
                        f"min={num(s.min)} max={num(s.max)} mean={num(s.mean)} std={num(s.std)} nonfinite={s.nonfinite}")
             elif x.kind == "str":
                 yield f"{head} str {x.value!r}"

@@ -25,10 +25,13 @@ import copy
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .fingerprint import Fingerprint
 
 MAX_DEPTH = 32
 EMPTY_PREFIX = "empty "  # type names of empty containers: a structure marker, not a value
@@ -44,6 +47,8 @@ class Leaf:
     ``alias`` (the very tensor another call's output or input already stored). ``type_name`` is the
     Python type a value had (``Tensor``, ``numpy.ndarray``, ``float``...). ``legacy_path`` is the
     path golden format 1 gave this leaf, when it differs (non-string keys, digit-like strings).
+    A ``fingerprint`` leaf stands for a tensor by its ``fingerprint`` (being recorded, or read back
+    from a recording for ``diff``).
     """
 
     path: str
@@ -56,6 +61,7 @@ class Leaf:
     # ShardLayout), set by dist_capture.RankCapture in a multi-rank run; None everywhere else
     dist: object | None = None
     alias: dict[str, Any] | None = None  # kind "alias": where the identical stored value is
+    fingerprint: Fingerprint | None = None
 
     @property
     def type_only(self) -> bool:

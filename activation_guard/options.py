@@ -31,7 +31,7 @@ PLUGIN_KEYS = frozenset({"path", "model", "args", "kwargs"})
 PREFIX = "activation_guard"
 
 # Where an option set in ini or on the command line came from, per key (shown in errors).
-INI_KEYS = {"rtol": "ag_rtol", "atol": "ag_atol", "replay": "ag_replay"}
+INI_KEYS = {"rtol": "ag_rtol", "atol": "ag_atol", "replay": "ag_replay", "fingerprint": "ag_fingerprint"}
 CLI_FLAGS = {
     "rtol": "--ag-rtol",
     "atol": "--ag-atol",
@@ -39,6 +39,7 @@ CLI_FLAGS = {
     "calibrate": "--ag-calibrate",
     "tolerance": "--ag-tolerance",
     "replay": "--ag-replay",
+    "fingerprint": "--ag-fingerprint",
 }
 
 
@@ -113,6 +114,8 @@ class Settings:
         ini_replay: str | None = None,
         check_determinism: bool = False,
         rank_timeout: str | float | None = None,
+        ini_fingerprint: str | None = None,
+        cli_fingerprint: bool = False,
     ) -> Settings:
         """Command-line paths are relative to where pytest was invoked; ini paths to the rootdir."""
         if cli_golden_dir:
@@ -130,7 +133,8 @@ class Settings:
             )
         # raw values (ini text, flags as typed), judged once by the spec right here, so a bad one
         # is a usage error before any test runs, worded as from every other source
-        ini = {k: v for k, v in (("rtol", ini_rtol), ("atol", ini_atol), ("replay", ini_replay))
+        ini = {k: v for k, v in (("rtol", ini_rtol), ("atol", ini_atol), ("replay", ini_replay),
+                                 ("fingerprint", ini_fingerprint))
                if v is not None and str(v).strip()}
         cli: dict[str, Any] = {k: v for k, v in (("rtol", cli_rtol), ("atol", cli_atol)) if v is not None}
         if cli_fail_fast:
@@ -141,6 +145,8 @@ class Settings:
             cli["tolerance"] = cli_tolerance
         if cli_replay is not None:
             cli["replay"] = cli_replay
+        if cli_fingerprint:
+            cli["fingerprint"] = True
         build_specs(ini, {k: source_label("ini", k) for k in ini})
         build_specs(cli, {k: source_label("command line", k) for k in cli})
         return cls(
@@ -256,18 +262,24 @@ def rerecord_command(
     nodeid: str | None = None,
     *,
     missing_only: bool = False,
+    fingerprinted: bool = False,
 ) -> str:
     """The shell command that (re)records a golden with the options in force that change what is
-    recorded or where: ``--ag-golden-dir`` when it was given on the command line, and
+    recorded or where: ``--ag-golden-dir`` when it was given on the command line,
     ``--ag-calibrate`` when the comparison is calibrated (which needs a calibrated golden) or
-    calibration was asked for. Options from ini, markers and ``check()`` apply again by
-    themselves; tolerances do not change what is recorded. ``nodeid=None``: every test."""
+    calibration was asked for, and ``--ag-fingerprint`` when it was given, or when the golden
+    being replaced fingerprinted every layer (``fingerprinted``) and no option sets ``fingerprint``
+    now (a re-record must not silently turn a 100 KB golden into a 100 MB one). Options from ini,
+    markers and ``check()`` apply again by themselves; tolerances do not change what is recorded.
+    ``nodeid=None``: every test."""
     values = opts.values if opts is not None else settings.cli_options
     argv = ["pytest", "--ag-update=missing" if missing_only else "--ag-update"]
     if settings.cli_golden_dir:
         argv.append(f"--ag-golden-dir={settings.cli_golden_dir}")
     if values.get("tolerance") == "calibrated" or values.get("calibrate") is True:
         argv.append("--ag-calibrate")
+    if settings.cli_options.get("fingerprint") is True or (fingerprinted and values.get("fingerprint") is None):
+        argv.append("--ag-fingerprint")
     if nodeid is not None:
         argv.append(nodeid)
     return " ".join(shlex.quote(a) for a in argv)

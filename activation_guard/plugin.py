@@ -27,7 +27,8 @@ WORKER_KEY = "activation_guard"
 MARKER_DOC = (
     "activation_guard(**options): per-test options for activation_guard checks (rtol=, atol=, "
     "tolerances={glob: dict(rtol=, atol=)}, include=, exclude=, fail_fast=, rename=, "
-    "allow_dtype_change=, and any other activation_guard.compare/record option); "
+    "allow_dtype_change=, fingerprint=True or [layer globs], fingerprint_params=, and any other "
+    "activation_guard.compare/record option); "
     "check() keyword arguments override them"
 )
 
@@ -68,6 +69,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="re-run layers on the golden's recorded inputs: first (default) the first diverging layer, to "
                      "report whether it changed itself or inherited the difference (origin); all: judge every "
                      "layer by its own error (cross-device/precision gate, immune to drift); off.")
+    g.addoption("--ag-fingerprint", dest="ag_fingerprint", action="store_true", default=False,
+                help="when recording, store a fixed-size fingerprint (a few KiB) instead of the values of every "
+                     "float output larger than that (integer, bool and small outputs stay exact): goldens of real "
+                     "models small enough to commit. Comparing against one needs no flag; it is sound but "
+                     "probabilistic (docs/fingerprint.md). Overrides ini ag_fingerprint; markers and check() "
+                     "override it (fingerprint=[globs] fingerprints only those layers).")
     g.addoption("--ag-check-determinism", dest="ag_check_determinism", action="store_true", default=False,
                 help="run each checked forward twice more and list layers whose outputs differ between runs "
                      "(reported in the summary, never failed).")
@@ -80,6 +87,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   default="")
     parser.addini("ag_atol", "activation_guard default atol for float layers (default: per-dtype, as torch.testing)",
                   default="")
+    parser.addini("ag_fingerprint", "activation_guard: record fingerprints instead of values: true, or layer globs "
+                  "separated by spaces or commas (those layers only); default false", default="")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -105,6 +114,8 @@ def pytest_configure(config: pytest.Config) -> None:
             cli_replay=o.ag_replay,
             check_determinism=o.ag_check_determinism,
             rank_timeout=o.ag_rank_timeout,
+            ini_fingerprint=str(config.getini("ag_fingerprint")),
+            cli_fingerprint=o.ag_fingerprint,
         )
     except (OptionError, SpecOptionError) as e:
         raise pytest.UsageError(prefixed(str(e))) from None

@@ -6,6 +6,11 @@ starts, before the layer can modify them in place, and most of them cost nothing
 *is* a tensor already stored (the previous layer's output, the model's own input passed on,
 an attention mask handed to every block) unchanged since (same object, same version counter) is
 stored as an ``alias`` naming where its bytes are, not again.
+
+With fingerprints (``record(fingerprint=...)``), a fingerprinted layer's outputs and its inputs
+that are not aliases are stored as fingerprints alike (:class:`~activation_guard.fingerprint_leaves.Fingerprinter`),
+and an alias may name a fingerprint: such a call cannot be replayed (replay needs full inputs),
+and the replay says so.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from .capture import Frame
 from .errors import ActivationGuardError
+from .fingerprint_leaves import Fingerprinter
 from .leaves import Leaf, LeafTransform, flatten, flatten_inputs
 from .store import GoldenWriter
 
@@ -32,12 +38,13 @@ def _version(t: torch.Tensor) -> int | None:
 class _Stored:
     """Where a stored tensor's bytes are, and the tensor as it was then (object and version)."""
 
-    __slots__ = ("call", "name", "path", "ref", "section", "version")
+    __slots__ = ("call", "fingerprint", "name", "path", "ref", "section", "version")
 
-    def __init__(self, t: torch.Tensor, name: str, call: int, section: str, path: str):
+    def __init__(self, t: torch.Tensor, name: str, call: int, section: str, path: str, fingerprint: bool = False):
         self.ref = weakref.ref(t)
         self.version = _version(t)
         self.name, self.call, self.section, self.path = name, call, section, path
+        self.fingerprint = fingerprint  # stored as a fingerprint: a full copy stored later is preferred
 
 
 class Recorder:
@@ -45,12 +52,14 @@ class Recorder:
     them; ``shadow``/``floors`` (calibration) measure each output's noise floor as it is written."""
 
     def __init__(self, writer: GoldenWriter, *, inputs: bool, shadow: Any = None, floors: Any = None,
-                 transform: LeafTransform | None = None):
+                 transform: LeafTransform | None = None, fingerprinter: Fingerprinter | None = None):
         """``transform``: applied to each call's input and output leaves before they are written (a
-        multi-rank run's DTensors -> local values: dist_capture)."""
+        multi-rank run's DTensors -> local values: dist_capture). ``fingerprinter``: which output
+        leaves are stored as fingerprints (computed on their device)."""
         self.writer = writer
         self.transform = transform
         self.inputs = inputs
+        self.fingerprinter = fingerprinter
         self.shadow = shadow
         self.floors = floors
         self.names: list[str] = []
@@ -76,15 +85,16 @@ class Recorder:
                     leaves[i] = Leaf(leaf.path, "alias", type_name=leaf.type_name, alias=alias)
         where = f"the inputs of layer {frame.name or '<root>'!r} call {call}"
         try:
-            entries = self.writer.write_leaves(leaves, where)
+            stored = leaves if self.fingerprinter is None else self.fingerprinter(frame.name, leaves)
+            entries = self.writer.write_leaves(stored, where)
         except ActivationGuardError:
             raise
         except Exception as e:
             raise ActivationGuardError(f"recording {where} failed: {e}") from e
         if not recursive:
-            for leaf in leaves:
+            for leaf, kept in zip(leaves, stored):
                 if leaf.kind == "tensor" and leaf.tensor is not None:
-                    self._remember(leaf.tensor, frame.name, call, "in", leaf.path)
+                    self._remember(leaf.tensor, frame.name, call, "in", leaf.path, kept.kind == "fingerprint")
         self._pending[id(frame)] = entries
 
     def _running(self, frame: Frame) -> bool:
@@ -101,9 +111,12 @@ class Recorder:
             return None
         return {"name": s.name, "call": s.call, "section": s.section, "of": s.path}
 
-    def _remember(self, t: torch.Tensor, name: str, call: int, section: str, path: str) -> None:
-        if id(t) not in self._stored or self._stored[id(t)].ref() is not t:
-            self._stored[id(t)] = _Stored(t, name, call, section, path)
+    def _remember(self, t: torch.Tensor, name: str, call: int, section: str, path: str,
+                  fingerprint: bool = False) -> None:
+        old = self._stored.get(id(t))
+        # a full copy beats a fingerprint (a Sequential returns its last child's output object)
+        if old is None or old.ref() is not t or (old.fingerprint and not fingerprint):
+            self._stored[id(t)] = _Stored(t, name, call, section, path, fingerprint)
 
     # ------------------------------------------------------------------ outputs
     def on_output(self, frame: Frame, output: Any) -> None:
@@ -113,7 +126,8 @@ class Recorder:
             leaves = flatten(output)
             if self.transform is not None:  # issue 16 (distributed)
                 self.transform(name, leaves)
-            self.writer.add_call(name, call, type(frame.module).__name__, leaves,
+            stored = leaves if self.fingerprinter is None else self.fingerprinter(name, leaves)  # on their device
+            self.writer.add_call(name, call, type(frame.module).__name__, stored,
                                  inputs=self._pending.pop(id(frame), None) if self.inputs else None)
             if self.shadow is not None:
                 self.shadow.measure(name, call, leaves, self.floors)
@@ -122,8 +136,8 @@ class Recorder:
         except Exception as e:
             raise ActivationGuardError(f"recording layer {name or '<root>'!r} call {call} failed: {e}") from e
         if self.inputs:
-            for leaf in leaves:
+            for leaf, kept in zip(leaves, stored):
                 if leaf.kind == "tensor" and leaf.tensor is not None:
-                    self._remember(leaf.tensor, name, call, "out", leaf.path)
+                    self._remember(leaf.tensor, name, call, "out", leaf.path, kept.kind == "fingerprint")
         if call == 0:
             self.names.append(name)

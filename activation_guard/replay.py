@@ -81,6 +81,8 @@ class Replayer:
             g = golden.get(lv.path)
             if g is not None:
                 g = self.reader.resolve(g, f"layer {display_name(entry.name)!r} call {entry.call} input {lv.path!r}")
+            if g is not None and g.kind == "fingerprint":
+                return f"replay needs full inputs, but its input {lv.path} is stored as a fingerprint"
             if g is None or g.kind != "tensor":
                 return f"its input {lv.path} is not a tensor in the golden"
             if g.shape != tuple(lv.tensor.shape):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .env import recorded_device
-from .results import STATUS_ORDER, LayerResult, Origin, from_json_number, json_number
+from .results import STATUS_ORDER, LayerResult, LeafResult, Origin, from_json_number, json_number
 from .selection import display_name
 
 CONTEXT_BEFORE = 3
@@ -149,6 +149,20 @@ class Report:
         shown = ", ".join(f"{t} x{k}" if k > 1 else t for t, k in c.most_common())
         return f"{n} output{'s' if n != 1 else ''} compared by type only: {shown}"
 
+    def estimated(self) -> list[LeafResult]:
+        """Outputs judged against fingerprints (their numbers are estimates)."""
+        return [leaf for layer in self.layers for leaf in layer.leaves if leaf.estimate]
+
+    def fingerprint_text(self) -> str | None:
+        """"12 outputs checked by fingerprint (estimates)", or None: an OK says when a pass is a
+        fingerprint's, not an element-by-element comparison."""
+        est = self.estimated()
+        if not est:
+            return None
+        fa = max((leaf.false_alarm for leaf in est if leaf.false_alarm is not None), default=None)
+        bound = f", false alarm <= {fa:.1g} each" if fa is not None else ""
+        return f"{len(est)} output{'s' if len(est) != 1 else ''} checked by fingerprint: estimates{bound}"
+
     def to_dict(self) -> dict[str, Any]:
         fd = self.first_divergence
         return {
@@ -214,16 +228,22 @@ class Report:
         fd = self.first_divergence
         n = self.live_count
         if fd is None:
-            worst = max((layer.max_abs_diff or 0.0 for layer in self.layers), default=0.0)
+            exact = [layer.max_abs_diff for layer in self.layers if layer.max_abs_diff is not None]
+            worst = max(exact, default=0.0)
             mults = [layer.error_multiple for layer in self.layers if layer.error_multiple is not None]
             tail = "" if self.type_only_text() is None else f"; {self.type_only_text()}"
+            fp = self.fingerprint_text()
+            largest = f"largest abs diff {fmt_diff(worst)}"
+            if fp and not exact:  # fingerprints only: no difference was measured, never "largest abs diff 0"
+                largest = fp
+            elif fp:
+                tail = f"; {fp}{tail}"
             if mults:  # calibrated mode: how close the worst layer came to its noise allowance
-                return (f"activation_guard: OK, {n} layer calls match {self.path} (largest abs diff "
-                        f"{fmt_diff(worst)}, largest error {max(mults):.3g}x the calibrated allowance){tail}")
+                return (f"activation_guard: OK, {n} layer calls match {self.path} ({largest}, "
+                        f"largest error {max(mults):.3g}x the calibrated allowance){tail}")
             if self.input_changes:
                 tail += "; NOTE inputs differ from the recording"
-            return (f"activation_guard: OK, {n} layer calls match {self.path} "
-                    f"(largest abs diff {fmt_diff(worst)}){tail}")
+            return f"activation_guard: OK, {n} layer calls match {self.path} ({largest}){tail}"
         head = (f"activation_guard: first divergence at layer {display_name(fd.name)!r} ({fd.type_name or '?'}) "
                 f"call {fd.call}")
         if fd.position is None:
@@ -278,7 +298,10 @@ class Report:
             out.append(f"  output path   : {fd.path or '(the output itself)'}")
         if fd.detail:
             out.append(f"  what          : {fd.detail}")
-        if fd.status in ("diverged", "nonfinite", "match") or fd.mismatched:
+        focus = next((leaf for leaf in fd.leaves if leaf.path == fd.path and leaf.status == fd.status), None)
+        if focus is not None and focus.estimate:
+            out += _estimate_lines(focus)
+        elif fd.status in ("diverged", "nonfinite", "match") or fd.mismatched:
             pct = 100.0 * fd.mismatched / fd.numel if fd.numel else 0.0
             out.append(f"  mismatched    : {fd.mismatched} / {fd.numel} elements ({pct:.3g}%)")
             if fd.nonfinite_new:
@@ -321,8 +344,11 @@ class Report:
         width = max(12, *(len(display_name(layer.name)) for layer in [*live[lo:hi], fd]))
         width = min(width, 60)
         calibrated = any(layer.error_multiple is not None for layer in live[lo:hi])
+        estimated = any(_estimate_ratio(layer) is not None for layer in live[lo:hi])
         head = f"    {'#':>5}  {'layer':<{width}} {'call':>4}  {'status':<10} {'max abs':>9} {'max rel':>9}"
-        out = ["", "  context (execution order):", head + (f" {'x allowed':>10}" if calibrated else "")]
+        head += f" {'x allowed':>10}" if calibrated else ""
+        head += f" {'est/limit':>10}" if estimated else ""
+        out = ["", "  context (execution order):", head]
         missing_row = (f"  > {'-':>5}  {display_name(fd.name)[-width:]:<{width}} {fd.call:>4}  "
                        "missing    (did not run; expected here)")
         for j, layer in enumerate(live[lo:hi], start=lo):
@@ -334,6 +360,9 @@ class Report:
                    f"{fmt_diff(layer.max_abs_diff):>9} {fmt_diff(layer.max_rel_diff):>9}")
             if calibrated:  # error as a multiple of the calibrated noise allowance (fails above 1)
                 row += f" {'-' if layer.error_multiple is None else f'{layer.error_multiple:.3g}':>10}"
+            if estimated:  # fingerprinted outputs: the sketch's estimate over its threshold (fails above 1)
+                ratio = _estimate_ratio(layer)
+                row += f" {'-' if ratio is None else f'~{ratio:.3g}':>10}"
             out.append(row)
         if insert_at is not None and insert_at >= hi:
             out.append(missing_row)
@@ -343,3 +372,48 @@ class Report:
         c = self.counts()
         parts = ", ".join(f"{v} {k}" for k, v in c.items())
         return f"\n  totals: {self.live_count} live layer calls; {parts}"
+
+
+def _estimate_ratio(layer: LayerResult) -> float | None:
+    """The largest estimated ||diff||_2 / threshold over a layer's fingerprinted outputs (the sketch
+    check fails above 1)."""
+    ratios = [leaf.estimated_l2 / leaf.l2_threshold for leaf in layer.leaves
+              if leaf.estimate and leaf.estimated_l2 is not None and leaf.l2_threshold]
+    return max(ratios) if ratios else None
+
+
+def _estimate_lines(leaf: LeafResult) -> list[str]:
+    """A fingerprinted output's evidence, from its fields: the exact sampled elements and the
+    sketch's estimate (docs/fingerprint.md). No mismatch count: a fingerprint cannot give one."""
+    out = []
+    rms = leaf.estimate == "rms"
+    n = leaf.numel
+    est, bound = leaf.estimated_l2, leaf.l2_bound
+    if est is not None and bound is not None:
+        if rms and n:
+            text = f"estimated RMS error {est / math.sqrt(n):.2e}, allowance {bound / math.sqrt(n):.2e} (sketch)"
+        else:
+            text = f"estimated ||diff||_2 {est:.2e}, bound {bound:.2e} (sketch)"
+        if leaf.sketch_rows:
+            thr = leaf.l2_threshold
+            shown = "-" if thr is None else f"{thr / math.sqrt(n) if rms and n else thr:.2e}"
+            text += f"; {leaf.sketch_rows_over} of {leaf.sketch_rows} rows over the threshold {shown}"
+        out.append(f"  fingerprint   : {text}")
+    if leaf.sampled:
+        line = f"  samples       : {leaf.mismatched} of {leaf.sampled} sampled elements outside tolerance"
+        if leaf.mismatched and leaf.index is not None:
+            gv, lv = fmt_pair(leaf.golden_value, leaf.live_value)
+            line += f"; first at index {tuple(leaf.index)}: golden {gv}, live {lv}"
+        out.append(line)
+    if leaf.rtol is not None and leaf.atol is not None:
+        out.append(f"  tolerance     : rtol={leaf.rtol:g}, atol={leaf.atol:g} ({leaf.tolerance_source})")
+    if leaf.error_multiple is not None:
+        out.append(f"  error / noise : ~{leaf.error_multiple:.3g}x the calibrated allowance (estimate; fails above 1)")
+    if leaf.false_alarm is not None:
+        certain = leaf.fingerprint_check not in (None, "sketch")
+        out.append("  evidence      : " + (
+            "certain (a fingerprint check that no within-tolerance run can fail)" if certain else
+            f"an estimate: a run within tolerance fails the sketch check with probability <= {leaf.false_alarm:.1g}"
+            if leaf.fingerprint_check == "sketch" else
+            "estimates; a pass does not prove every element is within tolerance"))
+    return out

@@ -16,6 +16,8 @@ from .kernel import TensorStats, unravel
 # "local_shard" (issue 16, distributed): a rank's piece of a value whose full shape the golden holds
 STATUS_ORDER = ("structure", "shape", "local_shard", "dtype", "missing", "unexpected", "nonfinite", "diverged",
                 "match")
+# a fingerprinted output's numbers (LeafResult fields): estimates, not measured differences
+ESTIMATE_NUMBERS = ("estimated_l2", "l2_bound", "l2_threshold", "false_alarm")
 PHASES = ("forward", "backward", "param-grad")
 
 
@@ -49,7 +51,7 @@ def _fields_from_dict(cls: Any, d: Any) -> dict[str, Any]:
     names = set(cls.__dataclass_fields__)
     out = {k: v for k, v in d.items() if k in names}
     for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple", "own_max_abs_diff",
-              "own_max_rel_diff", "inherited_max_abs_diff"):
+              "own_max_rel_diff", "inherited_max_abs_diff", *ESTIMATE_NUMBERS):
         if k in out:
             out[k] = from_json_number(out[k])
     for k in ("shape", "live_shape", "index"):
@@ -84,10 +86,21 @@ class LeafResult:
     type_name: str | None = None  # the live value's Python type, when it is not a plain tensor
     type_only: bool = False  # an opaque object (a cache, a generator): only its type was compared
     ranks: list[int] | None = None  # issue 16 (distributed): ranks holding the worst element of a gathered value
+    # judged against a fingerprint (docs/fingerprint.md): "l2" (strict rule) or "rms" (calibrated rule
+    # in L2 form); None for outputs compared value by value. The numbers are estimates from the sketch:
+    estimate: str | None = None
+    fingerprint_check: str | None = None  # the check that failed: nonfinite, sample, max, min, sum, sketch
+    estimated_l2: float | None = None  # the sketch's estimate of ||live - golden||_2 (median of its rows)
+    l2_bound: float | None = None  # ||live - golden||_2 is at most this if every element is within tolerance
+    l2_threshold: float | None = None  # what each row's estimate is compared with (c x bound + rounding)
+    sketch_rows_over: int = 0  # rows above the threshold (a majority fails)
+    sketch_rows: int = 0
+    sampled: int = 0  # elements checked exactly (bit-exact samples); ``mismatched`` counts those outside
+    false_alarm: float | None = None  # bound on P(a within-tolerance run fails the sketch check)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple"):
+        for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple", *ESTIMATE_NUMBERS):
             d[k] = json_number(d[k])
         for k in ("shape", "live_shape", "index"):
             if d[k] is not None:

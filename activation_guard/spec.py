@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .errors import OptionError
+from .fingerprint_params import PARAM_KEYS, FingerprintError, FingerprintParams
 
 ARGUMENT = "argument"  # the source of a keyword argument of record/compare/compare_models
 TOLERANCE_MODES = ("strict", "calibrated")
@@ -255,6 +256,51 @@ def _placements(v: Any) -> PlacementTable:
     return PlacementTable(tuple(rules), getattr(v, "group", None))
 
 
+# --------------------------------------------------------------------------- fingerprints
+
+_FP_TRUE = _TRUE | {"all"}
+_FP_FALSE = (_FALSE - {""}) | {"none"}
+
+
+def _fingerprint(v: Any) -> bool | tuple[str, ...]:
+    """``True`` (every eligible output), ``False`` (none), or layer globs. Text (an ini value, a
+    flag) is a boolean word or globs separated by commas or whitespace; so is a Python string."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str):
+        word = v.strip().lower()
+        if word in _FP_TRUE:
+            return True
+        if word in _FP_FALSE:
+            return False
+        words = tuple(p for p in re.split(r"[\s,]+", v.strip()) if p)
+        if not words:
+            raise _Bad("must be True, False, or layer globs (e.g. 'encoder.*'), got an empty string")
+        return words
+    if isinstance(v, (bytes, Mapping)) or not isinstance(v, Iterable):
+        raise _Bad(f"must be True, False, a layer glob or a list of them, got {v!r}")
+    pats = _patterns(v)
+    if not pats:
+        raise _Bad(f"an empty list fingerprints no layer; use False to keep every output exact, got {v!r}")
+    if any(not p.strip() for p in pats):
+        raise _Bad(f"layer globs must not be empty, got {v!r}")
+    return pats
+
+
+def _fingerprint_params(v: Any) -> FingerprintParams:
+    if isinstance(v, FingerprintParams):
+        return v
+    if not isinstance(v, Mapping):
+        raise _Bad(f"must be a dict with some of the keys {', '.join(PARAM_KEYS)}, got {v!r}")
+    unknown = sorted(str(k) for k in v if k not in PARAM_KEYS)
+    if unknown:
+        raise _Bad(f"unknown keys {unknown}; use {', '.join(PARAM_KEYS)}")
+    try:
+        return FingerprintParams(**{str(k): x for k, x in v.items()})
+    except FingerprintError as e:
+        raise _Bad(str(e)) from None
+
+
 # --------------------------------------------------------------------------- the option table
 
 
@@ -286,6 +332,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("replay", _choice(REPLAY_MODES), False, True,
            "re-run diverging layers on the golden's inputs: 'first' (attribute the first divergence), "
            "'all' (judge every layer by its own error) or 'off'"),
+    Option("fingerprint", _fingerprint, True, False,
+           "store fixed-size fingerprints instead of values: True (every large float output) or layer globs"),
+    Option("fingerprint_params", _fingerprint_params, True, False,
+           "fingerprint size and false-alarm bound: dict(samples=, rows=, buckets=, false_alarm=, seed=)"),
 )}
 
 
@@ -356,8 +406,16 @@ class RecordSpec(_SpecBase):
     calibrate: bool = False
     grad: bool = False
     inputs: bool = True
+    fingerprint: bool | tuple[str, ...] = False
+    fingerprint_params: FingerprintParams = field(default_factory=FingerprintParams)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if "fingerprint_params" in self.sources and "fingerprint" not in self.sources:
+            raise OptionError("fingerprint_params", self.given.get("fingerprint_params"),
+                              self.sources["fingerprint_params"],
+                              "has no effect unless fingerprint is set too (True, or layer globs)")
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from fingerprints import run as run_fingerprints  # benchmarks/fingerprints.py: issue 15's figures
 
 import activation_guard as ag
 
@@ -472,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: on a shared 2-core machine OpenMP regions "
                          "wait for a busy core and small ops slow down up to 100x; see docs/performance.md)")
-    ap.add_argument("--only", default="", help="comma-separated sections: wide,deep,llama,layers,bytes,memory")
+    ap.add_argument("--only", default="",
+                    help="comma-separated sections: wide,deep,llama,layers,bytes,memory,fingerprint")
     ap.add_argument("--json", default=None, help="also write every figure to this JSON file")
     ap.add_argument("--workdir", default=None, help="where goldens are written (default: a temporary folder)")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
@@ -593,6 +595,9 @@ def main(argv: list[str] | None = None) -> int:
                     targets.append((f"compare peak above forward <= 2x largest + 64 MiB "
                                     f"({mem['total_bytes'] / 1e9:.2f} GB total)",
                                     f"{above / 2**20:.1f} MiB of {budget / 2**20:.1f}", above <= budget))
+
+        if want("fingerprint"):
+            results["fingerprint"] = run_fingerprints(out, targets, quick, repeat, d, wide)
 
         out("\n== targets" + (" (--quick sizes: not the real figures)" if quick else ""))
         for name, val, ok in targets:

@@ -303,6 +303,33 @@ def ex_pytest_failure(s: Scratch) -> str:
     return "\n".join(["$ pytest -n 2", "...", *elide(lines[i:], r"^\s*tolerance\s*:", r"^\s*options in force")])
 
 
+def ex_fingerprint(s: Scratch) -> str:
+    """The README's fingerprint example: a wider demo transformer recorded with full values and
+    with fingerprints, the eps bug, and the report against the fingerprints."""
+    import copy
+
+    import torch
+
+    import activation_guard as ag
+    from activation_guard.demo import BUGS, TinyTransformer
+
+    torch.manual_seed(0)
+    model = TinyTransformer(dim=64).eval()
+    x = 0.1 * torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(0))
+    buggy = copy.deepcopy(model)
+    BUGS["layernorm-eps"].apply(buggy)
+    with cwd(s.path):
+        full = ag.record(model, x, path="golden/full.h5")
+        fp = ag.record(model, x, path="golden/encoder.h5", fingerprint=True)
+        report = str(ag.compare(buggy, x, path="golden/encoder.h5"))
+    lines = between(report, r"^activation_guard: first divergence", r"^\s*totals:")
+    keep = [ln for ln in lines if not ln.startswith("  note:")]  # long notes, cut (marked below)
+    return "\n".join([
+        '>>> print(ag.record(model, x, path="golden/full.h5"))', str(full),
+        '>>> print(ag.record(model, x, path="golden/encoder.h5", fingerprint=True))', str(fp),
+        '>>> print(ag.compare(buggy, x, path="golden/encoder.h5"))', keep[0], ELIDED, *keep[1:]])
+
+
 @dataclass(frozen=True)
 class Example:
     run: Callable[[Scratch], str]
@@ -320,6 +347,7 @@ EXAMPLES: dict[str, Example] = {
     "errors": Example(ex_errors),
     "git-diff": Example(ex_git_diff, lang="diff"),
     "pytest-failure": Example(ex_pytest_failure, background=True),
+    "fingerprint": Example(ex_fingerprint),
 }
 
 

@@ -40,6 +40,8 @@ def test_quick_benchmark_prints_every_figure(quick_run):
         "x limit", "x activation_guard's record", "x activation_guard's compare",
         "per layer call above the forward", "x raw bytes", "compression=gzip", "compression=lzf",
         "== scaling with layers", "== scaling with bytes", "== peak memory", "above the forward",
+        "== fingerprints, wide:", "golden size", "fingerprint kernel alone", "fp / full",
+        "== fingerprints, gpt2: skipped with --quick", "record with fingerprints <= 1.3x the plain forward",
         "== targets",
     ):
         assert needle in stdout, f"{needle!r} missing from the benchmark output:\n{stdout}"
@@ -71,4 +73,9 @@ def test_quick_benchmark_json_has_consistent_figures(quick_run):
     assert any("fixed cost" in n for n in names)
     assert any("peak above forward" in n for n in names)
     assert sum("linear in" in n for n in names) == 4
+    fp = res["fingerprint"]["wide"]
+    for k in ("forward", "kernel", "record full", "record fp", "compare full", "compare fp"):
+        assert fp[k] > 0, k
+    assert fp["fingerprints"] >= 9 and 0 < fp["fp_bytes"] < fp["full_bytes"]  # 9 outputs (+ inputs, if recorded)
+    assert any("fingerprint golden <= 1% of full" in n for n in names)
 

@@ -586,3 +586,18 @@ def test_diff_recordings_keeps_the_goldens_recorded_selection(tmp_path):
     rep = ag.diff_recordings(g, o)
     assert rep.ok, str(rep)
     assert [r.name for r in rep.layers] == [f"blocks.{i}.fc" for i in range(5)]
+
+
+def test_diff_keeps_reference_leaves_of_the_other_recording(tmp_path):
+    """A repeated container is a ``ref`` leaf; diff must rebuild it with its target path, or a
+    recording diffed against itself reports a structure change."""
+
+    class Twice(nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+            d = [x * 2]
+            return {"a": d, "b": d}
+
+    g = tmp_path / "g.h5"
+    ag.record(Twice(), X, path=g)
+    rep = ag.diff_recordings(g, g)
+    assert rep.ok, str(rep)

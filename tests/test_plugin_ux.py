@@ -189,7 +189,8 @@ def test_help_describes_what_each_option_does(ag: pytest.Pytester) -> None:
     opts = _help_options(out)
     assert set(opts) == {"--ag-update", "--ag-update=missing", "--ag-golden-dir", "--ag-rtol", "--ag-atol",
                          "--ag-fail-fast", "--ag-report", "--ag-unused", "--ag-unused=list", "--ag-calibrate",
-                         "--ag-tolerance", "--ag-check-determinism", "--ag-replay", "--ag-rank-timeout"}
+                         "--ag-tolerance", "--ag-check-determinism", "--ag-replay", "--ag-rank-timeout",
+                         "--ag-fingerprint"}
     must_say = {
         "--ag-update": ["write the goldens", "non-cpu ag_device"],
         "--ag-update=missing": ["only create goldens that do not exist", "compared"],
@@ -205,11 +206,13 @@ def test_help_describes_what_each_option_does(ag: pytest.Pytester) -> None:
         "--ag-check-determinism": ["twice", "differ between runs", "never failed"],
         "--ag-rank-timeout": ["=SECONDS", "torchrun", "rank 0 waits", "never waited on forever"],
         "--ag-replay": ["={first,all,off}", "recorded inputs", "origin", "own error"],
+        "--ag-fingerprint": ["when recording", "fixed-size fingerprint", "integer, bool and small outputs stay exact",
+                             "needs no flag", "ini ag_fingerprint", "fingerprint=[globs]"],
     }
     for opt, phrases in must_say.items():
         for phrase in phrases:
             assert phrase in opts[opt], (opt, phrase, opts[opt])
-    for ini in ("ag_golden_dir", "ag_rtol", "ag_atol", "ag_replay"):
+    for ini in ("ag_golden_dir", "ag_rtol", "ag_atol", "ag_replay", "ag_fingerprint"):
         assert re.search(rf"^  {ini} \(", out, re.M), ini
 
 

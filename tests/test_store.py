@@ -298,8 +298,8 @@ def _run_isolated(code: str) -> str:
 
 
 def test_store_is_the_bottom_layer():
-    """The store imports only ``dtypes`` and ``errors`` from the package: never capture, the
-    comparator, the API or the pytest layer (or pytest itself)."""
+    """The store imports only ``dtypes``, ``errors`` and the fingerprint value type from the
+    package: never capture, the comparator, the API or the pytest layer (or pytest itself)."""
     code = (
         "import sys, activation_guard\n"
         "before = set(sys.modules)\n"
@@ -315,6 +315,10 @@ def test_store_is_the_bottom_layer():
     assert {m for m in added if not m.startswith("activation_guard.store")} == {
         "activation_guard.dtypes",
         "activation_guard.errors",
+        "activation_guard.fingerprint",
+        "activation_guard.fingerprint_params",
+        "activation_guard.sketch",
+        "activation_guard.seeded_hash",
     }
     assert {"activation_guard.store.writer", "activation_guard.store.safety"} <= added  # the import ran here
     assert has_pytest == "False"

@@ -5,13 +5,15 @@ One job per module, each importable alone:
 - :mod:`.format`: the on-disk format (constants, index entries, canonical JSON, index decoding);
 - :mod:`.writer`: :class:`GoldenWriter`, fed plain :class:`LeafLike` data;
 - :mod:`.reader`: :class:`GoldenReader`, streaming checksum-verified leaves;
+- :mod:`.fingerprints`: how a fingerprint leaf is stored (blob layout, meta record of its parameters);
 - :mod:`.safety`: the checks that vet every HDF5 object of a file before it is read;
 - :mod:`.tempfiles`: temp-file naming for atomic writes and cleanup after interrupted ones;
 - :mod:`.memory`: giving freed heap memory back to the OS during long reads and writes.
 
-The store is the bottom layer: it imports only ``dtypes`` and ``errors`` from the package (never
-``capture``, the comparator or the pytest plugin), and its error messages name the file and a
-neutral fix; front ends (plugin, CLI) add their own command.
+The store is the bottom layer: it imports only ``dtypes``, ``errors`` and the fingerprint value
+type (``fingerprint`` with its ``fingerprint_params``, ``sketch`` and ``seeded_hash``) from the
+package (never ``capture``, the comparator or the pytest plugin), and its error messages name the
+file and a neutral fix; front ends (plugin, CLI) add their own command.
 """
 
 from __future__ import annotations

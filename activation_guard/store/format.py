@@ -13,6 +13,8 @@ Layout (documented for users in docs/format.md)::
 Small leaves are packed because HDF5 costs ~60-80 us per dataset; large ones get their own
 dataset so plain h5py users can slice them. Every stored leaf carries a CRC32 of its bytes in the
 index, so a flipped bit in the file is reported as a corrupt golden, never as a model divergence.
+A ``fingerprint`` leaf stores a fixed-size fingerprint of a tensor instead of its values, as one
+blob in the packs; its layout and the meta record of its parameters are in :mod:`.fingerprints`.
 
 Why one module: the writer and the reader must agree on every name, size and field here, and a
 format change (a new leaf kind, a version bump) should be a change to this file first. The index
@@ -44,7 +46,7 @@ LFS_SIGNATURE = b"version https://git-lfs"
 ALLOWED_FILTERS = {1, 2, 3, 32000}
 COMPRESSIONS = {None, "gzip", "lzf"}
 ROOT_MEMBERS = ("index", "meta", "packs", "data")
-LEAF_KINDS = ("tensor", "none", "str", "object", "ref", "alias")
+LEAF_KINDS = ("tensor", "none", "str", "object", "ref", "alias", "fingerprint")
 SECTIONS = ("out", "in")  # a call's outputs ("leaves") and its inputs ("inputs")
 _DATASET_NAME = re.compile(r"data/\d{6}")
 
@@ -60,7 +62,7 @@ class LeafEntry:
     """One leaf of a recorded layer call, as the index describes it (no values)."""
 
     path: str
-    kind: str  # tensor | none | str | object | ref
+    kind: str  # tensor | none | str | object | ref | fingerprint
     dtype: str | None = None
     shape: tuple[int, ...] = ()
     nbytes: int = 0
@@ -79,6 +81,12 @@ class LeafEntry:
             n *= s
         return n
 
+    @property
+    def is_fingerprint(self) -> bool:
+        """A fingerprint of a tensor (``dtype``/``shape`` are the tensor's; the stored bytes are
+        the fingerprint's, see :mod:`.fingerprints`), not its values."""
+        return self.kind == "fingerprint"
+
 
 @dataclass
 class CallEntry:
@@ -90,6 +98,12 @@ class CallEntry:
     leaves: list[LeafEntry]
     position: int  # 0-based position in the golden's execution order
     inputs: list[LeafEntry] | None = None  # the call's arguments ("args/0", "kwargs/mask"), if recorded
+
+    @property
+    def fingerprinted(self) -> bool:
+        """Some output or input of this call is stored as a fingerprint (an input may also be an
+        alias of a fingerprint: :meth:`GoldenReader.resolve` tells)."""
+        return any(leaf.kind == "fingerprint" for leaf in (*self.leaves, *(self.inputs or ())))
 
 
 def parse_calls(path: str, calls: list[Any]) -> list[CallEntry]:
@@ -153,6 +167,8 @@ def _parse_leaf(p: str, e: Any, lname: str, call: int, section: str = "outputs")
     dt, shape, nbytes, crc = e.get("dtype"), e.get("shape"), e.get("nbytes"), e.get("crc32")
     if dt not in dtypes.BY_NAME:
         raise GoldenFormatError(p, f"{at} has unknown dtype {dt!r}")
+    if kind == "fingerprint":
+        return _parse_fingerprint(p, e, at)
     if (
         not isinstance(shape, list)
         or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
@@ -176,3 +192,26 @@ def _parse_leaf(p: str, e: Any, lname: str, call: int, section: str = "outputs")
     else:
         raise GoldenFormatError(p, f"{at} has no valid storage location")
     return entry
+
+
+def _parse_fingerprint(p: str, e: dict[str, Any], at: str) -> LeafEntry:
+    """A fingerprint leaf: the tensor's dtype (floating or complex) and shape, and the stored blob's
+    size, CRC and pack location (fingerprints always sit in packs). That the size matches the
+    golden's fingerprint parameters is checked by the reader, which knows them."""
+    dt, shape, nbytes, crc = e["dtype"], e.get("shape"), e.get("nbytes"), e.get("crc32")
+    if dtypes.BY_NAME[dt].kind not in ("float", "complex"):
+        raise GoldenFormatError(p, f"{at} is a fingerprint of a {dt} tensor (only float and complex are fingerprinted)")
+    if (
+        not isinstance(shape, list)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+        or len(shape) > 64
+    ):
+        raise GoldenFormatError(p, f"{at} has a malformed shape {shape!r}")
+    if (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0 or not isinstance(crc, int)
+            or isinstance(crc, bool)):
+        raise GoldenFormatError(p, f"{at} has an inconsistent size or checksum record")
+    pk, off = e.get("pack"), e.get("offset")
+    if not isinstance(pk, int) or not isinstance(off, int) or isinstance(pk, bool) or pk < 0 or off < 0:
+        raise GoldenFormatError(p, f"{at} has a malformed pack location (fingerprints are stored in packs)")
+    return LeafEntry(e["path"], "fingerprint", dt, tuple(shape), nbytes, crc, pack=pk, offset=off,
+                     type_name=str(e.get("py", "Tensor")))

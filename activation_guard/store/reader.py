@@ -23,6 +23,8 @@ import torch
 
 from .. import dtypes
 from ..errors import GoldenCorruptError, GoldenError, GoldenFormatError, GoldenNotFoundError
+from ..fingerprint import Fingerprint, FingerprintFormatError, FingerprintParams
+from . import fingerprints as fpstore
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -170,6 +172,68 @@ class GoldenReader:
             if (c.name, c.call) in self.by_key:
                 raise GoldenFormatError(p, f"lists layer {c.name!r} call {c.call} twice")
             self.by_key[(c.name, c.call)] = c
+        self._open_fingerprints()
+
+    # -- fingerprints
+    def _open_fingerprints(self) -> None:
+        """The golden's fingerprint parameters, when it has fingerprint leaves, and every such
+        leaf's stored size checked against them (so a bad entry fails at open, naming it)."""
+        self.fingerprint_params: FingerprintParams | None = None
+        self.fingerprint_leaves = 0
+        for c in self.calls:
+            for leaf in (*c.leaves, *(c.inputs or ())):
+                if leaf.kind != "fingerprint":
+                    continue
+                if self.fingerprint_params is None:
+                    self.fingerprint_params = fpstore.params_from_meta(self.path, self.meta)
+                assert leaf.dtype is not None
+                want = fpstore.blob_nbytes(leaf.dtype, leaf.shape, self.fingerprint_params)
+                if leaf.nbytes != want:
+                    raise GoldenFormatError(self.path, f"layer {c.name!r} call {c.call} path {leaf.path!r}: its "
+                                                       f"fingerprint record has {leaf.nbytes} bytes, its dtype, shape "
+                                                       f"and the golden's fingerprint parameters need {want}")
+                self.fingerprint_leaves += 1
+
+    @property
+    def fingerprinted(self) -> bool:
+        """Some outputs are stored as fingerprints, not values."""
+        return self.fingerprint_leaves > 0
+
+    def replay_blocker(self) -> str | None:
+        """Why some calls of this golden cannot be replayed (re-run on their recorded inputs), or None.
+
+        Replay needs full inputs; a fingerprint cannot be turned back into a tensor. A call whose
+        recorded inputs are (or alias) fingerprints is not replayed; the replay names the input
+        per call, this says it for the whole golden (neutral wording, front ends add a command)."""
+        if not self.fingerprinted:
+            return None
+        calls = [c for c in self.calls if self._fingerprint_inputs(c)]
+        if not calls:
+            return None
+        shown = ", ".join(f"{c.name or '<root>'!r}" for c in calls[:3]) + (", ..." if len(calls) > 3 else "")
+        return (f"replay needs full inputs, but the inputs of {len(calls)} layer calls ({shown}) are stored as "
+                "fingerprints; re-record the golden without fingerprints for the layers to replay")
+
+    def _fingerprint_inputs(self, c: CallEntry) -> bool:
+        for e in c.inputs or ():
+            try:
+                if self.resolve(e).kind == "fingerprint":
+                    return True
+            except GoldenError:  # a broken alias: the replay reports it when it gets there
+                continue
+        return False
+
+    def fingerprint(self, entry: LeafEntry, where: str = "") -> Fingerprint:
+        """Read one fingerprint leaf: checksum-verified bytes (a mismatch is corruption), then
+        every field validated (a blob that passes its checksum but not that was not written by
+        activation_guard: a format error). Both name the file and ``where``."""
+        assert entry.kind == "fingerprint" and entry.dtype is not None and self.fingerprint_params is not None
+        label = where or entry.path
+        raw = self.packed_bytes(entry, label)
+        try:
+            return fpstore.decode(raw, entry.dtype, entry.shape, self.fingerprint_params)
+        except FingerprintFormatError as e:
+            raise GoldenFormatError(self.path, f"{label}: {e}") from None
 
     def _read_json(self, key: str, ds: Any) -> Any:
         p = self.path

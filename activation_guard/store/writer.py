@@ -24,6 +24,8 @@ import torch
 
 from .. import dtypes
 from ..errors import GoldenWriteError
+from ..fingerprint import Fingerprint, FingerprintParams
+from . import fingerprints as fpstore
 from .format import (
     COMPRESSIONS,
     FORMAT_NAME,
@@ -44,7 +46,8 @@ class LeafLike(Protocol):
     ``kind`` is ``tensor`` (``tensor`` set), ``str`` (``value`` set), ``ref`` (``value`` is the path
     of a container seen before), ``alias`` (``alias`` names a stored value: layer, call, section,
     path), ``none`` or ``object`` (recorded by ``type_name`` only). ``leaves.Leaf`` has exactly
-    these attributes.
+    these attributes. A ``fingerprint`` leaf also has a ``fingerprint`` attribute (a
+    :class:`Fingerprint`).
     """
 
     @property
@@ -98,6 +101,8 @@ class GoldenWriter:
         self._data_group: h5py.Group | None = None
         self.nbytes = 0
         self.nleaves = 0
+        self.nfingerprints = 0
+        self.fingerprint_params: FingerprintParams | None = None  # the one set a golden's fingerprints use
         self._trim = TrimCounter()
         self._closed = False
 
@@ -148,6 +153,27 @@ class GoldenWriter:
         self.nbytes += nbytes
         return entry
 
+    def _write_fingerprint(self, fp: Fingerprint) -> dict[str, Any]:
+        """A fingerprint leaf: its blob goes into the packs (see :mod:`.fingerprints`)."""
+        if self.fingerprint_params is None:
+            self.fingerprint_params = fp.params
+        elif fp.params != self.fingerprint_params:
+            raise ValueError(f"one golden holds fingerprints of one set of parameters: {fp.params} differs from "
+                             f"{self.fingerprint_params}")
+        raw = fpstore.encode(fp)
+        nbytes = len(raw)
+        entry: dict[str, Any] = {"kind": "fingerprint", "dtype": fp.dtype, "shape": list(fp.shape),
+                                 "nbytes": nbytes, "crc32": zlib.crc32(raw)}
+        if self._pack_len + nbytes > PACK_BYTES:
+            self._flush_pack()
+        entry["pack"] = self._pack_id
+        entry["offset"] = self._pack_len
+        self._pack.append(raw)
+        self._pack_len += nbytes
+        self.nbytes += nbytes
+        self.nfingerprints += 1
+        return entry
+
     def write_leaves(self, leaves: Iterable[LeafLike], where: str) -> list[dict[str, Any]]:
         """Write the values of ``leaves`` now (the snapshot) and return their index entries.
         An :class:`AliasLike` leaf (an input that is an already stored value) writes nothing."""
@@ -163,6 +189,14 @@ class GoldenWriter:
                         f"could not write {where} ({err}); the previous golden, if any, is unchanged",
                         fix=WRITE_FIX,
                     ) from err
+                if leaf.type_name != "Tensor":
+                    e["py"] = leaf.type_name
+            elif leaf.kind == "fingerprint":
+                fp = getattr(leaf, "fingerprint", None)
+                if not isinstance(fp, Fingerprint):
+                    raise TypeError(f"{where} path {leaf.path!r}: a fingerprint leaf needs a Fingerprint, "
+                                    f"got {type(fp).__name__}")
+                e = self._write_fingerprint(fp)
                 if leaf.type_name != "Tensor":
                     e["py"] = leaf.type_name
             elif leaf.kind == "str":
@@ -194,6 +228,9 @@ class GoldenWriter:
         the temp file is removed and the previous golden, if any, is left as it was."""
         try:
             self._flush_pack()
+            if self.fingerprint_params is not None:  # the parameters every fingerprint here was taken with
+                meta = {**meta, fpstore.META_KEY: fpstore.meta_record(self.fingerprint_params,
+                                                                      meta.get(fpstore.META_KEY))}
             index = {"calls": self.calls}
             ib = json_bytes(index)
             mb = json_bytes(meta)

@@ -1,0 +1,80 @@
+"""Recording with fingerprints: which outputs are stored as fingerprints, computed where they live.
+
+``record(..., fingerprint=True)`` (or layer globs) replaces, in each selected layer's flattened
+output, every tensor leaf worth fingerprinting (floating or complex, and larger than its
+fingerprint: :func:`should_fingerprint`) by a ``fingerprint`` leaf. Everything else stays exact:
+integer and bool tensors, small tensors, strings, ``None``, objects, and every leaf of layers the
+globs do not name. The fingerprint is computed on the tensor's own device
+(:func:`compute_fingerprint`); only the fingerprint crosses to the host.
+
+The golden's meta says what was asked (``"fingerprint": {"layers": true | [globs], ...}``); the
+store adds the parameters (:mod:`activation_guard.store.fingerprints`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .fingerprint import FingerprintParams, compute_fingerprint, should_fingerprint
+from .leaves import Leaf
+from .selection import match_any
+from .spec import RecordSpec
+from .store.fingerprints import META_KEY
+
+
+class Fingerprinter:
+    """Turns a layer call's leaves into the leaves to store, per the spec's ``fingerprint``."""
+
+    def __init__(self, layers: bool | tuple[str, ...], params: FingerprintParams):
+        self.layers = layers
+        self.params = params
+        self.fingerprinted = 0  # leaves stored as fingerprints
+        self.raw_bytes = 0  # the bytes those leaves' values would have taken
+        self.matched: set[str] = set()  # globs that named at least one layer
+
+    @classmethod
+    def for_spec(cls, spec: RecordSpec) -> Fingerprinter | None:
+        """None when the spec keeps every output exact."""
+        if spec.fingerprint is False:
+            return None
+        return cls(spec.fingerprint, spec.fingerprint_params)
+
+    def wants(self, name: str) -> bool:
+        if self.layers is True:
+            return True
+        assert not isinstance(self.layers, bool)
+        hit = [p for p in self.layers if match_any(name, [p])]
+        self.matched.update(hit)
+        return bool(hit)
+
+    def __call__(self, name: str, leaves: list[Leaf]) -> list[Leaf]:
+        if not self.wants(name):
+            return leaves
+        out = []
+        for leaf in leaves:
+            t = leaf.tensor
+            if leaf.kind == "tensor" and t is not None and should_fingerprint(t, self.params):
+                fp = compute_fingerprint(t, self.params)
+                self.fingerprinted += 1
+                self.raw_bytes += t.numel() * t.element_size()
+                out.append(Leaf(leaf.path, "fingerprint", type_name=leaf.type_name, legacy_path=leaf.legacy_path,
+                                fingerprint=fp))
+            else:
+                out.append(leaf)
+        return out
+
+    def meta(self) -> dict[str, Any]:
+        """What was asked, for the golden's meta (the store adds the parameters it used)."""
+        return {"layers": list(self.layers) if isinstance(self.layers, tuple) else True}
+
+    def unmatched(self) -> list[str]:
+        """Globs that named no recorded layer (a typo would otherwise keep everything full)."""
+        if isinstance(self.layers, bool):
+            return []
+        return [p for p in self.layers if p not in self.matched]
+
+
+def meta_entry(fingerprinter: Fingerprinter | None) -> dict[str, Any]:
+    """``{META_KEY: ...}`` to merge into a golden's meta, or nothing."""
+    return {} if fingerprinter is None else {META_KEY: fingerprinter.meta()}
+

@@ -1,0 +1,176 @@
+"""Fingerprint goldens through the pytest plugin (pytester): --ag-fingerprint, ini ag_fingerprint,
+the marker and check() option, their precedence, validation with the source named, and the
+re-record command that keeps a fingerprinted golden fingerprinted."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+import activation_guard as ag
+
+MODELS = '''
+import os
+import torch
+
+def build():
+    """Large enough outputs to fingerprint (16 x 256 floats); AG_SCALE changes the last layer."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential()
+    m.add_module("enc", torch.nn.Linear(32, 256))
+    m.add_module("act", torch.nn.Tanh())
+    m.add_module("out", torch.nn.Linear(256, 128))
+    with torch.no_grad():
+        m.out.weight.mul_(float(os.environ.get("AG_SCALE", "1.0")))
+    return m.eval()
+
+def inputs():
+    return (torch.randn(16, 32, generator=torch.Generator().manual_seed(1)),)
+'''
+
+TEST = '''
+import pytest
+from agmodels import build, inputs
+
+def test_mlp(activation_guard):
+    activation_guard.check(build(), inputs())
+'''
+
+LEAN = ("-p", "no:hypothesispytest", "-p", "no:regressions", "-p", "no:pytest-datadir", "-p", "no:anyio")
+GOLDEN = Path("golden/test_x/test_mlp.h5")
+
+
+@pytest.fixture
+def ag_(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    monkeypatch.delenv("AG_SCALE", raising=False)
+    pytester.makepyfile(agmodels=MODELS, test_x=TEST)
+    return pytester
+
+
+def kinds(path: Path) -> dict[str, str]:
+    with ag.read_golden(path) as r:
+        return {c.name: c.leaves[0].kind for c in r.calls}
+
+
+def test_flag_records_fingerprints_and_compare_needs_no_flag(ag_: pytest.Pytester, monkeypatch) -> None:
+    ag_.runpytest("--ag-update", "--ag-fingerprint", *LEAN).assert_outcomes(passed=1)
+    assert kinds(ag_.path / GOLDEN) == {"enc": "fingerprint", "act": "fingerprint", "out": "fingerprint",
+                                        "": "fingerprint"}
+    ag_.runpytest(*LEAN).assert_outcomes(passed=1)
+    monkeypatch.setenv("AG_SCALE", "1.001")
+    r = ag_.runpytest(*LEAN)
+    r.assert_outcomes(failed=1)
+    out = r.stdout.str()
+    assert "first divergence at layer 'out'" in out
+    assert "estimated ||diff||_2" in out and "(sketch)" in out and "compared by fingerprint" in out
+    # the golden fingerprinted every layer: re-recording it keeps it small, flag or not
+    line = next(ln for ln in out.splitlines() if "re-record the golden:" in ln)
+    argv = shlex.split(line.split("re-record the golden:", 1)[1])
+    assert argv[:3] == ["pytest", "--ag-update", "--ag-fingerprint"]
+    monkeypatch.delenv("AG_SCALE")
+    ag_.runpytest(*argv[1:], *LEAN).assert_outcomes(passed=1)
+    assert set(kinds(ag_.path / GOLDEN).values()) == {"fingerprint"}
+
+
+def test_ini_globs_fingerprint_those_layers_only(ag_: pytest.Pytester) -> None:
+    ag_.makeini("[pytest]\nag_fingerprint = enc, act\n")
+    ag_.runpytest("--ag-update", *LEAN).assert_outcomes(passed=1)
+    assert kinds(ag_.path / GOLDEN) == {"enc": "fingerprint", "act": "fingerprint", "out": "tensor", "": "tensor"}
+
+
+def test_precedence_check_over_marker_over_flag_over_ini(ag_: pytest.Pytester) -> None:
+    ag_.makeini("[pytest]\nag_fingerprint = out\n")
+    ag_.makepyfile(test_x='''
+import pytest
+from agmodels import build, inputs
+
+def test_ini(activation_guard):
+    activation_guard.check(build(), inputs())
+
+@pytest.mark.activation_guard(fingerprint=["enc"])
+def test_marker(activation_guard):
+    activation_guard.check(build(), inputs())
+
+@pytest.mark.activation_guard(fingerprint=["enc"])
+def test_call(activation_guard):
+    activation_guard.check(build(), inputs(), fingerprint=False)
+''')
+    ag_.runpytest("--ag-update", *LEAN).assert_outcomes(passed=3)
+    g = ag_.path / "golden/test_x"
+    assert kinds(g / "test_ini.h5") == {"enc": "tensor", "act": "tensor", "out": "fingerprint", "": "tensor"}
+    assert kinds(g / "test_marker.h5") == {"enc": "fingerprint", "act": "tensor", "out": "tensor", "": "tensor"}
+    assert set(kinds(g / "test_call.h5").values()) == {"tensor"}
+    ag_.runpytest("--ag-update", "--ag-fingerprint", *LEAN).assert_outcomes(passed=3)
+    assert set(kinds(g / "test_ini.h5").values()) == {"fingerprint"}  # the flag beats ini
+    assert kinds(g / "test_marker.h5")["act"] == "tensor"  # the marker beats the flag
+    assert set(kinds(g / "test_call.h5").values()) == {"tensor"}
+
+
+def test_fingerprint_params_from_a_marker(ag_: pytest.Pytester) -> None:
+    ag_.makepyfile(test_x='''
+import pytest
+from agmodels import build, inputs
+
+@pytest.mark.activation_guard(fingerprint=True, fingerprint_params=dict(rows=7, samples=8))
+def test_mlp(activation_guard):
+    activation_guard.check(build(), inputs())
+''')
+    ag_.runpytest("--ag-update", *LEAN).assert_outcomes(passed=1)
+    with ag.read_golden(ag_.path / GOLDEN) as r:
+        assert r.fingerprint_params is not None and (r.fingerprint_params.rows, r.fingerprint_params.samples) == (7, 8)
+    ag_.runpytest(*LEAN).assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("where,text,message", [
+    ("ini", "[pytest]\nag_fingerprint = ,\n", "option fingerprint=',' (ini ag_fingerprint): must be True, False, or "
+                                               "layer globs"),
+    ("marker", "fingerprint=3", "option fingerprint=3 (marker): must be True, False, a layer glob or a list of them"),
+    ("check", "fingerprint_params=dict(rows=4)", "option fingerprint_params={'rows': 4} (check()): fingerprint rows "
+                                                 "must be an odd integer"),
+    ("check", "fingerprint_params=dict(rows=5)", "option fingerprint_params={'rows': 5} (check()): has no effect "
+                                                 "unless fingerprint is set too"),
+])
+def test_bad_values_name_the_option_and_where_it_was_set(ag_: pytest.Pytester, where, text, message) -> None:
+    if where == "ini":
+        ag_.makeini(text)
+    elif where == "marker":
+        ag_.makepyfile(test_x=f'''
+import pytest
+from agmodels import build, inputs
+
+@pytest.mark.activation_guard({text})
+def test_mlp(activation_guard):
+    activation_guard.check(build(), inputs())
+''')
+    else:
+        ag_.makepyfile(test_x=TEST.replace("inputs())", f"inputs(), {text})"))
+    r = ag_.runpytest("--ag-update", *LEAN)
+    out = r.stdout.str() + r.stderr.str()
+    assert message in out, out
+    assert "activation_guard: activation_guard" not in out
+    if where == "ini":
+        assert r.ret == pytest.ExitCode.USAGE_ERROR
+    else:
+        r.assert_outcomes(failed=1)
+        assert not (ag_.path / GOLDEN).exists()
+
+
+def test_corrupt_fingerprint_fails_the_test_naming_the_file(ag_: pytest.Pytester) -> None:
+    import h5py
+
+    ag_.runpytest("--ag-update", "--ag-fingerprint", *LEAN).assert_outcomes(passed=1)
+    path = ag_.path / GOLDEN
+    with ag.read_golden(path) as r:
+        enc = r.by_key[("enc", 0)].leaves[0]
+    assert enc.kind == "fingerprint" and enc.pack is not None
+    with h5py.File(path, "r+") as f:
+        data = f[f"packs/{enc.pack:04d}"][()]
+        data[enc.offset + 200] ^= 0x01
+        f[f"packs/{enc.pack:04d}"][...] = data
+    r = ag_.runpytest(*LEAN)
+    r.assert_outcomes(failed=1)
+    out = r.stdout.str()
+    assert "checksum" in out and "test_mlp.h5" in out and "layer 'enc' call 0" in out
+    assert "re-record it with: pytest --ag-update" in out
