@@ -100,6 +100,19 @@ def _choice(options: tuple[Any, ...]) -> Callable[[Any], Any]:
     return parse
 
 
+# --- gradients (issue 14)
+def _backward(v: Any) -> bool | Callable[[Any], Any]:
+    """``backward``: True/False (also as text from ini and flags) or a loss function."""
+    if isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
+        return v.strip().lower() in _TRUE
+    if isinstance(v, bool):
+        return v
+    if callable(v) and not isinstance(v, type):
+        return v  # type: ignore[no-any-return]
+    raise _Bad(f"must be True, False or a callable(output) -> scalar loss, got {v!r}")
+# --- end gradients
+
+
 @dataclass(frozen=True)
 class ToleranceRule:
     """One ``tolerances`` entry: a layer glob and the rtol and/or atol it sets."""
@@ -219,6 +232,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("replay", _choice(REPLAY_MODES), False, True,
            "re-run diverging layers on the golden's inputs: 'first' (attribute the first divergence), "
            "'all' (judge every layer by its own error) or 'off'"),
+    Option("backward", _backward, True, True,  # gradients (issue 14)
+           "also record (compare) gradients: True (loss = outputs x seeded random cotangents), a callable(output) "
+           "-> scalar loss, or False"),
 )}
 
 
@@ -289,6 +305,7 @@ class RecordSpec(_SpecBase):
     calibrate: bool = False
     grad: bool = False
     inputs: bool = True
+    backward: bool | Callable[[Any], Any] = False  # gradients (issue 14): False, True or a loss function
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -314,6 +331,8 @@ class CompareSpec(_SpecBase):
     tolerance: str = "strict"
     grad: bool = False
     replay: str = "first"
+    # gradients (issue 14): None checks them when the golden has them; False never; True or a loss function
+    backward: bool | Callable[[Any], Any] | None = None
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

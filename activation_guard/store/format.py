@@ -46,6 +46,11 @@ COMPRESSIONS = {None, "gzip", "lzf"}
 ROOT_MEMBERS = ("index", "meta", "packs", "data")
 LEAF_KINDS = ("tensor", "none", "str", "object", "ref", "alias")
 SECTIONS = ("out", "in")  # a call's outputs ("leaves") and its inputs ("inputs")
+# --- gradients (issue 14): the index's optional "backward" list, in backward execution order; each
+# entry is a call entry with "grad": "output" | "input" (a module call's gradient w.r.t. its
+# outputs / inputs) or "param" (a module's parameter gradients, call 0, leaf path = parameter name)
+GRAD_KINDS = ("output", "input", "param")
+# --- end gradients
 _DATASET_NAME = re.compile(r"data/\d{6}")
 
 
@@ -90,6 +95,7 @@ class CallEntry:
     leaves: list[LeafEntry]
     position: int  # 0-based position in the golden's execution order
     inputs: list[LeafEntry] | None = None  # the call's arguments ("args/0", "kwargs/mask"), if recorded
+    grad: str | None = None  # entries of the "backward" section: what the gradient is taken w.r.t. (GRAD_KINDS)
 
 
 def parse_calls(path: str, calls: list[Any]) -> list[CallEntry]:
@@ -100,6 +106,28 @@ def parse_calls(path: str, calls: list[Any]) -> list[CallEntry]:
     here and for existence by the reader when the leaf is loaded.
     """
     return [_parse_call(path, c, i) for i, c in enumerate(calls)]
+
+
+# --- gradients (issue 14)
+def parse_backward(path: str, entries: Any) -> list[CallEntry]:
+    """Decode the index's optional ``backward`` list (absent: a golden without gradients)."""
+    if entries is None:
+        return []
+    if not isinstance(entries, list):
+        raise GoldenFormatError(path, "has a malformed backward section in its index")
+    out = []
+    for i, c in enumerate(entries):
+        grad = c.get("grad") if isinstance(c, dict) else None
+        if grad not in GRAD_KINDS or (isinstance(c, dict) and "inputs" in c):
+            raise GoldenFormatError(path, f"backward entry #{i} is malformed")
+        entry = _parse_call(path, c, i)
+        entry.grad = grad
+        for leaf in entry.leaves:
+            if leaf.kind not in ("tensor", "none"):
+                raise GoldenFormatError(path, f"backward entry #{i} ({entry.name!r}) holds a {leaf.kind} leaf")
+        out.append(entry)
+    return out
+# --- end gradients
 
 
 def _parse_call(p: str, c: Any, position: int) -> CallEntry:

@@ -32,6 +32,7 @@ from .format import (
     ROOT_MEMBERS,
     CallEntry,
     LeafEntry,
+    parse_backward,
     parse_calls,
 )
 from .memory import TrimCounter
@@ -170,6 +171,15 @@ class GoldenReader:
             if (c.name, c.call) in self.by_key:
                 raise GoldenFormatError(p, f"lists layer {c.name!r} call {c.call} twice")
             self.by_key[(c.name, c.call)] = c
+        # --- gradients (issue 14): the optional backward section, in backward execution order
+        self.backward = parse_backward(p, index.get("backward"))
+        self.by_grad: dict[tuple[str, str, int], CallEntry] = {}
+        for c in self.backward:
+            assert c.grad is not None
+            if (c.grad, c.name, c.call) in self.by_grad:
+                raise GoldenFormatError(p, f"lists the {c.grad} gradient of layer {c.name!r} call {c.call} twice")
+            self.by_grad[(c.grad, c.name, c.call)] = c
+        # --- end gradients
 
     def _read_json(self, key: str, ds: Any) -> Any:
         p = self.path

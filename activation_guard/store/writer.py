@@ -90,6 +90,7 @@ class GoldenWriter:
                 self.path, f"cannot create a temporary file in {d}: {e}", fix="check the folder exists and is writable"
             ) from e
         self.calls: list[dict[str, Any]] = []
+        self.backward: list[dict[str, Any]] = []  # gradients (issue 14), in backward execution order
         self._pack: list[bytes] = []
         self._pack_len = 0
         self._pack_id = 0
@@ -188,13 +189,23 @@ class GoldenWriter:
             rec["inputs"] = inputs
         self.calls.append(rec)
 
+    # --- gradients (issue 14)
+    def add_backward(self, grad: str, name: str, call: int, module_type: str, leaves: list[dict[str, Any]]) -> None:
+        """Record one gradient entry of the index's ``backward`` section (``grad``: output, input or
+        param), with the index entries of its leaves (written earlier by :meth:`write_leaves`).
+        Entries are listed in the order they are added: backward execution order."""
+        self.backward.append({"grad": grad, "name": name, "call": call, "type": module_type, "leaves": leaves})
+    # --- end gradients
+
     # -- finishing
     def commit(self, meta: dict[str, Any]) -> None:
         """Write the index and ``meta``, then fsync and rename over the target; on any failure
         the temp file is removed and the previous golden, if any, is left as it was."""
         try:
             self._flush_pack()
-            index = {"calls": self.calls}
+            index: dict[str, Any] = {"calls": self.calls}
+            if self.backward:  # goldens without gradients keep their bytes
+                index["backward"] = self.backward
             ib = json_bytes(index)
             mb = json_bytes(meta)
             self.f.create_dataset("index", data=np.frombuffer(ib, dtype=np.uint8), track_times=False)
