@@ -216,9 +216,9 @@ class GradComparator:
                       f"is in its own code between them" if children else
                       "the change is in how it computes gradients")
             return Origin(first.name, first.call, "layer", err, type_name=first.type_name, detail=(
-                f"backward changed: the gradient w.r.t. its output matches the golden, but its {what('input', first.path)}"
-                f" differs{nums}; {inside} (a custom autograd Function, a .detach(), a checkpoint recomputation that "
-                f"differs)"))
+                f"backward changed: the gradient w.r.t. its output matches the golden, but its "
+                f"{what('input', first.path)} differs{nums}; {inside} (a custom autograd Function, a .detach(), "
+                f"a checkpoint recomputation that differs)"))
         if parent is None:
             return Origin(first.name, first.call, "unknown", err, type_name=first.type_name, detail=(
                 "backward: the gradient reaching the model's output differs, so the loss differs (a custom loss "

@@ -59,8 +59,9 @@ META_KEY = "backward"  # the golden meta's record of the loss (and gradient nois
 META_VERSION = 1
 DEFAULT_SEED = 0
 COTANGENT_RULE = ("loss = sum over the model output's floating tensor leaves, in flatten order, of "
-                  "(leaf * c).sum(), with c = torch.randn(leaf.shape, dtype=torch.float32, generator=torch.Generator('cpu')"
-                  ".manual_seed(seed)) drawn from one generator in that order, then cast to the leaf's dtype and device")
+                  "(leaf * c).sum(), with c = torch.randn(leaf.shape, dtype=torch.float32, "
+                  "generator=torch.Generator('cpu').manual_seed(seed)) drawn from one generator in that order, "
+                  "then cast to the leaf's dtype and device")
 GRAD_KINDS = ("output", "input", "param")
 _NO_SEQ = 1 << 63  # nodes without a sequence number (AccumulateGrad) report 2**64 - 1
 _sequence_nr: Callable[[], int] = torch._C._autograd._get_sequence_nr
