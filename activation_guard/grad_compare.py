@@ -204,8 +204,9 @@ class GradComparator:
         if first.phase == "param-grad":
             return Origin(first.name, first.call, "layer", err, type_name=first.type_name, detail=(
                 f"backward: its {what('param', first.path)} differs{nums} while the gradients w.r.t. its outputs and "
-                f"inputs match; something changes that parameter's gradient outside the module's backward (a hook on "
-                f"the parameter, or a weight shared with another module)"))
+                f"inputs match; something changes that parameter's gradient outside the gradient flow through the "
+                f"module (a hook on the parameter, a weight shared with another module, or inputs saved for the "
+                f"backward that differ from the forward's: a checkpoint recomputation that differs)"))
         parent, children = self.parents.get((first.wrt or "", first.name, first.call), (None, 0))
         if first.wrt == "input":
             out = next((r for r in results if r.phase == "backward" and r.wrt == "output" and r.name == first.name
