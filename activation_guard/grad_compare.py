@@ -200,7 +200,7 @@ class GradComparator:
         if first.status not in REPLAYABLE:
             return None
         err = first.max_abs_diff
-        nums = "" if err is None else f" (max abs diff {err:.3g})"
+        nums = "" if err is None or first.status not in ("diverged", "nonfinite") else f" (max abs diff {err:.3g})"
         if first.phase == "param-grad":
             return Origin(first.name, first.call, "layer", err, type_name=first.type_name, detail=(
                 f"backward: its {what('param', first.path)} differs{nums} while the gradients w.r.t. its outputs and "
