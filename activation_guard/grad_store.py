@@ -12,12 +12,14 @@ forward's ``calibration``), keyed by layer, call and ``"<output|input|param>:<le
 
 from __future__ import annotations
 
+import zlib
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
-from .dtypes import dtype_name
+from .dtypes import dtype_name, tensor_bytes
 from .errors import ActivationGuardError, GoldenFormatError, UncalibratedGoldenError
 from .floors import CALIBRATED_DTYPES, FloorTable, NoiseFloor
 from .gradients import META_KEY, Event
@@ -41,6 +43,53 @@ def describe_leaf(ev: Event, path: str) -> str:
     return f"the gradient w.r.t. {what} of {who} call {ev.call}"
 
 
+RECENT_ITEMS = 32  # stored gradients kept alive to recognise the same memory delivered again
+RECENT_BYTES = 64 << 20
+
+
+class _Recent:
+    """Gradients stored lately, by where their values sit in memory. The same gradient reaches
+    several records (a parent's output and its last child's; a layer's input gradient and its
+    producer's output gradient): the second is stored as an alias of the first when it is the
+    same memory (held alive here, so it cannot have been reused) with the same CRC-32 of its bytes
+    (unchanged since). Bounded: the oldest are let go beyond ``RECENT_ITEMS`` / ``RECENT_BYTES``."""
+
+    def __init__(self) -> None:
+        self.items: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, int, dict[str, Any]]] = OrderedDict()
+        self.nbytes = 0
+
+    @staticmethod
+    def key(t: torch.Tensor) -> tuple[Any, ...] | None:
+        if t.layout != torch.strided or t.is_sparse or type(t) is not torch.Tensor:
+            return None
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, t.device, tuple(t.shape), t.stride())
+
+    def find(self, t: torch.Tensor) -> tuple[tuple[Any, ...] | None, dict[str, Any] | None]:
+        k = self.key(t)
+        hit = None if k is None else self.items.get(k)
+        if hit is None or hit[0] is None:
+            return k, None
+        raw = tensor_bytes(t)
+        if raw.size != hit[1] >> 32 or (zlib.crc32(raw.data) if raw.size else 0) != hit[1] & 0xFFFFFFFF:
+            return k, None
+        return k, hit[2]
+
+    def add(self, k: tuple[Any, ...] | None, t: torch.Tensor, entry: dict[str, Any], alias: dict[str, Any]) -> None:
+        if k is None or entry.get("kind") != "tensor":
+            return
+        n = int(entry["nbytes"])
+        self.items[k] = (t, (n << 32) | int(entry["crc32"]), alias)
+        self.items.move_to_end(k)
+        self.nbytes += n
+        while len(self.items) > 1 and (len(self.items) > RECENT_ITEMS or self.nbytes > RECENT_BYTES):
+            _, (_, meta, _) = self.items.popitem(last=False)
+            self.nbytes -= meta >> 32
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.nbytes = 0
+
+
 class FloorSource(Protocol):
     """A float64 run's gradients (:class:`~activation_guard.shadow.ShadowRun` with a backward)."""
 
@@ -58,10 +107,19 @@ class GradRecorder:
         self.floors = floors
         self.entries: dict[int, dict[str, dict[str, Any]]] = {}
         self.count = 0
+        self.aliases = 0
+        self._recent = _Recent()
 
     def leaf(self, event: Event, path: str, grad: torch.Tensor | None) -> None:
         where = describe_leaf(event, path)
-        leaf = Leaf(path, "none", type_name="None") if grad is None else Leaf(path, "tensor", tensor=grad)
+        key, same = (None, None) if grad is None else self._recent.find(grad)
+        if grad is None:
+            leaf = Leaf(path, "none", type_name="None")
+        elif same is not None:
+            leaf = Leaf(path, "alias", alias=same)
+            self.aliases += 1
+        else:
+            leaf = Leaf(path, "tensor", tensor=grad)
         try:
             entry = self.writer.write_leaves([leaf], where)[0]
         except ActivationGuardError:
@@ -69,6 +127,9 @@ class GradRecorder:
         except Exception as e:
             raise ActivationGuardError(f"recording {where} failed: {e}") from e
         self.entries.setdefault(id(event), {})[path] = entry
+        if grad is not None and same is None:
+            self._recent.add(key, grad, entry, {"name": event.name, "call": event.call,
+                                                "section": f"grad-{event.grad}", "of": path})
         if self.shadow is not None and self.floors is not None and grad is not None \
                 and dtype_name(grad) in CALIBRATED_DTYPES:
             fp = floor_path(event.grad, path)
@@ -80,6 +141,7 @@ class GradRecorder:
             self.writer.add_backward(ev.grad, ev.name, ev.call, ev.type_name, [got[p] for p in ev.paths])
         self.count = len(events)
         self.entries.clear()
+        self._recent.clear()
 
 
 def grad_floors(meta: Mapping[str, Any], path: str) -> FloorTable:

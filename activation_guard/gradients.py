@@ -191,10 +191,14 @@ class GradCapture:
 
     # ------------------------------------------------------------------ forward side
     def on_enter(self, frame: Frame) -> None:
-        with torch.no_grad():
-            leaves = flatten_inputs(frame.args, frame.kwargs)
-        edges = [(leaf.path, get_gradient_edge(leaf.tensor)) for leaf in leaves
-                 if leaf.tensor is not None and _wants(leaf.tensor)]
+        args = frame.args
+        if not frame.kwargs and type(args) is tuple and all(type(a) is torch.Tensor for a in args):
+            pairs = [(f"args/{i}", a) for i, a in enumerate(args)]  # the common case, as flatten_inputs names it
+        else:
+            with torch.no_grad():
+                pairs = [(leaf.path, leaf.tensor) for leaf in flatten_inputs(args, frame.kwargs)
+                         if leaf.tensor is not None]
+        edges = [(path, get_gradient_edge(t)) for path, t in pairs if _wants(t)]
         self._starts[id(frame)] = (_sequence_nr(), edges)
 
     def on_output(self, frame: Frame, output: Any) -> None:
@@ -204,9 +208,12 @@ class GradCapture:
             self.modules.setdefault(name, frame.module)
         fwd = self._fwd
         self._fwd += 1
-        with torch.no_grad():
-            outs = [(leaf.path, leaf.tensor) for leaf in flatten(output)
-                    if leaf.tensor is not None and _wants(leaf.tensor)]
+        if type(output) is torch.Tensor:
+            outs = [("", output)] if _wants(output) else []
+        else:
+            with torch.no_grad():
+                outs = [(leaf.path, leaf.tensor) for leaf in flatten(output)
+                        if leaf.tensor is not None and _wants(leaf.tensor)]
         if not outs:  # nothing of it is differentiated: no gradient flows through it
             return
         targets: dict[tuple[int, int], list[str]] = {}
@@ -337,7 +344,7 @@ class GradCapture:
         """Run the one backward (see the module docstring for what it leaves untouched), then the
         parameter gradients, then ``sink.finish``."""
         roots, grads = rule.roots(output)
-        params = self._param_events(model)
+        params = self._param_events()
         leaves = _reachable_leaves(roots)
         for param in model.parameters():
             leaves.setdefault(id(param), param)
@@ -353,16 +360,13 @@ class GradCapture:
                     self.sink.leaf(ev, pname, p.grad)
         self._finish()
 
-    def _param_events(self, model: torch.nn.Module) -> list[tuple[Event, list[torch.Tensor]]]:
+    def _param_events(self) -> list[tuple[Event, list[torch.Tensor]]]:
         """One event per called module with parameters that require grad (a parameter shared by
-        several modules belongs to the first in ``named_modules`` order)."""
+        several modules belongs to the one that returned first)."""
         out: list[tuple[Event, list[torch.Tensor]]] = []
         seen: set[int] = set()
         fwd_of = {ev.name: ev.fwd for ev in self.events if ev.call == 0}
-        for mname, mod in model.named_modules(remove_duplicate=False):
-            if self.modules.get(mname) is not mod:
-                continue
-            assert mod is not None
+        for mname, mod in self.modules.items():
             named = []
             for pname, p in mod.named_parameters(recurse=False):
                 if p.requires_grad and id(p) not in seen:

@@ -152,6 +152,9 @@ def _leaf_info(reader: GoldenReader, c: CallEntry, leaf: LeafEntry, with_stats: 
     if c.grad is not None:  # gradients (issue 14): positions continue after the forward's
         info.section = SECTIONS[c.grad]
         info.position = len(reader.calls) + c.position
+        if leaf.kind == "alias":  # the same values as a gradient stored before: shown as what they are
+            leaf = reader.resolve(leaf, f"layer {c.name!r} call {c.call} {c.grad} gradient {leaf.path!r}")
+            info.kind = leaf.kind
     if leaf.kind == "tensor":
         info.dtype, info.shape = leaf.dtype, leaf.shape
         if with_stats:

@@ -189,6 +189,8 @@ class ShadowRun:
         grad, _, leaf_path = path.partition(":")
         entry = None if self.reader is None else self.reader.by_grad.get((grad, name, call))
         leaf = None if entry is None else next((x for x in entry.leaves if x.path == leaf_path), None)
+        if leaf is not None and leaf.kind == "alias" and self.reader is not None:
+            leaf = self.reader.resolve(leaf, f"shadow gradient {path!r} of layer {name!r} call {call}")
         if leaf is None or leaf.kind != "tensor" or leaf.dtype not in CALIBRATED_DTYPES or \
                 tuple(leaf.shape) != tuple(value.shape):
             return None

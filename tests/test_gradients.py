@@ -117,7 +117,7 @@ def test_full_backward_hooks_break_the_in_place_model_and_the_capture_does_not()
     got = capture(model, x)
     ref, pgrads = full_hooks(twin, x)
     for name in ("conv", "act", "fc"):
-        gi, go = ref[name]
+        _, go = ref[name]
         assert torch.equal(got.values[("output", name, 0, "")], go[0]), name  # pre-modification gradient
     for name in ("act", "fc"):  # conv's input (the model input) needs no gradient
         assert torch.allclose(got.values[("input", name, 0, "args/0")], ref[name][0][0], atol=1e-7), name
@@ -337,7 +337,7 @@ def test_a_custom_loss_is_needed_again_at_compare(tmp_path: Path) -> None:
     with h5py.File(tmp_path / "g.h5") as f:
         meta = json.loads(f["meta"][()].tobytes())
     assert meta["backward"]["loss"] == "custom" and meta["backward"]["function"].endswith("loss_first_row")
-    with pytest.raises(ActivationGuardError, match="custom loss function .*loss_first_row.* pass the same function"):
+    with pytest.raises(ActivationGuardError, match=r"custom loss function .*loss_first_row.* pass the same function"):
         ag.compare(model, x, path=tmp_path / "g.h5")
     assert ag.compare(model, x, path=tmp_path / "g.h5", backward=loss_first_row).ok
     report = ag.compare(model, x, path=tmp_path / "g.h5", backward=lambda out: (out[1] ** 2).sum())
@@ -365,7 +365,7 @@ def test_seeded_cotangent_is_stored_and_reused(tmp_path: Path) -> None:
         g = r.load(r.by_grad[("output", "", 0)].leaves[0])
     assert torch.equal(g, cotangent_of(g))
     assert ag.compare(model, x, path=tmp_path / "g.h5").ok
-    with pytest.raises(ActivationGuardError, match="recorded with backward=True .* given the loss function"):
+    with pytest.raises(ActivationGuardError, match=r"recorded with backward=True .* given the loss function"):
         ag.compare(model, x, path=tmp_path / "g.h5", backward=lambda out: out.sum())
 
 

@@ -90,7 +90,7 @@ def test_a_custom_function_with_a_scaled_backward_is_found_at_its_module(
     assert o is not None and (o.kind, o.name) == ("layer", layer)
     assert o.detail.startswith("backward changed: the gradient w.r.t. its output matches the golden, but its "
                                "gradient w.r.t. its input args/0 differs")
-    assert f"call 0: gradient w.r.t. its input args/0, #" in str(report).splitlines()[0]
+    assert "call 0: gradient w.r.t. its input args/0, #" in str(report).splitlines()[0]
 
 
 # --------------------------------------------------------------------------- a .detach() on a residual branch
@@ -176,7 +176,8 @@ def test_a_hook_scaling_one_parameter_gradient_is_a_param_grad_divergence(
     fd = report.first_divergence
     assert fd is not None and fd.path == "weight" and fd.call == 0
     head = str(report).splitlines()[0]
-    assert f"at layer {layer!r} ({type(model.get_submodule(layer)).__name__}): gradient of parameter 'weight', #" in head
+    tname = type(model.get_submodule(layer)).__name__
+    assert f"at layer {layer!r} ({tname}): gradient of parameter 'weight', #" in head
     assert report.origin is not None and (report.origin.kind, report.origin.name) == ("layer", layer)
     assert "a hook on the parameter" in report.origin.detail
     bad = [r for r in report.layers if not r.ok]

@@ -124,6 +124,14 @@ def test_html_marks_gradient_rows_and_the_backward_first_divergence(diverged: tu
     assert "First divergence: <a href=\"#first-divergence\">relu2[0] (grad wrt input)</a> (values outside " in page
 
 
+def test_markdown_summary_names_the_gradient(diverged: tuple[Path, ag.Report]) -> None:
+    from activation_guard.markdown import _divergence
+
+    _, report = diverged
+    assert _divergence(report, None) == ("backward pass: `relu2` (ReLU) call 0, gradient w.r.t. its input args/0: "
+                                         "values outside tolerance; origin: layer")
+
+
 def test_plot_draws_the_backward_apart(diverged: tuple[Path, ag.Report], tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     _, report = diverged
@@ -143,6 +151,7 @@ def test_inspect_and_textconv_list_gradients(diverged: tuple[Path, ag.Report]) -
     gi = inspect_golden(path)
     grads = [x for x in gi.leaves if x.section != "forward"]
     assert grads and {x.section for x in grads} == {"grad-output", "grad-input", "param-grad"}
+    assert all(x.kind in ("tensor", "none") for x in grads)  # aliases of earlier gradients shown resolved
     assert all(x.stats is not None for x in grads if x.kind == "tensor")
     text = format_inspect(gi)
     assert "backward    : loss = sum of each floating output times a seeded random cotangent (seed 0)" in text

@@ -50,6 +50,9 @@ SECTIONS = ("out", "in")  # a call's outputs ("leaves") and its inputs ("inputs"
 # entry is a call entry with "grad": "output" | "input" (a module call's gradient w.r.t. its
 # outputs / inputs) or "param" (a module's parameter gradients, call 0, leaf path = parameter name)
 GRAD_KINDS = ("output", "input", "param")
+# a gradient equal to one stored before (a parent's and its last child's output gradient, a layer's input
+# gradient and its producer's output gradient) is an alias with section "grad-<kind>" naming that entry
+GRAD_SECTIONS = tuple(f"grad-{k}" for k in GRAD_KINDS)
 # --- end gradients
 _DATASET_NAME = re.compile(r"data/\d{6}")
 
@@ -123,7 +126,7 @@ def parse_backward(path: str, entries: Any) -> list[CallEntry]:
         entry = _parse_call(path, c, i)
         entry.grad = grad
         for leaf in entry.leaves:
-            if leaf.kind not in ("tensor", "none"):
+            if leaf.kind not in ("tensor", "none", "alias"):
                 raise GoldenFormatError(path, f"backward entry #{i} ({entry.name!r}) holds a {leaf.kind} leaf")
         out.append(entry)
     return out
@@ -163,7 +166,7 @@ def _parse_leaf(p: str, e: Any, lname: str, call: int, section: str = "outputs")
     if kind == "alias":
         tgt = (e.get("name"), e.get("call"), e.get("section"), e.get("of"))
         if (not isinstance(tgt[0], str) or not isinstance(tgt[1], int) or isinstance(tgt[1], bool) or tgt[1] < 0
-                or tgt[2] not in SECTIONS or not isinstance(tgt[3], str)):
+                or tgt[2] not in SECTIONS + GRAD_SECTIONS or not isinstance(tgt[3], str)):
             raise GoldenFormatError(p, f"index entry for {where} has a malformed alias leaf")
         return LeafEntry(e["path"], kind, type_name=str(e.get("py", "Tensor")),
                          alias=(str(tgt[0]), int(tgt[1]), str(tgt[2]), str(tgt[3])))

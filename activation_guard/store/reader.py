@@ -248,13 +248,18 @@ class GoldenReader:
             return entry
         assert entry.alias is not None
         name, call, section, path = entry.alias
-        c = self.by_key.get((name, call))
-        leaves = None if c is None else (c.leaves if section == "out" else c.inputs)
+        if section.startswith("grad-"):  # gradients (issue 14): a gradient stored before
+            c = self.by_grad.get((section[5:], name, call))
+            leaves = None if c is None else c.leaves
+            what = f"{section[5:]} gradient"
+        else:
+            c = self.by_key.get((name, call))
+            leaves = None if c is None else (c.leaves if section == "out" else c.inputs)
+            what = "output" if section == "out" else "input"
         target = next((x for x in leaves or () if x.path == path), None)
         if target is None or target.kind == "alias":
             raise GoldenFormatError(self.path, f"{where or entry.path}: refers to layer {name!r} call {call} "
-                                               f"{'output' if section == 'out' else 'input'} {path!r}, "
-                                               f"which the golden does not hold")
+                                               f"{what} {path!r}, which the golden does not hold")
         return target
 
     def load(self, entry: LeafEntry, where: str = "") -> torch.Tensor:
