@@ -23,7 +23,7 @@ from .errors import ActivationGuardError, GoldenFormatError, UnsupportedModelErr
 from .floors import FloorTable
 from .grad_compare import GradComparator, GradNoise
 from .grad_store import CALIBRATION_KEY, GradRecorder, grad_floors
-from .gradients import DEFAULT_SEED, META_KEY, GradCapture, LossRule, loss_rule
+from .gradients import DEFAULT_SEED, META_KEY, Event, GradCapture, LossRule, loss_rule
 from .judges import Judge
 from .results import LayerResult, Origin
 from .selection import selected
@@ -181,6 +181,38 @@ class CompareGradients:
             return [f"backward: the golden's gradients were not compared: "
                     f"{'the forward stopped at its first divergence (fail_fast)' if stopped else 'no backward ran'}"]
         return self.comparator.notes()
+
+
+def diff_rows(golden: GoldenReader, other: GoldenReader, spec: CompareSpec, judge: Judge,
+              live_to_golden: Mapping[str, str], layers: list[LayerResult],
+              order: dict[int, tuple[float, int]]) -> tuple[list[LayerResult], dict[int, tuple[float, int]], list[str]]:
+    """``diff`` of two recordings: the other recording's gradients, in its backward order, judged
+    against the golden's as a live backward would be (when both have gradients)."""
+    mine, theirs = golden.meta.get(META_KEY), other.meta.get(META_KEY)
+    if mine is None and theirs is None:
+        return layers, order, []
+    if mine is None or theirs is None:
+        which = "the golden" if mine is not None else "the other recording"
+        return layers, order, [f"backward: only {which} has gradients; they were not compared"]
+    if not (isinstance(mine, Mapping) and isinstance(theirs, Mapping)) or any(
+            mine.get(k) != theirs.get(k) for k in ("loss", "seed", "function")):
+        return layers, order, ["backward: the two recordings used different losses; gradients not compared"]
+    sink = GradComparator(golden, spec, judge, LossRule("cotangent"), live_to_golden)
+    events = []
+    for c in other.backward:
+        assert c.grad is not None
+        ev = Event(c.grad, c.name, c.call, c.type_name, [x.path for x in c.leaves], c.position)
+        for x in c.leaves:
+            where = f"layer {c.name!r} call {c.call} {c.grad} gradient {x.path!r}"
+            t = None if x.kind == "none" else other.load(x, where)
+            sink.leaf(ev, x.path, t)
+        events.append(ev)
+    sink.finish(events)
+    offset = 1 + max((r.position for r in layers if r.position is not None), default=-1)
+    extra, more = sink.results(offset, lambda n: selected(n, spec.include, spec.exclude))
+    merged = dict(order)
+    merged.update({len(layers) + k: v for k, v in more.items()})
+    return layers + extra, merged, []
 
 
 def skipped_note(spec: CompareSpec, meta: Mapping[str, Any]) -> list[str]:

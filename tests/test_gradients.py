@@ -231,6 +231,24 @@ def test_integer_inputs_have_no_gradient_and_no_error(tmp_path: Path) -> None:
     assert ag.compare(model, ids, path=tmp_path / "g.h5").ok
 
 
+def test_equal_gradients_are_stored_once_and_read_back_exactly(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    model, ids = build_hf_gpt2(), token_input()[0]
+    got = capture(model, ids)  # every gradient as delivered, nothing shared
+    ag.record(model, ids, path=tmp_path / "g.h5", backward=True)
+    with ag.read_golden(tmp_path / "g.h5") as r:
+        aliases = 0
+        for c in r.backward:
+            for leaf in c.leaves:
+                want = got.values[(c.grad or "", c.name, c.call, leaf.path)]
+                aliases += leaf.kind == "alias"
+                if leaf.kind == "none":
+                    assert want is None
+                else:
+                    assert want is not None and torch.equal(r.load(leaf), want), (c.grad, c.name, leaf.path)
+    assert aliases > 20  # e.g. a block's output gradient is its last child's
+
+
 # --------------------------------------------------------------------------- the model is left alone
 
 

@@ -103,6 +103,21 @@ def test_compare_models_with_backward(tmp_path: Path) -> None:
     assert report.first_divergence.phase == "backward"
 
 
+def test_diff_of_two_recordings_compares_their_gradients(tmp_path: Path) -> None:
+    model, x = build_cnn(), cnn_input()
+    for name in ("a", "b"):
+        ag.record(model, x, path=tmp_path / f"{name}.h5", backward=True)
+    ag.record(model, x, path=tmp_path / "fwd.h5")
+    assert ag.diff_recordings(tmp_path / "a.h5", tmp_path / "b.h5").grad_count > 0
+    with_scaled_backward(model.relu2)
+    ag.record(model, x, path=tmp_path / "bad.h5", backward=True)
+    report = ag.diff_recordings(tmp_path / "a.h5", tmp_path / "bad.h5")
+    fd = report.first_divergence
+    assert fd is not None and (fd.phase, fd.name, fd.wrt) == ("backward", "relu2", "input")
+    only = ag.diff_recordings(tmp_path / "a.h5", tmp_path / "fwd.h5")
+    assert only.ok and "backward: only the golden has gradients; they were not compared" in only.notes
+
+
 # --------------------------------------------------------------------------- HTML, plot, inspect
 
 
