@@ -193,8 +193,8 @@ class GradComparator:
             missing.append(LayerResult(live, c.call, "missing", c.type_name, golden_position=c.position, phase=phase,
                                        wrt=None if c.grad == "param" else c.grad,
                                        golden_name=c.name if c.name != live else None,
-                                       detail="the live backward did not reach this place (the layer did not run, or "
-                                              "nothing it returned was differentiated)"))
+                                       detail="the live backward computed no such gradient (the layer did not run, or "
+                                              "this path no longer requires grad: frozen parameters, a detach)"))
         return out + missing, order
 
     def origin(self, first: LayerResult, results: list[LayerResult]) -> Origin | None:

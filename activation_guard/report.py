@@ -361,7 +361,7 @@ class Report:
         order = "execution order" if fd.phase == "forward" else "backward order"
         out = ["", f"  context ({order}):", head + (f" {'x allowed':>10}" if calibrated else "")]
         missing_row = (f"  > {'-':>5}  {row_name(fd)[-width:]:<{width}} {fd.call:>4}  "
-                       "missing    (did not run; expected here)")
+                       f"missing    ({'did not run' if fd.phase == 'forward' else 'not computed'}; expected here)")
         base = 0 if fd.phase == "forward" else self.live_count
         for j, layer in enumerate(live[lo:hi], start=lo):
             if insert_at == j:

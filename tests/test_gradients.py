@@ -21,7 +21,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from models import build_hf_gpt2, shared_loop, token_input
+from models import build_hf_gpt2, build_lstm, lstm_input, shared_loop, token_input
 from torch import nn
 
 import activation_guard as ag
@@ -249,6 +249,59 @@ def test_equal_gradients_are_stored_once_and_read_back_exactly(tmp_path: Path) -
     assert aliases > 20  # e.g. a block's output gradient is its last child's
 
 
+class TwoHeads(nn.Module):
+    """Returns a tuple and a dict inside it; one output is an integer tensor (no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 6)
+        self.a = nn.Linear(6, 2)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        h = self.body(x)
+        return self.a(h), {"b": self.b(h), "argmax": self.b(h).argmax(-1)}
+
+
+def test_tuple_outputs_and_unused_outputs(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TwoHeads()
+    x = torch.randn(2, 4)
+    got = capture(model, x)
+    assert {k[3] for k in got.values if k[:3] == ("output", "", 0)} == {"0", "1/b"}  # no integer leaf
+    # the root's output gradients are the seeded cotangents, drawn in path order
+    gen = torch.Generator().manual_seed(0)
+    assert torch.equal(got.values[("output", "", 0, "0")], torch.randn(2, 2, generator=gen))
+    assert torch.equal(got.values[("output", "", 0, "1/b")], torch.randn(2, 3, generator=gen))
+    lstm = build_lstm()
+    ids = lstm_input()[0]
+    got = capture(lstm, ids)
+    assert got.values[("output", "lstm", 0, "1/0")] is None and got.values[("output", "lstm", 0, "1/1")] is None
+    assert got.values[("output", "lstm", 0, "0")] is not None  # (h, c) unused: no gradient reached them
+    ag.record(lstm, ids, path=tmp_path / "l.h5", backward=True)
+    assert ag.compare(lstm, ids, path=tmp_path / "l.h5").ok
+
+
+def test_rename_and_missing_gradients(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(a=nn.Linear(3, 3), b=nn.Tanh(), c=nn.Linear(3, 2)))
+    x = torch.randn(2, 3)
+    ag.record(model, x, path=tmp_path / "g.h5", backward=True)
+    renamed = nn.Sequential(OrderedDict(first=model.a, b=model.b, c=model.c))
+    report = ag.compare(renamed, x, path=tmp_path / "g.h5", rename={"a": "first"})
+    assert report.ok and any(r.name == "first" and r.phase == "param-grad" for r in report.layers)
+    model.a.requires_grad_(False)  # a frozen first layer: nothing of it is differentiated any more
+    report = ag.compare(model, x, path=tmp_path / "g.h5")
+    missing = [(r.name, r.wrt) for r in report.layers if r.status == "missing"]
+    # the first gradient the live backward no longer computes: what 'c' sends back into 'b'
+    assert missing == [("c", "input"), ("b", "output"), ("b", "input"), ("a", "output"), ("a", None)]
+    assert all(r.ok for r in report.layers if r.status != "missing")
+    fd = report.first_divergence
+    assert fd is not None and (fd.name, fd.wrt, fd.status) == ("c", "input", "missing")
+    assert "gradient not computed in the live run" in report.headline()
+    assert "in the golden's backward order" in report.headline()
+
+
 # --------------------------------------------------------------------------- the model is left alone
 
 
@@ -286,6 +339,10 @@ def test_state_is_left_as_it_was(tmp_path: Path) -> None:
     assert fired == [] and all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
     gc.collect()
     assert model.keep() is None  # nothing holds the graph's saved tensors
+    torch.manual_seed(5)
+    assert ag.compare(model, x, path=tmp_path / "g.h5").ok
+    gc.collect()
+    assert model.keep() is None and model.fc1.weight.grad is before and model.training
     # the RNG moved by the forward's dropout only, exactly as a forward-only recording moves it
     after = torch.get_rng_state()
     torch.set_rng_state(rng)
