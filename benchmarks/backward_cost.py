@@ -7,8 +7,10 @@ so a busy shared machine slows both alike; the medians and their ratio are print
 with a plain forward and a plain forward + backward for scale. Models: the README's demo model
 (``activation_guard.demo.build``), a GPT-2 (transformers, random weights from a config, 4 layers,
 hidden 128, 64 tokens) and, for a wide layer-light case, transformers' ResNet (from a config).
+``--large`` adds GPT-2 small's size (124M parameters, 64 tokens): there the parameter gradients
+(500 MB, written like outputs) dwarf the activations (7 MB), and writing them sets the ratio.
 
-    python benchmarks/backward_cost.py [--repeat 7]
+    python benchmarks/backward_cost.py [--repeat 7] [--large]
 """
 
 from __future__ import annotations
@@ -40,6 +42,17 @@ def gpt2() -> tuple[torch.nn.Module, Any]:
     return model, torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
 
 
+def gpt2_small() -> tuple[torch.nn.Module, Any]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(cfg).eval()
+    return model, torch.randint(0, cfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+
+
 def resnet() -> tuple[torch.nn.Module, Any]:
     import transformers
 
@@ -64,11 +77,13 @@ def first_tensor(out: Any) -> torch.Tensor:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--large", action="store_true", help="also GPT-2 small's size (minutes; ~1.3 GB of disk)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
+    models = dict(MODELS, **({"gpt2-small size, 64 tok": gpt2_small} if args.large else {}))
     with tempfile.TemporaryDirectory(prefix="ag-bwd-") as d:
-        for label, make in MODELS.items():
+        for label, make in models.items():
             model, x = make()
             fwd_path, bwd_path = os.path.join(d, "fwd.h5"), os.path.join(d, "bwd.h5")
             ag.record(model, x, path=fwd_path)  # warm-up: imports, allocator, first-call paths
@@ -104,11 +119,13 @@ def main() -> int:
     worst = 0.0
     for label, calls, grads, m, fsize, bsize in rows:
         ratio = m["rec_bwd"] / m["rec"]
-        worst = max(worst, ratio)
+        if label in MODELS:  # the target is for these; --large shows where parameter gradients dominate
+            worst = max(worst, ratio)
         print(f"{label:<24} {calls:>5} {grads:>5} {m['fwd'] * 1e3:>7.2f}ms {m['fwd+bwd'] * 1e3:>7.2f}ms "
               f"{m['rec'] * 1e3:>7.1f}ms {m['rec_bwd'] * 1e3:>9.1f}ms {ratio:>5.2f}x "
               f"{fsize / 1e6:>6.2f} -> {bsize / 1e6:<5.2f}")
-    print(f"\nworst ratio {worst:.2f}x (target <= {TARGET}x): {'OK' if worst <= TARGET else 'OVER'}")
+    print(f"\nworst ratio {worst:.2f}x (target <= {TARGET}x, the models above --large): "
+          f"{'OK' if worst <= TARGET else 'OVER'}")
     return 0 if worst <= TARGET else 1
 
 
