@@ -135,7 +135,7 @@ def _fused_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gelu_backward_bug(m: TinyTransformer) -> None:
-    cast(Block, m.blocks[1]).mlp.act.forward = _fused_gelu  # type: ignore[method-assign]  # still a GELU module
+    cast(Block, m.blocks[1]).mlp.act.forward = _fused_gelu  # type: ignore[method-assign,assignment]  # still a GELU module
 
 
 @dataclass(frozen=True)
