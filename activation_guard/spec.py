@@ -39,6 +39,8 @@ class _Bad(Exception):
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:g}"
+    if callable(v) and not isinstance(v, type) and hasattr(v, "__qualname__"):  # backward=<loss function>
+        return str(v.__qualname__)
     return repr(v)
 
 

@@ -31,7 +31,7 @@ from importlib import resources
 from typing import Any, Union
 
 from .errors import ActivationGuardError
-from .report import WHY, Report, fmt_diff, fmt_pair
+from .report import Report, fmt_diff, fmt_pair, why
 from .results import LayerResult
 
 INSTALL_HINT = "pip install 'activation_guard[plot]' (or: pip install matplotlib)"
@@ -162,7 +162,7 @@ def render_png(report: Report, *, title: str | None = None, dpi: int = 110) -> b
         fx = _first_x(report, fd, n)
         left = fx <= max(n, 1) * 0.6
         ax.axvline(fx, color=c_bad, ls="-.", lw=1.2)
-        ax.annotate(f"first divergence: {fd.label} ({WHY.get(fd.status, fd.status)})", xy=(fx, 0.91),
+        ax.annotate(f"first divergence: {fd.label} ({why(fd)})", xy=(fx, 0.91),
                     xycoords=("data", "axes fraction"), xytext=(6 if left else -6, 0), textcoords="offset points",
                     ha="left" if left else "right", va="top", fontsize=9, color=c_bad,
                     bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": c_bad, "alpha": 0.9})
@@ -393,7 +393,7 @@ def _banner(items: list[tuple[str, Report]], fd_ids: list[str]) -> list[str]:
         if fd is not None:
             where = f" in {_e(label)}" if len(items) > 1 else ""
             out.append(f'<p>First divergence: <a href="#{fd_ids[i]}">{_e(fd.label)}</a> '
-                       f"({_e(WHY.get(fd.status, fd.status))}){where}</p>")
+                       f"({_e(why(fd))}){where}</p>")
             break
     out.append("</div>")
     return out
@@ -408,7 +408,7 @@ def _checks_table(items: list[tuple[str, Report]], fd_ids: list[str]) -> list[st
         if fd is None:
             where = "-"
         else:
-            where = f'<a href="#{fd_ids[i]}">{_e(fd.label)}</a> ({_e(WHY.get(fd.status, fd.status))})'
+            where = f'<a href="#{fd_ids[i]}">{_e(fd.label)}</a> ({_e(why(fd))})'
         cls = "ok" if r.ok else "bad"
         out.append(f'<tr data-name="{_e(label)}" data-bad="{0 if r.ok else 1}">'
                    f'<td><a href="#report-{i}">{_e(label)}</a></td>'

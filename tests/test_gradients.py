@@ -130,6 +130,24 @@ def test_full_backward_hooks_break_the_in_place_model_and_the_capture_does_not()
         got.order.index(("output", "conv", 0))
 
 
+class MulAfter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        y.mul_(2)  # after fc returned: fc's output gradient is that of the value fc returned
+        return y
+
+
+def test_an_output_modified_in_place_gets_the_gradient_of_the_value_the_module_returned() -> None:
+    torch.manual_seed(0)
+    got = capture(MulAfter(), torch.randn(2, 3))
+    c = got.values[("output", "", 0, "")]
+    assert c is not None and torch.equal(got.values[("output", "fc", 0, "")], 2 * c)
+
+
 def test_transformers_resnet_records_and_compares_with_gradients(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
@@ -387,6 +405,8 @@ def test_backward_option_is_validated_once() -> None:
 
     rec, cmp_ = build_specs({"backward": "true"}, "ini")
     assert rec.backward is True and cmp_.backward is True
+    rec, _ = build_specs({"backward": loss_first_row}, "marker")
+    assert rec.backward is loss_first_row and rec.describe() == "backward=loss_first_row (marker)"
 
 
 def test_a_golden_without_gradients_still_compares_forward_only(tmp_path: Path) -> None:
