@@ -22,8 +22,9 @@ from .capture import EnterCallback, LayerCallback, Target
 from .errors import ActivationGuardError, GoldenFormatError, UnsupportedModelError
 from .floors import FloorTable
 from .grad_compare import GradComparator, GradNoise
+from .grad_loss import DEFAULT_SEED, META_KEY, LossRule, loss_rule
 from .grad_store import CALIBRATION_KEY, GradRecorder, grad_floors
-from .gradients import DEFAULT_SEED, META_KEY, Event, GradCapture, LossRule, loss_rule
+from .gradients import Event, GradCapture
 from .judges import Judge
 from .results import LayerResult, Origin
 from .selection import selected

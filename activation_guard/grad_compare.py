@@ -28,8 +28,9 @@ import torch
 from .calibrate import CalibratedJudge
 from .dtypes import BY_NAME, dtype_name, tensor_bytes, tensor_from_bytes
 from .floors import NoiseFloor
+from .grad_loss import LossRule
 from .grad_store import describe_leaf, floor_path
-from .gradients import Event, LossRule
+from .gradients import Event
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .results import LayerResult, LeafResult, Origin
 from .shadow import ShadowRun

@@ -22,7 +22,8 @@ import torch
 from .dtypes import dtype_name, tensor_bytes
 from .errors import ActivationGuardError, GoldenFormatError, UncalibratedGoldenError
 from .floors import CALIBRATED_DTYPES, FloorTable, NoiseFloor
-from .gradients import META_KEY, Event
+from .grad_loss import META_KEY
+from .gradients import Event
 from .leaves import Leaf
 from .store import GoldenWriter
 

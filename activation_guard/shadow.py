@@ -24,8 +24,9 @@ from .devices import reference_device
 from .dtypes import dtype_name
 from .errors import ActivationGuardError
 from .floors import CALIBRATED_DTYPES, FloorTable, NoiseFloor, diff_stats
+from .grad_loss import LossRule
 from .grad_store import GradRecorder
-from .gradients import GradCapture, LossRule
+from .gradients import GradCapture
 from .leaves import Leaf, flatten
 from .numerics import full_fp32_precision
 from .store import GoldenReader, GoldenWriter

@@ -405,10 +405,7 @@ def _checks_table(items: list[tuple[str, Report]], fd_ids: list[str]) -> list[st
            f'<div class="scroll"><table class="ag checks" data-noun="checks">{head}<tbody>']
     for i, (label, r) in enumerate(items):
         fd = r.first_divergence
-        if fd is None:
-            where = "-"
-        else:
-            where = f'<a href="#{fd_ids[i]}">{_e(fd.label)}</a> ({_e(why(fd))})'
+        where = "-" if fd is None else f'<a href="#{fd_ids[i]}">{_e(fd.label)}</a> ({_e(why(fd))})'
         cls = "ok" if r.ok else "bad"
         out.append(f'<tr data-name="{_e(label)}" data-bad="{0 if r.ok else 1}">'
                    f'<td><a href="#report-{i}">{_e(label)}</a></td>'

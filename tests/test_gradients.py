@@ -27,7 +27,8 @@ from torch import nn
 import activation_guard as ag
 from activation_guard.capture import hooked, run_forward
 from activation_guard.errors import ActivationGuardError, OptionError
-from activation_guard.gradients import Event, GradCapture, LossRule
+from activation_guard.grad_loss import LossRule
+from activation_guard.gradients import Event, GradCapture
 
 
 class Collect:
