@@ -74,7 +74,8 @@ class LossRule:
         if not roots:
             raise ActivationGuardError(
                 "option backward=True: no floating tensor in the model's output requires grad, so there is no "
-                "gradient to record (all parameters frozen, or the output detached?)")
+                "gradient to record (all parameters frozen, the output detached, or the call made under "
+                "torch.inference_mode()?)")
         return roots, grads
 
 

@@ -114,7 +114,7 @@ class GoldenWriter:
         self._pack = []
         self._pack_len = 0
 
-    def _write_tensor(self, t: torch.Tensor) -> dict[str, Any]:
+    def _write_tensor(self, t: torch.Tensor, pack_up_to: int = SMALL_LEAF_BYTES) -> dict[str, Any]:
         info = dtypes.info_for(t.dtype)
         raw = dtypes.tensor_bytes(t)
         nbytes = int(raw.size)
@@ -126,7 +126,7 @@ class GoldenWriter:
             "nbytes": nbytes,
             "crc32": crc,
         }
-        if nbytes <= SMALL_LEAF_BYTES:
+        if nbytes <= pack_up_to:
             if self._pack_len + nbytes > PACK_BYTES:
                 self._flush_pack()
             entry["pack"] = self._pack_id
@@ -149,15 +149,17 @@ class GoldenWriter:
         self.nbytes += nbytes
         return entry
 
-    def write_leaves(self, leaves: Iterable[LeafLike], where: str) -> list[dict[str, Any]]:
+    def write_leaves(self, leaves: Iterable[LeafLike], where: str,
+                     pack_up_to: int = SMALL_LEAF_BYTES) -> list[dict[str, Any]]:
         """Write the values of ``leaves`` now (the snapshot) and return their index entries.
-        An :class:`AliasLike` leaf (an input that is an already stored value) writes nothing."""
+        An :class:`AliasLike` leaf (an input that is an already stored value) writes nothing.
+        Tensors up to ``pack_up_to`` bytes go into packs (gradients pack more: see grad_store)."""
         out = []
         for leaf in leaves:
             if leaf.kind == "tensor":
                 assert leaf.tensor is not None
                 try:
-                    e = self._write_tensor(leaf.tensor)
+                    e = self._write_tensor(leaf.tensor, pack_up_to)
                 except OSError as err:  # disk full, file size limit, I/O error: not a model problem
                     raise GoldenWriteError(
                         self.path,
