@@ -173,6 +173,20 @@ def test_transformers_resnet_records_and_compares_with_gradients(tmp_path: Path)
                        got.values[("input", f"{layer}.activation", 0, "args/0")])
 
 
+def test_the_fallback_node_counter_captures_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's private counter read without a node, or a node made to read it: the same gradients."""
+    from activation_guard import gradients
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Residual(nn.Sequential(nn.Linear(4, 4), nn.Tanh())), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    want = capture(model, x)
+    monkeypatch.setattr(gradients, "_sequence_nr", gradients._next_node_nr)
+    got = capture(model, x)
+    assert got.order == want.order and got.values.keys() == want.values.keys()
+    assert all(torch.equal(v, want.values[k]) for k, v in got.values.items() if v is not None)
+
+
 # --------------------------------------------------------------------------- property: random stacks
 
 
