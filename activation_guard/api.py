@@ -19,6 +19,7 @@ import torch
 from . import calibrate as calmod
 from . import dist_capture as distcap  # issue 16 (distributed)
 from . import env as envmod
+from . import grad_api
 from .capture import check_model, hooked, normalize_inputs, run_forward
 from .comparator import Comparator, StopForward, recorded_selection
 from .fingerprint import FingerprintParams
@@ -48,15 +49,20 @@ class RecordSummary:
     output: Any = field(default=None, repr=False, compare=False)
     fingerprints: int = 0  # outputs stored as fingerprints (``nbytes`` counts their stored bytes)
     notes: list[str] = field(default_factory=list)
+    gradients: int = 0  # gradient records (backward=...): calls' output/input gradients, modules' parameter gradients
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "layer_calls": self.layer_calls, "leaves": self.leaves, "nbytes": self.nbytes,
-                "file_bytes": self.file_bytes, "fingerprints": self.fingerprints, "notes": list(self.notes)}
+        d = {"path": self.path, "layer_calls": self.layer_calls, "leaves": self.leaves, "nbytes": self.nbytes,
+             "file_bytes": self.file_bytes, "fingerprints": self.fingerprints, "notes": list(self.notes)}
+        if self.gradients:
+            d["gradients"] = self.gradients
+        return d
 
     def __str__(self) -> str:
         stored = (f"{self.fingerprints} of them as fingerprints, {self.nbytes / 1e6:.3g} MB stored" if self.fingerprints
                   else f"{self.nbytes / 1e6:.3g} MB of values")
-        text = (f"activation_guard: recorded {self.layer_calls} layer calls ({self.leaves} outputs, {stored}) "
+        grads = f" and {self.gradients} gradients" if self.gradients else ""
+        text = (f"activation_guard: recorded {self.layer_calls} layer calls{grads} ({self.leaves} values, {stored}) "
                 f"to {self.path} ({self.file_bytes / 1e6:.3g} MB)")
         return "\n".join([text, *(f"  note: {n}" for n in self.notes)])
 
@@ -95,6 +101,7 @@ def record(
     inputs: bool = True,
     fingerprint: bool | str | Sequence[str] = False,
     fingerprint_params: FingerprintParams | Mapping[str, Any] | None = None,
+    backward: Any = False,
 ) -> RecordSummary:
     """Run ``model(*args, **kwargs)`` once and write every layer's outputs to a golden.
 
@@ -118,6 +125,12 @@ def record(
     inputs of fingerprinted layers are fingerprinted alike (replay needs full inputs: such a
     layer is not replayed).
 
+    ``backward=True`` also runs one backward after the forward and records, per layer call, the
+    gradients w.r.t. its outputs and inputs, and each parameter's gradient, in backward order; the
+    loss is the sum of every floating output times a seeded random cotangent (the seed is stored).
+    ``backward=<fn>`` uses ``fn(output) -> scalar`` as the loss instead (compare needs it again).
+    The model is left as it was: ``.grad`` values, grad mode, training flag and RNG state.
+
     The write is atomic: the golden at ``path`` is replaced only after the new one is complete,
     so an error or a kill mid-forward leaves the previous golden as it was. In a multi-rank
     torch.distributed run each rank writes its own local values to ``<golden>.rank<r>-of-<w>.h5``
@@ -125,7 +138,7 @@ def record(
     """
     spec = RecordSpec.build(dict(include=include, exclude=exclude, compression=compression, calibrate=calibrate,
                                  grad=grad, inputs=inputs, fingerprint=None if fingerprint is False else fingerprint,
-                                 fingerprint_params=fingerprint_params))
+                                 fingerprint_params=fingerprint_params, backward=backward))
     return record_spec(model, args, kwargs, path=path, spec=spec)
 
 
@@ -143,9 +156,11 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
     path, dcap = distcap.for_record(golden_path(path), per_rank)  # issue 16: a multi-rank run: this rank's golden
     if dcap is not None:
         meta["distributed"] = dcap.meta()
+    rule = grad_api.RecordGradients.loss_for(spec, target)  # gradients (issue 14): None without backward
     writer = GoldenWriter(path, compression=spec.compression)  # a bad path fails before the forward
     try:
-        shadow = (calmod.ShadowRun(model, a, kw, inc, exc, envmod.model_device(model, a, kw), grad=spec.grad)
+        shadow = (calmod.ShadowRun(model, a, kw, inc, exc, envmod.model_device(model, a, kw), grad=spec.grad,
+                                   backward=rule)
                   if spec.calibrate else None)
     except BaseException:
         writer.abort()
@@ -154,11 +169,17 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
     fingerprinter = Fingerprinter.for_spec(spec)
     rec = Recorder(writer, inputs=spec.inputs, shadow=shadow, floors=floors, fingerprinter=fingerprinter,
                    transform=None if dcap is None else dcap.convert)
+    grads = None if rule is None else grad_api.RecordGradients(rule, writer, shadow, calmod.FloorTable())
+    on_enter, on_output = (rec.on_enter, rec.on_output) if grads is None else grads.callbacks(rec.on_enter,
+                                                                                                 rec.on_output)
     try:
-        with hooked(target, rec.on_output, inc, exc, on_enter=rec.on_enter) as state:
-            out = run_forward(target, a, kw, state, grad=spec.grad)
+        with hooked(target, on_output, inc, exc, on_enter=on_enter) as state:
+            out = run_forward(target, a, kw, state, grad=spec.grad or grads is not None)
         if not writer.calls:
             raise nothing_selected(inc, exc, [n for n, _ in model.named_modules()])
+        if grads is not None:  # gradients (issue 14): the one backward, after the forward
+            meta[grad_api.META_KEY] = grads.run(model, out, a, kw)
+            out = grad_api.detached(out)
         meta["layer_calls"] = len(writer.calls)
         meta.update(meta_entry(fingerprinter))
         if shadow is not None:
@@ -169,6 +190,8 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
         writer.abort()
         raise
     finally:
+        if grads is not None:
+            grads.capture.close()
         if shadow is not None:
             shadow.close()
     return RecordSummary(
@@ -176,6 +199,7 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
         file_bytes=os.path.getsize(writer.path), names=rec.names, output=out, fingerprints=writer.nfingerprints,
         notes=[] if fingerprinter is None else [f"fingerprint pattern {p!r} matched no layer"
                                                 for p in fingerprinter.unmatched()],
+        gradients=len(writer.backward),
     )
 
 
@@ -197,6 +221,7 @@ def compare(
     grad: bool = False,
     placements: Mapping[str, Any] | None = None,
     replay: str = "first",
+    backward: Any = None,
 ) -> Report:
     """Run the model with hooks and compare every layer call against the golden at ``path``.
 
@@ -208,6 +233,11 @@ def compare(
     diverging call, to tell whether the layer itself changed or inherited the difference
     (``report.origin``); ``"all"`` every call, judging each by its own error (immune to drift
     across devices and precisions); ``"off"``. See :mod:`activation_guard.replay`.
+
+    Gradients are compared whenever the golden has them (``backward=None``): the forward first,
+    then one backward with the golden's loss; when every forward output matches, the first
+    diverging gradient in backward order is the first divergence. A golden recorded with a custom
+    loss needs that function again (``backward=<fn>``); ``backward=False`` compares the forward only.
 
     Comparison streams: each layer's golden is read when that layer returns, and compared while
     its output is still as the layer produced it. Memory stays near one layer's worth of data.
@@ -221,18 +251,21 @@ def compare(
     spec = CompareSpec.build(dict(
         rtol=rtol, atol=atol, tolerances=tolerances, include=include, exclude=exclude, fail_fast=fail_fast,
         rename=rename, allow_dtype_change=allow_dtype_change, tolerance=tolerance, grad=grad, replay=replay,
-        placements=placements))
+        placements=placements, backward=backward))
     return compare_spec(model, args, kwargs, path=path, spec=spec)
 
 
 def _judge(spec: CompareSpec, resolver: ToleranceResolver, gmeta: Mapping[str, Any], path: Any,
-           model: torch.nn.Module, a: tuple[Any, ...], kw: dict[str, Any], dev: torch.device) -> Judge:
+           model: torch.nn.Module, a: tuple[Any, ...], kw: dict[str, Any], dev: torch.device,
+           backward: Any = None) -> Judge:
     strict = StrictJudge(resolver)
     if not spec.calibrated:
         return strict
     floors = calmod.FloorTable.from_meta(gmeta, path)
+    if backward is not None:
+        grad_api.grad_floors(gmeta, path)  # refuse a golden without them before the float64 run
     shadow = calmod.ShadowRun(model, a, kw, spec.include, spec.exclude, dev, grad=spec.grad,
-                              keep_model=spec.replay != "off")
+                              keep_model=spec.replay != "off", backward=backward)
     return calmod.CalibratedJudge(floors, shadow, strict)
 
 
@@ -256,6 +289,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     judge: Judge | None = None
     # issue 16: the golden this rank compares with (replay is off in a multi-rank run)
     path, dcap, spec = distcap.for_compare(golden_path(path), spec)
+    grads: grad_api.CompareGradients | None = None
     reader = GoldenReader(path)
     try:
         gmeta = reader.meta
@@ -267,23 +301,31 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
                 spec = spec.with_selection(*recorded_selection(gmeta))
         gdev = envmod.recorded_device(gmeta)
         resolver = ToleranceResolver(spec, golden_device=gdev, live_device=str(dev))
-        judge = _judge(spec, resolver, gmeta, path, model, a, kw, dev)
+        rule = grad_api.compare_rule(spec, gmeta, path, target)  # gradients (issue 14): the golden's loss, or None
+        judge = _judge(spec, resolver, gmeta, path, model, a, kw, dev, backward=rule)
         comp = Comparator(reader, spec, judge, golden_filter=golden_filter,
                           transform=None if dcap is None else dcap.convert)
         comp.replayer = _replayer(spec, reader, judge, resolver)
+        grads = None if rule is None else grad_api.CompareGradients(rule, reader, spec, judge, comp.live_to_golden,
+                                                                    path)
+        on_enter, on_output = (comp.on_enter, comp.on_output) if grads is None else grads.callbacks(comp.on_enter,
+                                                                                                      comp.on_output)
         inputs_raw = gmeta.get("inputs")
         input_changes = envmod.describe_input_change(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs)
         comp.inputs_changed = bool(input_changes)
         stopped = False
         out = None
         try:
-            with hooked(target, comp.on_output, spec.include, spec.exclude, on_enter=comp.on_enter,
+            with hooked(target, on_output, spec.include, spec.exclude, on_enter=on_enter,
                         want_rng=comp.replayer is not None) as state:
                 if comp.replayer is not None:
                     comp.replayer.state = state
-                out = run_forward(target, a, kw, state, grad=spec.grad)
+                out = run_forward(target, a, kw, state, grad=spec.grad or grads is not None)
         except StopForward:
             stopped = True
+        if grads is not None and not stopped:  # gradients (issue 14): the one backward, after the forward
+            grads.run(model, out, a, kw)
+            out = grad_api.detached(out)
         layers, order = comp.finish()
         origin = comp.replay_origin()
         if not layers:
@@ -295,7 +337,13 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
             order = {k: order[i] for k, i in enumerate(keep) if i in order}
             layers = [layers[i] for i in keep]
         notes = judge.notes() + comp.notes() + ([] if comp.replayer is None else comp.replayer.notes())
+        notes += grad_api.skipped_note(spec, gmeta)
+        if grads is not None:  # gradients (issue 14): rows after the forward's, attribution, notes
+            layers, order = grads.rows(layers, order)
+            notes += grads.notes(stopped)
     finally:
+        if grads is not None:
+            grads.capture.close()
         reader.close()
         if judge is not None:
             judge.close()
@@ -308,6 +356,8 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         origin=origin, replay=spec.replay,
     )
     report.mode_changes = envmod.describe_training_change(gmeta, live_modes)
+    if grads is not None and report.origin is None:  # gradients (issue 14): where the backward changed
+        report.origin = grads.origin(report.first_divergence, layers)
     if resolver.cross_device:
         report.notes.append(f"golden recorded on {gdev}, live run on {dev}: "
                             f"{resolver.device_pair} default tolerances apply")
@@ -348,6 +398,10 @@ def report_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
     cal = out.get(calmod.META_KEY)
     if isinstance(cal, Mapping):
         out[calmod.META_KEY] = {k: v for k, v in cal.items() if k != "floors"}
+    bwd = out.get(grad_api.META_KEY)  # gradients (issue 14): their floors too
+    if isinstance(bwd, Mapping) and isinstance(bwd.get(grad_api.CALIBRATION_KEY), Mapping):
+        out[grad_api.META_KEY] = {**bwd, grad_api.CALIBRATION_KEY: {
+            k: v for k, v in bwd[grad_api.CALIBRATION_KEY].items() if k != "floors"}}
     return out
 
 
@@ -364,7 +418,8 @@ def compare_models(
     spec = CompareSpec.build(options, ARGUMENT)
     # with `rename` the patterns name candidate layers: record all of the reference's
     sel = (None, None) if spec.rename else (spec.include, spec.exclude)
-    rspec = RecordSpec.build(dict(include=sel[0], exclude=sel[1], calibrate=spec.calibrated, grad=spec.grad))
+    rspec = RecordSpec.build(dict(include=sel[0], exclude=sel[1], calibrate=spec.calibrated, grad=spec.grad,
+                                  backward=spec.backward or None))
     with tempfile.TemporaryDirectory(prefix="activation_guard-") as d:
         p = os.path.join(d, "reference.h5")
         # the reference runs on its own copy: a forward that changes its inputs in place must

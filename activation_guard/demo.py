@@ -8,6 +8,9 @@ pass a loose end-to-end check but change every activation downstream of one laye
   a common slip when porting weights) instead of PyTorch's ``1e-5``.
 - ``gelu-tanh``: one GELU swapped for its tanh approximation (what a "fused" kernel or another
   framework's GELU computes).
+- ``gelu-backward``: one GELU replaced by a "fused" kernel (a custom ``autograd.Function``) whose
+  forward is exact and whose backward is 1% off: the forward is bit-identical, so only a golden
+  with gradients (``backward=True``) sees it.
 
 Everything is seeded and tiny (37 layer calls, a 140 KB golden), so the demo runs in well under
 a second after imports and gives the same report on every machine.
@@ -16,10 +19,11 @@ a second after imports and gives the same report on every machine.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -109,12 +113,38 @@ def _gelu_bug(m: TinyTransformer) -> None:
     cast(Block, m.blocks[1]).mlp.act = nn.GELU(approximate="tanh")
 
 
+class FusedGELU(torch.autograd.Function):
+    """A "fused" GELU kernel as refactors introduce them: the exact forward, a backward whose
+    derivative is 1% off (a wrong constant in a hand-written gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return nn.functional.gelu(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        cdf = 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+        pdf = torch.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+        return g * (cdf + x * pdf) * 1.01
+
+
+def _fused_gelu(x: torch.Tensor) -> torch.Tensor:
+    return cast(torch.Tensor, FusedGELU.apply(x))
+
+
+def _gelu_backward_bug(m: TinyTransformer) -> None:
+    cast(Block, m.blocks[1]).mlp.act.forward = _fused_gelu  # type: ignore[method-assign,assignment]  # still a GELU module
+
+
 @dataclass(frozen=True)
 class Bug:
     name: str
     layer: str  # where the first divergence must be found
     description: str
     apply: Callable[[TinyTransformer], None]
+    backward: bool = False  # the bug is in the backward pass only: record and compare gradients
 
 
 BUGS: dict[str, Bug] = {
@@ -123,6 +153,10 @@ BUGS: dict[str, Bug] = {
                          _eps_bug),
     "gelu-tanh": Bug("gelu-tanh", "blocks.1.mlp.act",
                      "blocks.1.mlp.act swapped for GELU(approximate='tanh')", _gelu_bug),
+    "gelu-backward": Bug("gelu-backward", "blocks.1.mlp.act",
+                         "blocks.1.mlp.act runs a 'fused' GELU kernel (a custom autograd.Function): the exact forward, "
+                         "a backward 1% off; the goldens hold gradients (backward=True)", _gelu_backward_bug,
+                         backward=True),
 }
 
 
@@ -153,10 +187,10 @@ def run_demo(out_dir: str | os.PathLike[str], bug: str = "layernorm-eps", seed: 
     golden = os.path.join(os.fspath(out_dir), "golden.h5")
     refactored = os.path.join(os.fspath(out_dir), "refactored.h5")
     model, x = build(seed)
-    record(model, (x,), path=golden)
+    record(model, (x,), path=golden, backward=b.backward)
     baseline = compare(model, (x,), path=golden)
     buggy = copy.deepcopy(model)
     b.apply(buggy)
     report = compare(buggy, (x,), path=golden)
-    record(buggy, (x,), path=refactored)
+    record(buggy, (x,), path=refactored, backward=b.backward)
     return DemoResult(golden, refactored, b, baseline, report)

@@ -17,6 +17,7 @@ from typing import Any
 from . import env as envmod
 from .api import report_meta
 from .comparator import Comparator
+from .grad_api import diff_rows
 from .judges import StrictJudge
 from .leaves import Leaf
 from .report import Report
@@ -85,6 +86,8 @@ def diff_recordings(
         if not layers:
             raise nothing_selected(inc, exc, [c.name for c in gb.calls if c.call == 0])
         fp_notes = comp.notes()
+        # gradients (issue 14): the other recording's backward, judged the same way
+        layers, order, grad_notes = diff_rows(ga, gb, spec, comp.judge, comp.live_to_golden, layers, order)
     env_changes = envmod.describe_env_change(
         gmeta.get("numerics"), bmeta.get("numerics") if isinstance(bmeta.get("numerics"), dict) else {})
     env_changes += envmod.describe_version_change(gmeta.get("versions"), bmeta.get("versions"), "other")
@@ -97,6 +100,7 @@ def diff_recordings(
     )
     report.notes.append(f"live values read from the recording {os.fspath(other)}")
     report.notes += fp_notes
+    report.notes += grad_notes
     if not report.ok:
         report.notes.append("not replayed: a diff of two recordings has no model to re-run on the golden's inputs; "
                             "compare the model itself (activation_guard.compare) to tell whether the first diverging "

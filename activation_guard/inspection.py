@@ -71,14 +71,29 @@ class LeafInfo:
     shape: tuple[int, ...] | None = None
     value: str | None = None  # str leaves, or the type name of an object leaf
     stats: LeafStats | None = None
+    section: str = "forward"  # gradients (issue 14): "grad-output", "grad-input" or "param-grad"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "layer": self.layer, "call": self.call, "type": self.type_name, "position": self.position,
             "path": self.path, "kind": self.kind, "dtype": self.dtype,
             "shape": None if self.shape is None else list(self.shape), "value": self.value,
             "stats": None if self.stats is None else self.stats.to_dict(),
         }
+        if self.section != "forward":
+            d["section"] = self.section
+        return d
+
+    @property
+    def shown_path(self) -> str:
+        """The path as tables show it; gradients say which gradient they are."""
+        if self.section == "grad-output":
+            return "grad wrt output" + (f" {self.path}" if self.path else "")
+        if self.section == "grad-input":
+            return f"grad wrt input {self.path}"
+        if self.section == "param-grad":
+            return f"param grad {self.path}"
+        return path_str(self.path)
 
 
 @dataclass
@@ -149,8 +164,17 @@ def fingerprint_stats(fp: Fingerprint) -> LeafStats:
     return st
 
 
+SECTIONS = {"output": "grad-output", "input": "grad-input", "param": "param-grad"}
+
+
 def _leaf_info(reader: GoldenReader, c: CallEntry, leaf: LeafEntry, with_stats: bool) -> LeafInfo:
     info = LeafInfo(c.name, c.call, c.type_name, c.position, leaf.path, leaf.kind)
+    if c.grad is not None:  # gradients (issue 14): positions continue after the forward's
+        info.section = SECTIONS[c.grad]
+        info.position = len(reader.calls) + c.position
+        if leaf.kind == "alias":  # the same values as a gradient stored before: shown as what they are
+            leaf = reader.resolve(leaf, f"layer {c.name!r} call {c.call} {c.grad} gradient {leaf.path!r}")
+            info.kind = leaf.kind
     if leaf.kind == "fingerprint":
         info.dtype, info.shape = leaf.dtype, leaf.shape
         if with_stats:
@@ -175,7 +199,7 @@ def iter_leaves(reader: GoldenReader, layer: str | Sequence[str] | None = None,
     One leaf's values are loaded at a time, so inspecting a large golden needs little memory.
     """
     pats = [layer] if isinstance(layer, str) else list(layer or [])
-    for c in reader.calls:
+    for c in [*reader.calls, *reader.backward]:  # gradients (issue 14) after the forward, in backward order
         if pats and not match_any(c.name, pats):
             continue
         for leaf in c.leaves:
@@ -257,6 +281,12 @@ def meta_lines(meta: dict[str, Any]) -> list[str]:
     for k in ("include", "exclude"):
         if meta.get(k):
             out.append(f"{k:<12}: {meta[k]}")
+    bwd = meta.get("backward")  # gradients (issue 14)
+    if isinstance(bwd, dict):
+        loss = (f"sum of each floating output times a seeded random cotangent (seed {bwd.get('seed')})"
+                if bwd.get("loss") == "cotangent" else f"the custom loss {bwd.get('function', '?')}")
+        cal = " (with float64 noise floors)" if isinstance(bwd.get("calibration"), dict) else ""
+        out.append(f"backward    : loss = {loss}; {bwd.get('gradients', '?')} gradient records{cal}")
     fp = meta.get("fingerprint")
     if isinstance(fp, dict):
         layers = fp.get("layers")
@@ -266,7 +296,8 @@ def meta_lines(meta: dict[str, Any]) -> list[str]:
                 f"{prm.get('false_alarm')}, seed {prm.get('seed')}" if prm else "")
         out.append(f"fingerprint : {which}{size}")
     known = {"model_class", "training", "training_differs", "training_differs_count", "device", "versions", "inputs",
-             "numerics", "include", "exclude", "layer_calls", "fingerprint"}
+             "numerics", "include", "exclude", "layer_calls", "fingerprint",
+             "backward"}
     for k in sorted(set(meta) - known):
         out.append(f"{k:<12}: {meta[k]}")
     return out
@@ -279,10 +310,10 @@ def _row(x: LeafInfo) -> list[str]:
     s = x.stats
     if x.kind not in ("tensor", "fingerprint"):
         shown = x.value if x.kind == "str" else (x.value or x.kind)
-        return [str(x.position + 1), x.layer or "<root>", str(x.call), x.type_name, path_str(x.path), x.kind,
+        return [str(x.position + 1), x.layer or "<root>", str(x.call), x.type_name, x.shown_path, x.kind,
                 "-", repr(shown)[:40] if x.kind == "str" else str(shown), "", "", "", ""]
     dtype = (x.dtype or "?") + (" (fp)" if x.kind == "fingerprint" else "")
-    return [str(x.position + 1), x.layer or "<root>", str(x.call), x.type_name, path_str(x.path), dtype,
+    return [str(x.position + 1), x.layer or "<root>", str(x.call), x.type_name, x.shown_path, dtype,
             shape_str(x.shape), num(s.min if s else None, 4), num(s.max if s else None, 4),
             num(s.mean if s else None, 4), num(s.std if s else None, 4), str(s.nonfinite) if s else "-"]
 
@@ -309,8 +340,11 @@ def format_inspect(gi: GoldenInfo, layer: str | Sequence[str] | None = None) -> 
     if not gi.leaves:
         lines.append(f"no layer matches {layer!r}" if layer else "the golden records no layer outputs")
         return "\n".join(lines)
-    calls = {(x.layer, x.call) for x in gi.leaves}
-    lines.append(f"{len(calls)} layer calls, {len(gi.leaves)} outputs, in execution order"
+    fwd = [x for x in gi.leaves if x.section == "forward"]
+    calls = {(x.layer, x.call) for x in fwd}
+    ngrad = len(gi.leaves) - len(fwd)  # gradients (issue 14)
+    grads = f", then {ngrad} gradients in backward order" if ngrad else ""
+    lines.append(f"{len(calls)} layer calls, {len(fwd)} outputs, in execution order{grads}"
                  + (f" (layers matching {layer!r})" if layer else "") + "; stats over finite values:")
     lines += format_table(gi.leaves)
     nfp = sum(1 for x in gi.leaves if x.kind == "fingerprint")
@@ -321,8 +355,9 @@ def format_inspect(gi: GoldenInfo, layer: str | Sequence[str] | None = None) -> 
     if nonfinite:
         first = nonfinite[0]
         lines.append("")
+        what = f"output {path_str(first.path)}" if first.section == "forward" else first.shown_path
         lines.append(f"first NaN/Inf in execution order: layer {first.layer or '<root>'!r} call {first.call} "
-                     f"output {path_str(first.path)} ({first.stats.nonfinite if first.stats else 0} values)")
+                     f"{what} ({first.stats.nonfinite if first.stats else 0} values)")
     return "\n".join(lines)
 
 
@@ -356,7 +391,9 @@ def textconv_lines(path: str | os.PathLike[str]) -> Iterator[str]:
         if isinstance(fp, dict) and isinstance(fp.get("params"), dict):
             yield f"# fingerprint params {' '.join(f'{k}={v}' for k, v in sorted(fp['params'].items()))}"
         for x in iter_leaves(reader):
-            head = f"{x.layer or '<root>'}[{x.call}] {path_str(x.path)}"
+            head = f"{x.layer or '<root>'}[{x.call}] {x.shown_path}"
+            if x.section == "param-grad":
+                head = f"{x.layer or '<root>'} {x.shown_path}"
             if x.kind in ("tensor", "fingerprint"):
                 s = x.stats
                 assert s is not None

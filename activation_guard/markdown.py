@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote
 
-from .report import WHY, Report, fmt_diff
+from .report import WHY, Report, fmt_diff, gradient_text, why
 from .results import LayerResult
 
 STATUS = {
@@ -100,6 +100,10 @@ def _divergence(report: Report | None, check: CheckLike) -> str:
         if fd is not None:
             kind = f" ({text_cell(fd.type_name)})" if fd.type_name else ""
             cell = f"{code_span(fd.name or '<root>')}{kind} call {fd.call}: {text_cell(WHY.get(fd.status, fd.status))}"
+            if fd.phase != "forward":  # gradients (issue 14): which gradient, in the backward pass
+                call = "" if fd.phase == "param-grad" else f" call {fd.call}"
+                cell = (f"backward pass: {code_span(fd.name or '<root>')}{kind}{call}, {text_cell(gradient_text(fd))}: "
+                        f"{text_cell(why(fd))}")
             o = report.origin
             if o is not None and (o.name, o.call) != (fd.name, fd.call):
                 cell += f"; origin: {text_cell(o.kind)} in {code_span(o.name or '<root>')}"
@@ -119,7 +123,7 @@ def _details_title(check: CheckLike, report: Report) -> str:
     if fd is None:
         return check_label(check)
     kind = f" ({fd.type_name})" if fd.type_name else ""
-    return f"{check_label(check)}: first divergence at {fd.label}{kind}: {WHY.get(fd.status, fd.status)}"
+    return f"{check_label(check)}: first divergence at {fd.label}{kind}: {why(fd)}"
 
 
 def check_label(check: CheckLike) -> str:

@@ -29,6 +29,40 @@ WHY = {
     "missing": "layer call did not run",
     "unexpected": "layer call not in the golden",
 }
+# --- gradients (issue 14)
+GRAD_WHY = {
+    "shape": "gradient shape changed",
+    "dtype": "gradient dtype changed",
+    "structure": "gradient structure changed",
+    "missing": "gradient not computed in the live run",
+    "unexpected": "gradient not in the golden",
+}
+
+
+def why(layer: LayerResult) -> str:
+    """The short reason a row failed, worded for outputs or for gradients."""
+    if layer.phase != "forward" and layer.status in GRAD_WHY:
+        return GRAD_WHY[layer.status]
+    return WHY.get(layer.status, layer.status)
+
+
+def gradient_text(layer: LayerResult, path: str | None = None) -> str:
+    """'gradient w.r.t. its input args/0', 'gradient w.r.t. its output', "gradient of parameter 'weight'"."""
+    p = layer.path if path is None else path
+    if layer.phase == "param-grad":
+        return f"gradient of parameter {p!r}" if p else "parameter gradients"
+    return f"gradient w.r.t. its {layer.wrt or '?'}" + (f" {p}" if p else "")
+
+
+def row_name(layer: LayerResult) -> str:
+    """A layer's name in the context table, marked when the row is a gradient."""
+    n = display_name(layer.name)
+    if layer.phase == "param-grad":
+        return f"{n} (param grads)"
+    if layer.phase == "backward":
+        return f"{n} (grad {'out' if layer.wrt == 'output' else 'in'})"
+    return n
+# --- end gradients
 
 
 def fmt(x: Any, digits: int = 7) -> str:
@@ -104,7 +138,13 @@ class Report:
 
     @property
     def live_count(self) -> int:
-        return sum(1 for layer in self.layers if layer.position is not None)
+        """Live forward layer calls (gradient rows are counted by :attr:`grad_count`)."""
+        return sum(1 for layer in self.layers if layer.position is not None and layer.phase == "forward")
+
+    @property
+    def grad_count(self) -> int:
+        """Live gradient rows (calls' output/input gradients and modules' parameter gradients)."""
+        return sum(1 for layer in self.layers if layer.position is not None and layer.phase != "forward")
 
     def _key(self, i: int, layer: LayerResult) -> tuple[float, int]:
         if i in self._order:
@@ -171,8 +211,9 @@ class Report:
             "mode": self.mode,
             "live_device": self.live_device,
             "golden_device": recorded_device(self.golden_meta),
-            "first_divergence": None if fd is None else {"name": fd.name, "call": fd.call, "status": fd.status,
-                                                         "position": fd.position},
+            "first_divergence": None if fd is None else {
+                "name": fd.name, "call": fd.call, "status": fd.status, "position": fd.position,
+                **({} if fd.phase == "forward" else {"phase": fd.phase, "wrt": fd.wrt})},  # gradients (issue 14)
             "counts": self.counts(),
             "stopped_early": self.stopped_early,
             "input_changes": list(self.input_changes),
@@ -227,6 +268,7 @@ class Report:
     def _headline(self) -> str:
         fd = self.first_divergence
         n = self.live_count
+        ng = self.grad_count
         if fd is None:
             exact = [layer.max_abs_diff for layer in self.layers if layer.max_abs_diff is not None]
             worst = max(exact, default=0.0)
@@ -238,12 +280,22 @@ class Report:
                 largest = fp
             elif fp:
                 tail = f"; {fp}{tail}"
+            what = f"{n} layer calls" + (f" and {ng} gradients" if ng else "")  # gradients (issue 14)
             if mults:  # calibrated mode: how close the worst layer came to its noise allowance
-                return (f"activation_guard: OK, {n} layer calls match {self.path} ({largest}, "
+                return (f"activation_guard: OK, {what} match {self.path} ({largest}, "
                         f"largest error {max(mults):.3g}x the calibrated allowance){tail}")
             if self.input_changes:
                 tail += "; NOTE inputs differ from the recording"
-            return f"activation_guard: OK, {n} layer calls match {self.path} ({largest}){tail}"
+            return f"activation_guard: OK, {what} match {self.path} ({largest}){tail}"
+        if fd.phase != "forward":  # gradients (issue 14): the forward matched
+            call = "" if fd.phase == "param-grad" else f" call {fd.call}"
+            head = (f"activation_guard: first divergence in the backward pass at layer {display_name(fd.name)!r} "
+                    f"({fd.type_name or '?'}){call}: {gradient_text(fd)}")
+            fwd_ok = all(layer.ok for layer in self.layers if layer.phase == "forward")
+            tail = f"; the forward matches ({n} layer calls)" if fwd_ok else ""
+            if fd.position is None:
+                return f"{head}, #{(fd.golden_position or 0) + 1} in the golden's backward order: {why(fd)}{tail}"
+            return f"{head}, #{fd.position - n + 1} of {ng} in backward order: {why(fd)}{tail}"
         head = (f"activation_guard: first divergence at layer {display_name(fd.name)!r} ({fd.type_name or '?'}) "
                 f"call {fd.call}")
         if fd.position is None:
@@ -286,6 +338,8 @@ class Report:
         if o is None:
             return []
         who = f"{display_name(o.name)!r} ({o.type_name or '?'})" + (f" call {o.call}" if o.call else "")
+        if fd.phase != "forward":  # gradients (issue 14): not a replay
+            return [f"  origin        : {who} {o.detail}"]
         if (o.name, o.call) == (fd.name, fd.call) and o.kind in ("layer", "unknown"):
             return [f"  replayed      : {o.detail}"]
         return [f"  origin        : {who} {o.detail}"]
@@ -294,7 +348,9 @@ class Report:
         out = []
         if fd.golden_name is not None and fd.golden_name != fd.name:
             out.append(f"  golden layer  : {fd.golden_name!r} (renamed)")
-        if fd.path is not None:
+        if fd.phase != "forward":  # gradients (issue 14)
+            out.append(f"  gradient      : {gradient_text(fd).replace('gradient ', '', 1)}")
+        elif fd.path is not None:
             out.append(f"  output path   : {fd.path or '(the output itself)'}")
         if fd.detail:
             out.append(f"  what          : {fd.detail}")
@@ -330,33 +386,37 @@ class Report:
         return out
 
     def _context(self, fd: LayerResult) -> list[str]:
-        live = [layer for layer in self.layers if layer.position is not None]
+        live = [layer for layer in self.layers if layer.position is not None and
+                (layer.phase == "forward") == (fd.phase == "forward")]  # gradients (issue 14): same pass
+        live.sort(key=lambda x: x.position or 0)
         if not live:
             return []
         insert_at: int | None = None  # for a missing call: the live row it belongs before
         if fd.position is not None:
-            i = fd.position
+            i = next(k for k, x in enumerate(live) if x is fd)
         else:
-            k = self._order.get(self.layers.index(fd), (math.inf, 0))[0]
+            k = self._order.get(self.layers.index(fd), (math.inf, 0))[0] - (live[0].position or 0)
             insert_at = math.ceil(k) if math.isfinite(k) else len(live)
             i = min(insert_at, len(live) - 1)
         lo, hi = max(0, i - CONTEXT_BEFORE), min(len(live), i + CONTEXT_AFTER + 1)
-        width = max(12, *(len(display_name(layer.name)) for layer in [*live[lo:hi], fd]))
+        width = max(12, *(len(row_name(layer)) for layer in [*live[lo:hi], fd]))
         width = min(width, 60)
         calibrated = any(layer.error_multiple is not None for layer in live[lo:hi])
         estimated = any(_estimate_ratio(layer) is not None for layer in live[lo:hi])
         head = f"    {'#':>5}  {'layer':<{width}} {'call':>4}  {'status':<10} {'max abs':>9} {'max rel':>9}"
         head += f" {'x allowed':>10}" if calibrated else ""
         head += f" {'est/limit':>10}" if estimated else ""
-        out = ["", "  context (execution order):", head]
-        missing_row = (f"  > {'-':>5}  {display_name(fd.name)[-width:]:<{width}} {fd.call:>4}  "
-                       "missing    (did not run; expected here)")
+        order = "execution order" if fd.phase == "forward" else "backward order"
+        out = ["", f"  context ({order}):", head]
+        missing_row = (f"  > {'-':>5}  {row_name(fd)[-width:]:<{width}} {fd.call:>4}  "
+                       f"missing    ({'did not run' if fd.phase == 'forward' else 'not computed'}; expected here)")
+        base = 0 if fd.phase == "forward" else self.live_count
         for j, layer in enumerate(live[lo:hi], start=lo):
             if insert_at == j:
                 out.append(missing_row)
             mark = ">" if layer is fd else " "
-            nm = display_name(layer.name)[-width:]
-            row = (f"  {mark} {(layer.position or 0) + 1:>5}  {nm:<{width}} {layer.call:>4}  {layer.status:<10} "
+            nm = row_name(layer)[-width:]
+            row = (f"  {mark} {(layer.position or 0) - base + 1:>5}  {nm:<{width}} {layer.call:>4}  {layer.status:<10} "
                    f"{fmt_diff(layer.max_abs_diff):>9} {fmt_diff(layer.max_rel_diff):>9}")
             if calibrated:  # error as a multiple of the calibrated noise allowance (fails above 1)
                 row += f" {'-' if layer.error_multiple is None else f'{layer.error_multiple:.3g}':>10}"
@@ -369,9 +429,16 @@ class Report:
         return out
 
     def _totals(self) -> str:
-        c = self.counts()
-        parts = ", ".join(f"{v} {k}" for k, v in c.items())
-        return f"\n  totals: {self.live_count} live layer calls; {parts}"
+        fwd = [layer for layer in self.layers if layer.phase == "forward"]
+        c = Counter(layer.status for layer in fwd)
+        parts = ", ".join(f"{c[k]} {k}" for k in STATUS_ORDER if c.get(k))
+        out = f"\n  totals: {self.live_count} live layer calls; {parts}"
+        if len(fwd) != len(self.layers):  # gradients (issue 14)
+            g = Counter(layer.status for layer in self.layers if layer.phase != "forward")
+            out += (f"; backward: {self.grad_count} gradients; "
+                    + ", ".join(f"{g[k]} {k}" for k in STATUS_ORDER if g.get(k)))
+        return out
+
 
 
 def _estimate_ratio(layer: LayerResult) -> float | None:

@@ -151,6 +151,7 @@ class LayerResult:
     error_multiple: float | None = None  # calibrated mode: error / allowed noise
     nonfinite_new: int = 0  # NaN/Inf values the golden does not have at their places
     phase: str = "forward"  # one of PHASES
+    wrt: str | None = None  # phase "backward": the gradient w.r.t. the call's "output" or "input"
     # replay: the layer re-run on the golden's inputs, compared with the golden output ("own error")
     own_status: str | None = None
     own_max_abs_diff: float | None = None
@@ -165,6 +166,10 @@ class LayerResult:
 
     @property
     def label(self) -> str:
+        if self.phase == "param-grad":  # gradients (issue 14)
+            return f"{self.name or '<root>'} (param grads)"
+        if self.phase == "backward":
+            return f"{self.name or '<root>'}[{self.call}] (grad wrt {self.wrt or '?'})"
         return f"{self.name or '<root>'}[{self.call}]"
 
     def to_dict(self) -> dict[str, Any]:

@@ -24,6 +24,9 @@ from .devices import reference_device
 from .dtypes import dtype_name
 from .errors import ActivationGuardError
 from .floors import CALIBRATED_DTYPES, FloorTable, NoiseFloor, diff_stats
+from .grad_loss import LossRule
+from .grad_store import GradRecorder
+from .gradients import GradCapture
 from .leaves import Leaf, flatten
 from .numerics import full_fp32_precision
 from .store import GoldenReader, GoldenWriter
@@ -85,10 +88,12 @@ class ShadowRun:
 
     def __init__(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  include: Sequence[str] | None, exclude: Sequence[str] | None, live_device: torch.device,
-                 *, grad: bool = False, keep_model: bool = False):
-        """``keep_model``: keep the float64 copy (``model``) for replays' own noise floors."""
+                 *, grad: bool = False, keep_model: bool = False, backward: LossRule | None = None):
+        """``keep_model``: keep the float64 copy (``model``) for replays' own noise floors.
+        ``backward``: also run the backward with this loss and keep the float64 gradients."""
         self.live_device = live_device
         self.grad = grad
+        self.backward = backward
         self.keep_model = keep_model
         self.model: torch.nn.Module | None = None
         self.device = reference_device(live_device)
@@ -121,17 +126,29 @@ class ShadowRun:
             path = os.path.join(self._tmp.name, "shadow.h5")
             writer = GoldenWriter(path)
 
+            # --- gradients (issue 14): the float64 backward, with the golden's loss
+            grads = None if self.backward is None else GradCapture(GradRecorder(writer))
+
             def on_output(frame: Frame, output: Any) -> None:
                 writer.add_call(frame.name, frame.call, type(frame.module).__name__, flatten(output))
+                if grads is not None:
+                    grads.on_output(frame, output)
 
             try:
-                with _isolated_rng(self.live_device), _no_autocast(), full_fp32_precision(), \
-                        hooked(shadow, on_output, include, exclude) as state:
-                    run_forward(shadow, a, kw, state, grad=self.grad)
+                with _isolated_rng(self.live_device), _no_autocast(), full_fp32_precision():
+                    with hooked(shadow, on_output, include, exclude,
+                                on_enter=None if grads is None else grads.on_enter) as state:
+                        out = run_forward(shadow, a, kw, state, grad=self.grad or grads is not None)
+                    if grads is not None and self.backward is not None:
+                        grads.backward(shadow, out, self.backward, a, kw)
                 writer.commit({})
             except BaseException:
                 writer.abort()
                 raise
+            finally:
+                if grads is not None:
+                    grads.close()
+            # --- end gradients
         except ActivationGuardError:
             raise
         except Exception as e:
@@ -166,6 +183,22 @@ class ShadowRun:
             return None
         f = diff_stats(value, ref)
         return f if f.finite else None
+
+    # --- gradients (issue 14)
+    def grad_floor(self, name: str, call: int, path: str, value: torch.Tensor) -> NoiseFloor | None:
+        """``value``'s noise floor against the float64 gradient at ``path`` (``"<output|input|param>:<leaf>"``)."""
+        grad, _, leaf_path = path.partition(":")
+        entry = None if self.reader is None else self.reader.by_grad.get((grad, name, call))
+        leaf = None if entry is None else next((x for x in entry.leaves if x.path == leaf_path), None)
+        if leaf is not None and leaf.kind == "alias" and self.reader is not None:
+            leaf = self.reader.resolve(leaf, f"shadow gradient {path!r} of layer {name!r} call {call}")
+        if leaf is None or leaf.kind != "tensor" or leaf.dtype not in CALIBRATED_DTYPES or \
+                tuple(leaf.shape) != tuple(value.shape):
+            return None
+        assert self.reader is not None
+        f = diff_stats(value, self.reader.load(leaf, f"shadow gradient {path!r} of layer {name!r} call {call}"))
+        return f if f.finite else None
+    # --- end gradients
 
     def measure(self, name: str, call: int, leaves: list[Leaf], table: FloorTable) -> None:
         """Record-time: floors of every real floating leaf of one layer call into ``table``."""

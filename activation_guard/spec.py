@@ -40,6 +40,8 @@ class _Bad(Exception):
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:g}"
+    if callable(v) and not isinstance(v, type) and hasattr(v, "__qualname__"):  # backward=<loss function>
+        return str(v.__qualname__)
     return repr(v)
 
 
@@ -99,6 +101,19 @@ def _choice(options: tuple[Any, ...]) -> Callable[[Any], Any]:
         return v
 
     return parse
+
+
+# --- gradients (issue 14)
+def _backward(v: Any) -> bool | Callable[[Any], Any]:
+    """``backward``: True/False (also as text from ini and flags) or a loss function."""
+    if isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
+        return v.strip().lower() in _TRUE
+    if isinstance(v, bool):
+        return v
+    if callable(v) and not isinstance(v, type):
+        return v  # type: ignore[no-any-return]
+    raise _Bad(f"must be True, False or a callable(output) -> scalar loss, got {v!r}")
+# --- end gradients
 
 
 @dataclass(frozen=True)
@@ -336,6 +351,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "store fixed-size fingerprints instead of values: True (every large float output) or layer globs"),
     Option("fingerprint_params", _fingerprint_params, True, False,
            "fingerprint size and false-alarm bound: dict(samples=, rows=, buckets=, false_alarm=, seed=)"),
+    Option("backward", _backward, True, True,  # gradients (issue 14)
+           "also record (compare) gradients: True (loss = outputs x seeded random cotangents), a callable(output) "
+           "-> scalar loss, or False"),
 )}
 
 
@@ -408,6 +426,7 @@ class RecordSpec(_SpecBase):
     inputs: bool = True
     fingerprint: bool | tuple[str, ...] = False
     fingerprint_params: FingerprintParams = field(default_factory=FingerprintParams)
+    backward: bool | Callable[[Any], Any] = False  # gradients (issue 14): False, True or a loss function
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -440,6 +459,8 @@ class CompareSpec(_SpecBase):
     grad: bool = False
     placements: PlacementTable = PlacementTable()  # issue 16 (distributed): docs/distributed.md
     replay: str = "first"
+    # gradients (issue 14): None checks them when the golden has them; False never; True or a loss function
+    backward: bool | Callable[[Any], Any] | None = None
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

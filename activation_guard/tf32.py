@@ -13,16 +13,36 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 
-def tf32_round(t: Any) -> Any:
-    """Round a float32 tensor to TF32 precision (10 explicit mantissa bits, round to nearest
-    even), as TF32 tensor cores do with matmul inputs. Anything else is returned unchanged, so a
-    float64 shadow forward is untouched."""
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-        return t
+def _round_bits(t: torch.Tensor) -> torch.Tensor:
     bits = t.detach().contiguous().view(torch.int32)
     lsb = torch.bitwise_and(torch.bitwise_right_shift(bits, 13), 1)
     rounded = torch.bitwise_and(bits + 0x0FFF + lsb, -0x2000).view(torch.float32)
-    return torch.where(torch.isfinite(t), rounded, t).view(t.shape)
+    return torch.where(torch.isfinite(t.detach()), rounded, t.detach()).view(t.shape)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """The rounded values forward, the gradient passed through unchanged (gradients, issue 14):
+    a TF32 matmul's backward is a matmul of the same operands, so an emulated run's gradients
+    keep flowing into its weights instead of stopping at the rounding."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return _round_bits(t)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+def tf32_round(t: Any) -> Any:
+    """Round a float32 tensor to TF32 precision (10 explicit mantissa bits, round to nearest
+    even), as TF32 tensor cores do with matmul inputs. Anything else is returned unchanged, so a
+    float64 shadow forward is untouched. Differentiable (straight through) when ``t`` requires grad."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+        return t
+    if t.requires_grad and torch.is_grad_enabled():
+        return _StraightThrough.apply(t)
+    return _round_bits(t)
 
 
 def _operand_table() -> dict[Any, tuple[int, ...]]:

@@ -31,7 +31,7 @@ from importlib import resources
 from typing import Any, Union
 
 from .errors import ActivationGuardError
-from .report import WHY, Report, fmt_diff, fmt_pair
+from .report import Report, fmt_diff, fmt_pair, why
 from .results import LayerResult
 
 INSTALL_HINT = "pip install 'activation_guard[plot]' (or: pip install matplotlib)"
@@ -73,6 +73,13 @@ def _finite_pos(v: float | None) -> bool:
 
 def _pos_or_nan(v: float | None) -> float:
     return v if v is not None and _finite_pos(v) else math.nan
+
+
+def backward_span(report: Report) -> tuple[float, float] | None:
+    """The x range of the gradient rows (gradients, issue 14), drawn shaded; None without any."""
+    live = _live_layers(report)
+    first = next((i for i, x in enumerate(live) if x.phase != "forward"), None)
+    return None if first is None else (first + 0.5, len(live) + 0.5)
 
 
 def _first_x(report: Report, fd: LayerResult, n: int) -> float:
@@ -137,6 +144,11 @@ def render_png(report: Report, *, title: str | None = None, dpi: int = 110) -> b
             for mx, x in missing[:8]:
                 ax.annotate(x.label, xy=(mx, floor), xytext=(0, 8), textcoords="offset points", rotation=90,
                             ha="center", va="bottom", fontsize=7, color=c_bad)
+        span = backward_span(report)  # gradients (issue 14): the backward pass shaded and labelled
+        if span is not None:
+            ax.axvspan(*span, color="#9467bd", alpha=0.08, lw=0, label="backward pass (gradients, backward order)")
+            ax.text(span[0], 0.99, " backward", transform=ax.get_xaxis_transform(), va="top", ha="left",
+                    fontsize=8, color="#9467bd")
         if any(v is not None and v == 0 for v in absd + reld):
             ax.axhline(floor, color="0.6", lw=0.8)
             ax.text(0.01, floor, "0 (exact match) drawn on this line", va="bottom", ha="left", fontsize=7, color="0.4",
@@ -150,7 +162,7 @@ def render_png(report: Report, *, title: str | None = None, dpi: int = 110) -> b
         fx = _first_x(report, fd, n)
         left = fx <= max(n, 1) * 0.6
         ax.axvline(fx, color=c_bad, ls="-.", lw=1.2)
-        ax.annotate(f"first divergence: {fd.label} ({WHY.get(fd.status, fd.status)})", xy=(fx, 0.91),
+        ax.annotate(f"first divergence: {fd.label} ({why(fd)})", xy=(fx, 0.91),
                     xycoords=("data", "axes fraction"), xytext=(6 if left else -6, 0), textcoords="offset points",
                     ha="left" if left else "right", va="top", fontsize=9, color=c_bad,
                     bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": c_bad, "alpha": 0.9})
@@ -160,9 +172,11 @@ def render_png(report: Report, *, title: str | None = None, dpi: int = 110) -> b
     if show_names:
         ax.set_xticks(xs)
         ax.set_xticklabels(names, rotation=90, fontsize=7)
-        ax.set_xlabel("layer call, in execution order")
+        ax.set_xlabel("layer call, in execution order" + ("; then gradients, in backward order"
+                                                         if backward_span(report) else ""))
     else:
-        ax.set_xlabel("layer call # (execution order)")
+        ax.set_xlabel("layer call # (execution order" + (", then gradients in backward order)"
+                                                       if backward_span(report) else ")"))
     ax.set_ylabel("difference (log scale)")
     ax.grid(True, which="major", axis="y", alpha=0.3)
     if title is None:
@@ -277,7 +291,7 @@ def _layer_rows(report: Report, fd_id: str, calibrated: bool) -> list[str]:
         status = x.status if x is not fd else f'<span class="badge">FIRST</span> {_e(x.status)}'
         cells = [
             _td("-" if x.position is None else str(x.position + 1), "num", x.position, keyed=True),
-            f'<td class="name">{_e(name).replace(".", ".<wbr>")}</td>',  # long dotted names wrap at a dot
+            f'<td class="name">{_e(name).replace(".", ".<wbr>")}{_phase_tag(x)}</td>',  # long names wrap at a dot
             _td(str(x.call), "num", x.call, keyed=True), _td(x.type_name),
             f'<td data-v="{_e(x.status)}">{status}</td>' if x is fd else _td(x.status),
             _td(fmt_diff(x.max_abs_diff), "num", x.max_abs_diff, keyed=True),
@@ -298,6 +312,15 @@ def _layer_rows(report: Report, fd_id: str, calibrated: bool) -> list[str]:
         attrs += f' data-name="{_e(name)}" data-bad="{0 if x.ok else 1}"'
         rows.append(f"<tr{attrs}>{''.join(cells)}</tr>")
     return rows
+
+
+def _phase_tag(x: LayerResult) -> str:
+    """Gradient rows (issue 14) are marked in the name cell: which gradient the row is."""
+    if x.phase == "param-grad":
+        return ' <span class="phase">param grads</span>'
+    if x.phase == "backward":
+        return f' <span class="phase">grad {"out" if x.wrt == "output" else "in"}</span>'
+    return ""
 
 
 def _tools(noun: str, only_bad: bool) -> str:
@@ -370,7 +393,7 @@ def _banner(items: list[tuple[str, Report]], fd_ids: list[str]) -> list[str]:
         if fd is not None:
             where = f" in {_e(label)}" if len(items) > 1 else ""
             out.append(f'<p>First divergence: <a href="#{fd_ids[i]}">{_e(fd.label)}</a> '
-                       f"({_e(WHY.get(fd.status, fd.status))}){where}</p>")
+                       f"({_e(why(fd))}){where}</p>")
             break
     out.append("</div>")
     return out
@@ -382,10 +405,7 @@ def _checks_table(items: list[tuple[str, Report]], fd_ids: list[str]) -> list[st
            f'<div class="scroll"><table class="ag checks" data-noun="checks">{head}<tbody>']
     for i, (label, r) in enumerate(items):
         fd = r.first_divergence
-        if fd is None:
-            where = "-"
-        else:
-            where = f'<a href="#{fd_ids[i]}">{_e(fd.label)}</a> ({_e(WHY.get(fd.status, fd.status))})'
+        where = "-" if fd is None else f'<a href="#{fd_ids[i]}">{_e(fd.label)}</a> ({_e(why(fd))})'
         cls = "ok" if r.ok else "bad"
         out.append(f'<tr data-name="{_e(label)}" data-bad="{0 if r.ok else 1}">'
                    f'<td><a href="#report-{i}">{_e(label)}</a></td>'

@@ -238,6 +238,12 @@ def ex_demo_report(s: Scratch) -> str:
     return "\n".join(between(out, r"^activation_guard: first divergence", r"^\s*totals:"))
 
 
+def ex_demo_backward_report(s: Scratch) -> str:
+    rc, out = s.cli("demo", "--bug", "gelu-backward")  # a backward-only bug: goldens with gradients
+    assert rc == 0, out
+    return "\n".join(between(out, r"^activation_guard: first divergence", r"^\s*totals:"))
+
+
 def ex_inspect(s: Scratch) -> str:
     s.demo()
     return s.shown("inspect", "demo/golden.h5", "--layer", "blocks.1.*")
@@ -340,6 +346,7 @@ class Example:
 EXAMPLES: dict[str, Example] = {
     "demo": Example(ex_demo),
     "demo-report": Example(ex_demo_report),
+    "demo-backward-report": Example(ex_demo_backward_report),
     "inspect": Example(ex_inspect),
     "inspect-mlp": Example(ex_inspect_mlp),
     "diff": Example(ex_diff),

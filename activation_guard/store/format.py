@@ -48,6 +48,14 @@ COMPRESSIONS = {None, "gzip", "lzf"}
 ROOT_MEMBERS = ("index", "meta", "packs", "data")
 LEAF_KINDS = ("tensor", "none", "str", "object", "ref", "alias", "fingerprint")
 SECTIONS = ("out", "in")  # a call's outputs ("leaves") and its inputs ("inputs")
+# --- gradients (issue 14): the index's optional "backward" list, in backward execution order; each
+# entry is a call entry with "grad": "output" | "input" (a module call's gradient w.r.t. its
+# outputs / inputs) or "param" (a module's parameter gradients, call 0, leaf path = parameter name)
+GRAD_KINDS = ("output", "input", "param")
+# a gradient equal to one stored before (a parent's and its last child's output gradient, a layer's input
+# gradient and its producer's output gradient) is an alias with section "grad-<kind>" naming that entry
+GRAD_SECTIONS = tuple(f"grad-{k}" for k in GRAD_KINDS)
+# --- end gradients
 _DATASET_NAME = re.compile(r"data/\d{6}")
 
 
@@ -98,6 +106,7 @@ class CallEntry:
     leaves: list[LeafEntry]
     position: int  # 0-based position in the golden's execution order
     inputs: list[LeafEntry] | None = None  # the call's arguments ("args/0", "kwargs/mask"), if recorded
+    grad: str | None = None  # entries of the "backward" section: what the gradient is taken w.r.t. (GRAD_KINDS)
 
     @property
     def fingerprinted(self) -> bool:
@@ -114,6 +123,28 @@ def parse_calls(path: str, calls: list[Any]) -> list[CallEntry]:
     here and for existence by the reader when the leaf is loaded.
     """
     return [_parse_call(path, c, i) for i, c in enumerate(calls)]
+
+
+# --- gradients (issue 14)
+def parse_backward(path: str, entries: Any) -> list[CallEntry]:
+    """Decode the index's optional ``backward`` list (absent: a golden without gradients)."""
+    if entries is None:
+        return []
+    if not isinstance(entries, list):
+        raise GoldenFormatError(path, "has a malformed backward section in its index")
+    out = []
+    for i, c in enumerate(entries):
+        grad = c.get("grad") if isinstance(c, dict) else None
+        if grad not in GRAD_KINDS or (isinstance(c, dict) and "inputs" in c):
+            raise GoldenFormatError(path, f"backward entry #{i} is malformed")
+        entry = _parse_call(path, c, i)
+        entry.grad = grad
+        for leaf in entry.leaves:
+            if leaf.kind not in ("tensor", "none", "alias"):
+                raise GoldenFormatError(path, f"backward entry #{i} ({entry.name!r}) holds a {leaf.kind} leaf")
+        out.append(entry)
+    return out
+# --- end gradients
 
 
 def _parse_call(p: str, c: Any, position: int) -> CallEntry:
@@ -149,7 +180,7 @@ def _parse_leaf(p: str, e: Any, lname: str, call: int, section: str = "outputs")
     if kind == "alias":
         tgt = (e.get("name"), e.get("call"), e.get("section"), e.get("of"))
         if (not isinstance(tgt[0], str) or not isinstance(tgt[1], int) or isinstance(tgt[1], bool) or tgt[1] < 0
-                or tgt[2] not in SECTIONS or not isinstance(tgt[3], str)):
+                or tgt[2] not in SECTIONS + GRAD_SECTIONS or not isinstance(tgt[3], str)):
             raise GoldenFormatError(p, f"index entry for {where} has a malformed alias leaf")
         return LeafEntry(e["path"], kind, type_name=str(e.get("py", "Tensor")),
                          alias=(str(tgt[0]), int(tgt[1]), str(tgt[2]), str(tgt[3])))

@@ -34,6 +34,7 @@ from .format import (
     ROOT_MEMBERS,
     CallEntry,
     LeafEntry,
+    parse_backward,
     parse_calls,
 )
 from .memory import TrimCounter
@@ -172,6 +173,15 @@ class GoldenReader:
             if (c.name, c.call) in self.by_key:
                 raise GoldenFormatError(p, f"lists layer {c.name!r} call {c.call} twice")
             self.by_key[(c.name, c.call)] = c
+        # --- gradients (issue 14): the optional backward section, in backward execution order
+        self.backward = parse_backward(p, index.get("backward"))
+        self.by_grad: dict[tuple[str, str, int], CallEntry] = {}
+        for c in self.backward:
+            assert c.grad is not None
+            if (c.grad, c.name, c.call) in self.by_grad:
+                raise GoldenFormatError(p, f"lists the {c.grad} gradient of layer {c.name!r} call {c.call} twice")
+            self.by_grad[(c.grad, c.name, c.call)] = c
+        # --- end gradients
         self._open_fingerprints()
 
     # -- fingerprints
@@ -302,13 +312,18 @@ class GoldenReader:
             return entry
         assert entry.alias is not None
         name, call, section, path = entry.alias
-        c = self.by_key.get((name, call))
-        leaves = None if c is None else (c.leaves if section == "out" else c.inputs)
+        if section.startswith("grad-"):  # gradients (issue 14): a gradient stored before
+            c = self.by_grad.get((section[5:], name, call))
+            leaves = None if c is None else c.leaves
+            what = f"{section[5:]} gradient"
+        else:
+            c = self.by_key.get((name, call))
+            leaves = None if c is None else (c.leaves if section == "out" else c.inputs)
+            what = "output" if section == "out" else "input"
         target = next((x for x in leaves or () if x.path == path), None)
         if target is None or target.kind == "alias":
             raise GoldenFormatError(self.path, f"{where or entry.path}: refers to layer {name!r} call {call} "
-                                               f"{'output' if section == 'out' else 'input'} {path!r}, "
-                                               f"which the golden does not hold")
+                                               f"{what} {path!r}, which the golden does not hold")
         return target
 
     def load(self, entry: LeafEntry, where: str = "") -> torch.Tensor:

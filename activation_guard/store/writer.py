@@ -93,6 +93,7 @@ class GoldenWriter:
                 self.path, f"cannot create a temporary file in {d}: {e}", fix="check the folder exists and is writable"
             ) from e
         self.calls: list[dict[str, Any]] = []
+        self.backward: list[dict[str, Any]] = []  # gradients (issue 14), in backward execution order
         self._pack: list[bytes] = []
         self._pack_len = 0
         self._pack_id = 0
@@ -118,7 +119,7 @@ class GoldenWriter:
         self._pack = []
         self._pack_len = 0
 
-    def _write_tensor(self, t: torch.Tensor) -> dict[str, Any]:
+    def _write_tensor(self, t: torch.Tensor, pack_up_to: int = SMALL_LEAF_BYTES) -> dict[str, Any]:
         info = dtypes.info_for(t.dtype)
         raw = dtypes.tensor_bytes(t)
         nbytes = int(raw.size)
@@ -130,7 +131,7 @@ class GoldenWriter:
             "nbytes": nbytes,
             "crc32": crc,
         }
-        if nbytes <= SMALL_LEAF_BYTES:
+        if nbytes <= pack_up_to:
             if self._pack_len + nbytes > PACK_BYTES:
                 self._flush_pack()
             entry["pack"] = self._pack_id
@@ -174,15 +175,17 @@ class GoldenWriter:
         self.nfingerprints += 1
         return entry
 
-    def write_leaves(self, leaves: Iterable[LeafLike], where: str) -> list[dict[str, Any]]:
+    def write_leaves(self, leaves: Iterable[LeafLike], where: str,
+                     pack_up_to: int = SMALL_LEAF_BYTES) -> list[dict[str, Any]]:
         """Write the values of ``leaves`` now (the snapshot) and return their index entries.
-        An :class:`AliasLike` leaf (an input that is an already stored value) writes nothing."""
+        An :class:`AliasLike` leaf (an input that is an already stored value) writes nothing.
+        Tensors up to ``pack_up_to`` bytes go into packs (gradients pack more: see grad_store)."""
         out = []
         for leaf in leaves:
             if leaf.kind == "tensor":
                 assert leaf.tensor is not None
                 try:
-                    e = self._write_tensor(leaf.tensor)
+                    e = self._write_tensor(leaf.tensor, pack_up_to)
                 except OSError as err:  # disk full, file size limit, I/O error: not a model problem
                     raise GoldenWriteError(
                         self.path,
@@ -222,6 +225,14 @@ class GoldenWriter:
             rec["inputs"] = inputs
         self.calls.append(rec)
 
+    # --- gradients (issue 14)
+    def add_backward(self, grad: str, name: str, call: int, module_type: str, leaves: list[dict[str, Any]]) -> None:
+        """Record one gradient entry of the index's ``backward`` section (``grad``: output, input or
+        param), with the index entries of its leaves (written earlier by :meth:`write_leaves`).
+        Entries are listed in the order they are added: backward execution order."""
+        self.backward.append({"grad": grad, "name": name, "call": call, "type": module_type, "leaves": leaves})
+    # --- end gradients
+
     # -- finishing
     def commit(self, meta: dict[str, Any]) -> None:
         """Write the index and ``meta``, then fsync and rename over the target; on any failure
@@ -231,7 +242,9 @@ class GoldenWriter:
             if self.fingerprint_params is not None:  # the parameters every fingerprint here was taken with
                 meta = {**meta, fpstore.META_KEY: fpstore.meta_record(self.fingerprint_params,
                                                                       meta.get(fpstore.META_KEY))}
-            index = {"calls": self.calls}
+            index: dict[str, Any] = {"calls": self.calls}
+            if self.backward:  # goldens without gradients keep their bytes
+                index["backward"] = self.backward
             ib = json_bytes(index)
             mb = json_bytes(meta)
             self.f.create_dataset("index", data=np.frombuffer(ib, dtype=np.uint8), track_times=False)
