@@ -71,14 +71,14 @@ class RecordSummary:
 
 
 def _build_meta(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                spec: RecordSpec) -> dict[str, Any]:
+                spec: RecordSpec, modules: Any = None) -> dict[str, Any]:
     dev = envmod.model_device(model, args, kwargs)
     m = type(model)
     return {
         "versions": envmod.versions(),
         "device": envmod.device_info(dev),
         "model_class": f"{m.__module__}.{m.__qualname__}",
-        **envmod.training_modes(model),
+        **envmod.training_modes(model, modules),
         "inputs": envmod.input_fingerprint(args, kwargs),
         "numerics": envmod.numerics_flags(),
         "layer_inputs": spec.inputs,  # whether each call's inputs are recorded (replay needs them)
@@ -152,7 +152,7 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
     model = target.root
     a, kw = normalize_inputs(args, kwargs)
     inc, exc = spec.include, spec.exclude
-    meta = _build_meta(model, a, kw, spec)  # fingerprint inputs before the forward can mutate them
+    meta = _build_meta(model, a, kw, spec, target.modules)  # fingerprint inputs before the forward can mutate them
     path, dcap = distcap.for_record(golden_path(path), per_rank)  # issue 16: a multi-rank run: this rank's golden
     if dcap is not None:
         meta["distributed"] = dcap.meta()
@@ -284,7 +284,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     model = target.root
     a, kw = normalize_inputs(args, kwargs)
     live_inputs = envmod.input_fingerprint(a, kw)
-    live_modes = envmod.training_modes(model)
+    live_modes = envmod.training_modes(model, target.modules)
     dev = envmod.model_device(model, a, kw)
     judge: Judge | None = None
     # issue 16: the golden this rank compares with (replay is off in a multi-rank run)

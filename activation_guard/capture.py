@@ -44,11 +44,12 @@ def _is_compiled(m: torch.nn.Module) -> bool:
 class Target:
     """What is called (``runner``: the user's object, e.g. a compiled wrapper) and whose
     modules are hooked and named (``root``: the eager module tree), with the compiled regions by
-    layer name (``""`` is the root)."""
+    layer name (``""`` is the root), and the root's ``named_modules()`` walked once."""
 
     runner: torch.nn.Module
     root: torch.nn.Module
     compiled: tuple[str, ...]
+    modules: tuple[tuple[str, torch.nn.Module], ...] = ()
 
 
 def layer_name(name: str) -> str:
@@ -75,7 +76,8 @@ def check_model(model: Any) -> Target:
             "`model.module` instead."
         )
     compiled = [""] if _is_compiled(model) or _is_compiled(root) else []
-    for name, sub in root.named_modules():
+    modules = tuple(root.named_modules())  # one walk of the tree, reused by the hooks and the meta
+    for name, sub in modules:
         if not name:
             continue
         if isinstance(sub, torch.jit.ScriptModule):
@@ -91,7 +93,7 @@ def check_model(model: Any) -> Target:
             )
         if _is_compiled(sub):
             compiled.append(layer_name(name))
-    return Target(model, root, tuple(compiled))
+    return Target(model, root, tuple(compiled), modules)
 
 
 class Frame:
@@ -138,13 +140,13 @@ class HookState:
     want_rng: bool = False
 
 
-def _layers(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+def _layers(modules: Sequence[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:
     """Each module once, under its first name, compile wrappers skipped (their eager module is
     hooked instead); two different modules under one name are refused."""
     by_name: dict[str, torch.nn.Module] = {}
     seen: set[int] = set()
     out = []
-    for raw, mod in root.named_modules():
+    for raw, mod in modules:
         if id(mod) in seen or _is_optimized(mod):
             continue
         seen.add(id(mod))
@@ -195,7 +197,7 @@ def hooked(
         target = check_model(target)
     state = HookState(want_rng=want_rng)
     handles: list[Any] = []
-    layers = _layers(target.root)
+    layers = _layers(target.modules)
     for name, mod in layers:
         state.modules[id(mod)] = name
     owner = threading.get_ident()

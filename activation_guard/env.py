@@ -238,11 +238,11 @@ def describe_device_change(golden: dict[str, Any] | None, live: dict[str, Any]) 
 MAX_LISTED_MODES = 50  # module names kept in a golden's training-mode record
 
 
-def training_modes(model: torch.nn.Module) -> dict[str, Any]:
+def training_modes(model: torch.nn.Module, modules: Any = None) -> dict[str, Any]:
     """The model's train/eval mode, and the modules whose mode differs from the root's (dropout
     on in one block of an eval model): both change what a forward computes."""
     root = bool(model.training)
-    odd = [n for n, m in model.named_modules() if n and bool(m.training) != root]
+    odd = [n for n, m in (modules or model.named_modules()) if n and bool(m.training) != root]
     return {"training": root, "training_differs": odd[:MAX_LISTED_MODES], "training_differs_count": len(odd)}
 
 

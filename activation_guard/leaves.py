@@ -217,8 +217,20 @@ class _Walker:
         self.leaf(path, legacy, "tensor", tensor=t, type_name="Tensor")
 
 
+_STRIDED = torch.strided
+
+
+def _plain(t: Any) -> bool:
+    """A plain strided tensor on a real device: its own leaf, as is (the common case, decided
+    without the walker: most layers take and return one such tensor)."""
+    return (type(t) is torch.Tensor and t.layout is _STRIDED and not t.is_quantized and not t.is_nested
+            and not t.is_meta)
+
+
 def flatten_inputs(args: Any, kwargs: Any) -> list[Leaf]:
     """A call's arguments as leaves: ``args/0``, ``args/1``, ``kwargs/<name>``..."""
+    if not kwargs and all(_plain(a) for a in args):
+        return [Leaf(f"args/{i}", "tensor", tensor=a) for i, a in enumerate(args)]
     return flatten({"args": list(args), "kwargs": kwargs})
 
 
@@ -228,6 +240,8 @@ def flatten(obj: Any, prefix: str = "") -> list[Leaf]:
     Tuples/lists are addressed by index, mappings (including Hugging Face ``ModelOutput``) and
     dataclasses by key/field name. A bare tensor output has the empty path.
     """
+    if _plain(obj):
+        return [Leaf(prefix, "tensor", tensor=obj)]
     w = _Walker()
     w.walk(obj, prefix, prefix, 0)
     return w.out
