@@ -253,3 +253,44 @@ def test_origin_round_trips_through_json(tmp_path: Path) -> None:
     report = _check(layer, changed, X, tmp_path)
     back = Report.from_dict(json.loads(json.dumps(report.to_dict(), allow_nan=False)))
     assert back.origin == report.origin and back == report and str(back) == str(report)
+
+
+# --------------------------------------------------------------------------- calibrated replays
+
+
+def test_calibrated_replay_all_catches_a_weight_change_under_tf32_and_passes_noise(tmp_path: Path) -> None:
+    """Regression: the golden side of a replay's own floor was measured against the *live*
+    module's float64 replay, which a changed weight moves by the change itself: the allowance
+    grew with the bug and a 1% weight passed (a false pass), while replay="first" called it
+    "unknown"."""
+    model = build_hf_bert()
+    layer = "encoder.layer.1.intermediate.dense"
+    changed = copy.deepcopy(model)
+    scale_weight(changed, layer, 1.01)
+    p = tmp_path / "g.h5"
+    ag.record(model, token_input(), path=p, calibrate=True)
+    with ag.emulate_tf32():
+        clean = ag.compare(model, token_input(), path=p, tolerance="calibrated", replay="all")
+        report = ag.compare(changed, token_input(), path=p, tolerance="calibrated", replay="all")
+        first = ag.compare(changed, token_input(), path=p, tolerance="calibrated", replay="first")
+    assert clean.ok and clean.origin is None
+    assert not report.ok and report.origin is not None and (report.origin.kind, report.origin.name) == ("layer", layer)
+    assert first.origin is not None and (first.origin.kind, first.origin.name) == ("layer", layer)
+    judged = next(r for r in report.layers if r.name == layer)
+    assert judged.own_status == "diverged" and judged.leaves[0].error_multiple is not None
+    assert judged.leaves[0].error_multiple > 10
+    assert "golden floor: recorded" in (judged.leaves[0].tolerance_source or "")
+
+
+def test_calibrated_replay_keeps_an_explicit_tolerances_pattern(tmp_path: Path) -> None:
+    """A layer the user gave numbers for is judged strictly with them, replayed or not."""
+    model = build_hf_bert()
+    layer = "encoder.layer.1.intermediate.dense"
+    changed = copy.deepcopy(model)
+    scale_weight(changed, layer, 1.01)
+    p = tmp_path / "g.h5"
+    ag.record(model, token_input(), path=p, calibrate=True)
+    report = ag.compare(changed, token_input(), path=p, tolerance="calibrated", replay="all",
+                        tolerances={layer: dict(rtol=0.05, atol=0.05)})
+    judged = next(r for r in report.layers if r.name == layer)
+    assert judged.own_status == "match" and "overrides calibration" in (judged.leaves[0].tolerance_source or "")
