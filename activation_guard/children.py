@@ -9,6 +9,11 @@ replaced), and the inputs the parent's code hands it are kept: compared with the
 of that call, the first child whose inputs differ says where in the parent's forward the change
 is, whatever its children's noise.
 
+With ``replay="all"`` a child does not even run: its call returns a *skeleton* of the output it
+gave in the live run (containers rebuilt, tensors replaced by placeholders) filled with the
+golden's tensors, so a replay costs the call's own code, not its whole subtree again. A call whose
+output holds opaque objects (a cache) has no skeleton: it runs, and its output is replaced.
+
 A child call is matched to the live call it replays by name and order (the k-th call of child
 ``a`` in the replay is the k-th that returned inside the live call). Only outermost calls count:
 a child called again inside another child is left alone. A call whose output does not have the
@@ -22,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -30,14 +35,78 @@ from .leaves import flatten, flatten_inputs, rebuild
 from .selection import display_name
 from .store import CallEntry, GoldenReader
 
+PLACEHOLDER = torch.empty(0)
+TensorMeta = tuple[tuple[int, ...], torch.dtype, torch.device]
+
+
+@dataclass
+class Skeleton:
+    """A call's output with its tensors replaced by placeholders (``meta``: each one's path,
+    shape, dtype and device), to be filled with the golden's tensors."""
+
+    output: Any
+    meta: dict[str, TensorMeta]
+
+
+class _Placeholders(Mapping[str, torch.Tensor]):
+    # rebuild() looks each tensor up as values.get(path, tensor): every one becomes the placeholder
+    def __init__(self) -> None:
+        self.meta: dict[str, TensorMeta] = {}
+
+    def get(self, path: str, default: Any = None) -> Any:
+        if isinstance(default, torch.Tensor):
+            self.meta[path] = (tuple(default.shape), default.dtype, default.device)
+            return PLACEHOLDER
+        return default
+
+    def __contains__(self, path: object) -> bool:  # numpy arrays stay as they are
+        return False
+
+    def __getitem__(self, path: str) -> torch.Tensor:
+        raise KeyError(path)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+class _Opaque(Mapping[int, Any]):
+    # rebuild() asks `id(obj) in objects` for each opaque object it meets: note that one was met
+    def __init__(self) -> None:
+        self.met = False
+
+    def __contains__(self, key: object) -> bool:
+        self.met = True
+        return False
+
+    def __getitem__(self, key: int) -> Any:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def skeleton(output: Any) -> Skeleton | None:
+    """The skeleton of a call's output, or None when it holds opaque objects (the call must run)."""
+    values, opaque = _Placeholders(), _Opaque()
+    out = rebuild(output, values, objects=opaque)
+    return None if opaque.met else Skeleton(out, values.meta)
+
 
 @dataclass
 class ChildCall:
-    """A direct child call of a live call, as it returned: its module, name and golden entry."""
+    """A direct child call of a live call, as it returned: its module, name, golden entry and
+    (``replay="all"``) the skeleton of its output."""
 
     module: torch.nn.Module
     name: str
     entry: CallEntry
+    skeleton: Skeleton | None = None
 
 
 class GoldenOutputs:
@@ -70,21 +139,32 @@ class ChildHooks:
             self.queues.setdefault(c.name, deque()).append(i)
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}
         self.active: list[int | None] = []  # calls of listed children in progress (outermost first)
+        self.done: set[int] = set()  # calls that returned the golden's output without running
         self.substituted = 0
 
     @contextmanager
-    def installed(self, modules: Mapping[str, torch.nn.Module]) -> Iterator[None]:
-        """Hooks on ``modules`` (child name -> the module to hook: the live one, or its float64 copy)."""
+    def installed(self, modules: Mapping[str, torch.nn.Module], *, widen: bool = False) -> Iterator[None]:
+        """Hooks on ``modules`` (child name -> the module to hook: the live one, or its float64 copy,
+        ``widen``: whose floating outputs are float64). A child whose every call has a skeleton
+        does not run: its ``forward`` is replaced, for the replay, by the golden's output."""
         handles = []
+        stubbed: list[torch.nn.Module] = []
         try:
             for name, mod in modules.items():
-                if name in self.queues:
-                    handles.append(mod.register_forward_pre_hook(partial(self._pre, name), with_kwargs=True))
-                    handles.append(mod.register_forward_hook(partial(self._post, name), with_kwargs=True))
+                if name not in self.queues:
+                    continue
+                handles.append(mod.register_forward_pre_hook(partial(self._pre, name), with_kwargs=True))
+                handles.append(mod.register_forward_hook(partial(self._post, name), with_kwargs=True))
+                if "forward" not in mod.__dict__ and all(self.calls[i].skeleton is not None
+                                                         for i in self.queues[name]):
+                    mod.forward = partial(self._stub, mod.forward, widen)  # type: ignore[method-assign]
+                    stubbed.append(mod)
             yield
         finally:
             for h in handles:
                 h.remove()
+            for mod in stubbed:
+                del mod.forward
 
     def _pre(self, name: str, mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
         queue = self.queues[name]
@@ -96,14 +176,34 @@ class ChildHooks:
                           if leaf.kind == "tensor" and leaf.tensor is not None}
         self.active.append(i)
 
+    def _stub(self, forward: Callable[..., Any], widen: bool, *args: Any, **kwargs: Any) -> Any:
+        i = self.active[-1] if self.active else None
+        sk = None if i is None else self.calls[i].skeleton
+        golden = None if i is None else self.golden.get(i)
+        if sk is None or golden is None or not _fits(sk.meta, golden):
+            return forward(*args, **kwargs)
+        self.done.add(i)  # type: ignore[arg-type]
+        self.substituted += 1
+        return rebuild(sk.output, {p: golden[p].to(device=dev, dtype=_wide(dt) if widen else dt, copy=True)
+                                   for p, (_, dt, dev) in sk.meta.items()})
+
     def _post(self, name: str, mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         i = self.active.pop()
-        if i is None:
+        if i is None or i in self.done:
             return None
         golden = self.golden.get(i)
         live = {leaf.path: leaf.tensor for leaf in flatten(output) if leaf.kind == "tensor" and leaf.tensor is not None}
-        if set(live) != set(golden) or any(tuple(golden[p].shape) != tuple(t.shape) for p, t in live.items()):
+        if not _fits({p: (tuple(t.shape), t.dtype, t.device) for p, t in live.items()}, golden):
             return None  # another structure: this call keeps its own output
         self.substituted += 1
         # a copy each time: the parent may change what it gets in place
         return rebuild(output, {p: golden[p].to(device=t.device, dtype=t.dtype, copy=True) for p, t in live.items()})
+
+
+def _fits(meta: Mapping[str, TensorMeta], golden: Mapping[str, torch.Tensor]) -> bool:
+    """The golden's tensors have the places and shapes of the live output's."""
+    return set(meta) == set(golden) and all(tuple(golden[p].shape) == m[0] for p, m in meta.items())
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype.is_floating_point and not dtype.is_complex else dtype

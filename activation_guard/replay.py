@@ -31,7 +31,7 @@ import torch
 
 from .calibrate import CalibratedJudge, calibrated_verdict
 from .capture import Frame, HookState
-from .children import ChildCall, ChildHooks, GoldenOutputs
+from .children import ChildCall, ChildHooks, GoldenOutputs, skeleton
 from .devices import stats_device
 from .dtypes import dtype_name
 from .floors import CALIBRATED_DTYPES, NoiseFloor, diff_stats
@@ -97,14 +97,15 @@ class Replayer:
         return out
 
     def _run(self, module: torch.nn.Module, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any],
-             hooks: ChildHooks | None = None, modules: dict[str, torch.nn.Module] | None = None) -> Any:
+             hooks: ChildHooks | None = None, modules: dict[str, torch.nn.Module] | None = None, *,
+             widen: bool = False) -> Any:
         assert self.state is not None
         saved = [(b, b.detach().clone()) for b in module.buffers()]
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         self.state.replaying = True
         try:
             with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(self.grad), \
-                    (hooks.installed(modules or {}) if hooks is not None else contextlib.nullcontext()):
+                    (hooks.installed(modules or {}, widen=widen) if hooks is not None else contextlib.nullcontext()):
                 if frame.rng is not None:
                     torch.set_rng_state(frame.rng[0])
                     if frame.rng[1] is not None:
@@ -177,7 +178,8 @@ class Replayer:
         hooks = ChildHooks(children, outputs) if children else None
         try:
             with float32_random():
-                out = self._run(module, frame, to_reference(args, dev), to_reference(kwargs, dev), hooks, modules)
+                out = self._run(module, frame, to_reference(args, dev), to_reference(kwargs, dev), hooks, modules,
+                                widen=True)
         except Exception as e:  # no float64 reference: the calibrated rule falls back (the notes say so)
             why = f"its float64 copy raised {type(e).__name__} when re-run"
             self.no_reference[why] = self.no_reference.get(why, 0) + 1
@@ -322,11 +324,13 @@ class Replayer:
                 return True
         return False
 
-    def returned(self, frame: Frame, entry: CallEntry) -> None:
-        """A compared call returned: its parent's replay will have it return the golden's output."""
+    def returned(self, frame: Frame, entry: CallEntry, output: Any = None, *, stub: bool = False) -> None:
+        """A compared call returned: its parent's replay will have it return the golden's output
+        (``stub``: without running it, from the skeleton of ``output``)."""
         parent = frame.parent
         if parent is not None and isinstance(parent.data, CallStart):
-            parent.data.children.append(ChildCall(frame.module, frame.name, entry))
+            parent.data.children.append(ChildCall(frame.module, frame.name, entry,
+                                                  skeleton(output) if stub else None))
 
     def notes(self) -> list[str]:
         out = [f"{n} layer call(s) not replayed: {why}" for why, n in self.failures.items()]

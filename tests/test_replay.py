@@ -24,6 +24,7 @@ from models import (
 from torch import nn
 
 import activation_guard as ag
+from activation_guard.children import PLACEHOLDER, skeleton
 from activation_guard.report import Report
 from activation_guard.shadow import float32_random
 
@@ -410,3 +411,52 @@ def test_float64_references_draw_the_float32_random_numbers(tmp_path: Path) -> N
         torch.manual_seed(1)
         narrow = draw(torch.float32)
         assert wide.dtype == torch.float64 and torch.equal(wide, narrow.double())
+
+
+class Counting(nn.Linear):
+    """A Linear that counts how often its forward runs."""
+
+    runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Counting.runs += 1
+        return super().forward(x)
+
+
+class Deep(nn.Module):
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = Deep(depth - 1) if depth > 1 else Counting(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        y = self.inner(x)
+        y = y[0] if isinstance(y, tuple) else y
+        return y * 2, {"half": y / 2}
+
+
+def test_replay_all_does_not_rerun_children_for_their_parents(tmp_path: Path) -> None:
+    """Each parent's replay gets its children's golden outputs without running them (a skeleton
+    of the live output filled with the golden's tensors): a replay costs a call's own code, not
+    its subtree again. The leaf runs twice (live, and its own replay), not once per ancestor."""
+    model = Deep(4)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(6))
+    p = tmp_path / "g.h5"
+    ag.record(model, x, path=p)
+    Counting.runs = 0
+    report = ag.compare(model, x, path=p, replay="all")
+    assert report.ok and Counting.runs == 2
+    changed = copy.deepcopy(model)
+    scale_weight(changed, "inner.inner.inner.inner", 1.01)
+    report = ag.compare(changed, x, path=p, replay="all")
+    o = report.origin
+    assert o is not None and (o.kind, o.name) == ("layer", "inner.inner.inner.inner")
+    assert [r.name for r in report.layers if not r.ok] == ["inner.inner.inner.inner"]
+
+
+def test_a_skeleton_keeps_the_structure_and_refuses_opaque_objects() -> None:
+    t = torch.ones(2, 3)
+    sk = skeleton((t, {"a": [t * 2, None, "s"]}))
+    assert sk is not None and set(sk.meta) == {"0", "1/a/0"} and sk.meta["0"][0] == (2, 3)
+    assert sk.output[0] is PLACEHOLDER and sk.output[1]["a"][1:] == [None, "s"]
+    assert skeleton((t, object())) is None
