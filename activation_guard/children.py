@@ -22,7 +22,7 @@ golden's tensors (another structure or shape: the code took another branch) keep
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,7 +33,7 @@ import torch
 
 from .leaves import flatten, flatten_inputs, rebuild
 from .selection import display_name
-from .store import CallEntry, GoldenReader
+from .store import CallEntry, GoldenReader, LeafEntry
 
 PLACEHOLDER = torch.empty(0)
 TensorMeta = tuple[tuple[int, ...], torch.dtype, torch.device]
@@ -109,10 +109,39 @@ class ChildCall:
     skeleton: Skeleton | None = None
 
 
+class GoldenCache:
+    """Golden tensors read for replays, the most recent ones up to ``budget`` bytes. One stored
+    output is wanted up to four times: for its parent's replay (as the child's output), as the
+    next call's input (an alias of it) in that call's replay and again when the parent judges
+    what its code passed on. Callers copy before anything may change what they get."""
+
+    def __init__(self, reader: GoldenReader, budget: int = 64 << 20):
+        self.reader = reader
+        self.budget = budget
+        self.held = 0
+        self._lru: OrderedDict[int, tuple[LeafEntry, torch.Tensor]] = OrderedDict()  # by id of the stored entry
+
+    def load(self, entry: LeafEntry, where: str) -> torch.Tensor:
+        target = self.reader.resolve(entry, where)
+        hit = self._lru.get(id(target))
+        if hit is not None:
+            self._lru.move_to_end(id(target))
+            return hit[1]
+        t = self.reader.load(target, where)
+        n = t.numel() * t.element_size()
+        if n <= self.budget // 4:
+            self._lru[id(target)] = (target, t)  # the entry is kept, so its id is not reused
+            self.held += n
+            while self.held > self.budget:
+                _, (_, old) = self._lru.popitem(last=False)
+                self.held -= old.numel() * old.element_size()
+        return t
+
+
 class GoldenOutputs:
     """The golden output tensors of a call's children, read once per replay (by path)."""
 
-    def __init__(self, reader: GoldenReader, calls: Sequence[ChildCall]):
+    def __init__(self, reader: GoldenCache, calls: Sequence[ChildCall]):
         self.reader = reader
         self.calls = calls
         self._loaded: dict[int, dict[str, torch.Tensor]] = {}
@@ -138,27 +167,28 @@ class ChildHooks:
         for i, c in enumerate(calls):
             self.queues.setdefault(c.name, deque()).append(i)
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}
-        self.active: list[int | None] = []  # calls of listed children in progress (outermost first)
-        self.done: set[int] = set()  # calls that returned the golden's output without running
+        self.active: list[int | None] = []  # calls of hooked children in progress (outermost first)
         self.substituted = 0
 
     @contextmanager
     def installed(self, modules: Mapping[str, torch.nn.Module], *, widen: bool = False) -> Iterator[None]:
         """Hooks on ``modules`` (child name -> the module to hook: the live one, or its float64 copy,
         ``widen``: whose floating outputs are float64). A child whose every call has a skeleton
-        does not run: its ``forward`` is replaced, for the replay, by the golden's output."""
+        does not run: its ``forward`` is replaced, for the replay, by one returning the golden's
+        output (no hooks needed); the others get a pre- and a post-hook."""
         handles = []
         stubbed: list[torch.nn.Module] = []
         try:
             for name, mod in modules.items():
                 if name not in self.queues:
                     continue
-                handles.append(mod.register_forward_pre_hook(partial(self._pre, name), with_kwargs=True))
-                handles.append(mod.register_forward_hook(partial(self._post, name), with_kwargs=True))
                 if "forward" not in mod.__dict__ and all(self.calls[i].skeleton is not None
                                                          for i in self.queues[name]):
-                    mod.forward = partial(self._stub, mod.forward, widen)  # type: ignore[method-assign]
+                    mod.forward = partial(self._stub, name, mod.forward, widen)  # type: ignore[method-assign]
                     stubbed.append(mod)
+                    continue
+                handles.append(mod.register_forward_pre_hook(partial(self._pre, name), with_kwargs=True))
+                handles.append(mod.register_forward_hook(partial(self._post, name), with_kwargs=True))
             yield
         finally:
             for h in handles:
@@ -166,30 +196,22 @@ class ChildHooks:
             for mod in stubbed:
                 del mod.forward
 
-    def _pre(self, name: str, mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    def _next(self, name: str, args: Any, kwargs: Any) -> int | None:
+        """The live call a call of child ``name`` replays (its inputs kept), or None."""
         queue = self.queues[name]
         if self.active or not queue:  # inside another child, or a call the live run did not make
-            self.active.append(None)
-            return
+            return None
         i = queue.popleft()
         self.inputs[i] = {leaf.path: leaf.tensor.detach().clone() for leaf in flatten_inputs(args, kwargs)
                           if leaf.kind == "tensor" and leaf.tensor is not None}
-        self.active.append(i)
+        return i
 
-    def _stub(self, forward: Callable[..., Any], widen: bool, *args: Any, **kwargs: Any) -> Any:
-        i = self.active[-1] if self.active else None
-        sk = None if i is None else self.calls[i].skeleton
-        golden = None if i is None else self.golden.get(i)
-        if sk is None or golden is None or not _fits(sk.meta, golden):
-            return forward(*args, **kwargs)
-        self.done.add(i)  # type: ignore[arg-type]
-        self.substituted += 1
-        return rebuild(sk.output, {p: golden[p].to(device=dev, dtype=_wide(dt) if widen else dt, copy=True)
-                                   for p, (_, dt, dev) in sk.meta.items()})
+    def _pre(self, name: str, mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        self.active.append(self._next(name, args, kwargs))
 
     def _post(self, name: str, mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         i = self.active.pop()
-        if i is None or i in self.done:
+        if i is None:
             return None
         golden = self.golden.get(i)
         live = {leaf.path: leaf.tensor for leaf in flatten(output) if leaf.kind == "tensor" and leaf.tensor is not None}
@@ -198,6 +220,20 @@ class ChildHooks:
         self.substituted += 1
         # a copy each time: the parent may change what it gets in place
         return rebuild(output, {p: golden[p].to(device=t.device, dtype=t.dtype, copy=True) for p, t in live.items()})
+
+    def _stub(self, name: str, forward: Callable[..., Any], widen: bool, *args: Any, **kwargs: Any) -> Any:
+        i = self._next(name, args, kwargs)
+        sk = None if i is None else self.calls[i].skeleton
+        golden = None if i is None else self.golden.get(i)
+        if sk is None or golden is None or not _fits(sk.meta, golden):
+            self.active.append(None)  # it runs: calls inside it are not its parent's
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.active.pop()
+        self.substituted += 1
+        return rebuild(sk.output, {p: golden[p].to(device=dev, dtype=_wide(dt) if widen else dt, copy=True)
+                                   for p, (_, dt, dev) in sk.meta.items()})
 
 
 def _fits(meta: Mapping[str, TensorMeta], golden: Mapping[str, torch.Tensor]) -> bool:

@@ -229,7 +229,8 @@ class Comparator:
                 return judge.identical(ctx, t)
             golden = tensor_from_bytes(graw.copy(), BY_NAME[g.dtype], g.shape)
         else:
-            golden = self.reader.load(g, label)
+            # with replay, through its cache: a stored output is read again for replays (see children.py)
+            golden = (self.reader if self.replayer is None else self.replayer.cache).load(g, label)
         return judge.judge(ctx, golden, t)
 
     # ------------------------------------------------------------------ end of run
