@@ -94,7 +94,10 @@ class _Opaque(Mapping[int, Any]):
 def skeleton(output: Any) -> Skeleton | None:
     """The skeleton of a call's output, or None when it holds opaque objects (the call must run)."""
     values, opaque = _Placeholders(), _Opaque()
-    out = rebuild(output, values, objects=opaque)
+    try:
+        out = rebuild(output, values, objects=opaque)
+    except Exception:  # a container that cannot be rebuilt: the call will run
+        return None
     return None if opaque.met else Skeleton(out, values.meta)
 
 

@@ -229,8 +229,9 @@ class Comparator:
                 return judge.identical(ctx, t)
             golden = tensor_from_bytes(graw.copy(), BY_NAME[g.dtype], g.shape)
         else:
-            # with replay, through its cache: a stored output is read again for replays (see children.py)
-            golden = (self.reader if self.replayer is None else self.replayer.cache).load(g, label)
+            # replay="all" reads a stored output again for replays: through their cache (children.py)
+            golden = (self.replayer.cache if self.replayer is not None and self.spec.replay == "all"
+                      else self.reader).load(g, label)
         return judge.judge(ctx, golden, t)
 
     # ------------------------------------------------------------------ end of run

@@ -548,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
             data = run(models, ns.seeds)
             print(tables(models, ns.seeds, data))
             out["results"] = {m: {c: {case: {mode: [asdict(o) for o in v] for mode, v in modes.items()}
-                                      for case, modes in cs.items()} for c, cs in conds.items()}
+                                      for case, modes in cs.items() if any(modes.values())}  # not n/a
+                                  for c, cs in conds.items()}
                               for m, conds in data["results"].items()}
         if not ns.no_cost:
             timings = cost(models + ([] if ns.quick else list(MEDIUM)), ns.repeat)
