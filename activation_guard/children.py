@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -181,13 +181,13 @@ class ChildHooks:
         output (no hooks needed); the others get a pre- and a post-hook."""
         handles = []
         stubbed: list[torch.nn.Module] = []
+        stub = self.stubbed(modules)
         try:
             for name, mod in modules.items():
                 if name not in self.queues:
                     continue
-                if "forward" not in mod.__dict__ and all(self.calls[i].skeleton is not None
-                                                         for i in self.queues[name]):
-                    mod.forward = partial(self._stub, name, mod.forward, widen)  # type: ignore[method-assign]
+                if id(mod) in stub:
+                    mod.forward = partial(self._stub, name, mod, widen)  # type: ignore[method-assign]
                     stubbed.append(mod)
                     continue
                 handles.append(mod.register_forward_pre_hook(partial(self._pre, name), with_kwargs=True))
@@ -198,6 +198,11 @@ class ChildHooks:
                 h.remove()
             for mod in stubbed:
                 del mod.forward
+
+    def stubbed(self, modules: Mapping[str, torch.nn.Module]) -> set[int]:
+        """The ids of the modules that will not run during the replay (every call has a skeleton)."""
+        return {id(mod) for name, mod in modules.items() if name in self.queues and "forward" not in mod.__dict__
+                and all(self.calls[i].skeleton is not None for i in self.queues[name])}
 
     def _next(self, name: str, args: Any, kwargs: Any) -> int | None:
         """The live call a call of child ``name`` replays (its inputs kept), or None."""
@@ -224,16 +229,22 @@ class ChildHooks:
         # a copy each time: the parent may change what it gets in place
         return rebuild(output, {p: golden[p].to(device=t.device, dtype=t.dtype, copy=True) for p, t in live.items()})
 
-    def _stub(self, name: str, forward: Callable[..., Any], widen: bool, *args: Any, **kwargs: Any) -> Any:
+    def _stub(self, name: str, mod: torch.nn.Module, widen: bool, *args: Any, **kwargs: Any) -> Any:
         i = self._next(name, args, kwargs)
         sk = None if i is None else self.calls[i].skeleton
         golden = None if i is None else self.golden.get(i)
         if sk is None or golden is None or not _fits(sk.meta, golden):
-            self.active.append(None)  # it runs: calls inside it are not its parent's
+            # it runs after all (calls inside it are not its parent's); the replay did not plan to
+            # restore its buffers, so this does
+            self.active.append(None)
+            saved = [(b, b.detach().clone()) for b in mod.buffers()]
             try:
-                return forward(*args, **kwargs)
+                return type(mod).forward(mod, *args, **kwargs)
             finally:
                 self.active.pop()
+                with torch.no_grad():
+                    for b, v in saved:
+                        b.copy_(v)
         self.substituted += 1
         return rebuild(sk.output, {p: golden[p].to(device=dev, dtype=_wide(dt) if widen else dt, copy=True)
                                    for p, (_, dt, dev) in sk.meta.items()})

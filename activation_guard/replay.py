@@ -101,7 +101,7 @@ class Replayer:
              hooks: ChildHooks | None = None, modules: dict[str, torch.nn.Module] | None = None, *,
              widen: bool = False) -> Any:
         assert self.state is not None
-        saved = [(b, b.detach().clone()) for b in module.buffers()]
+        saved = [(b, b.detach().clone()) for b in _buffers(module, hooks.stubbed(modules or {}) if hooks else set())]
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         self.state.replaying = True
         try:
@@ -142,7 +142,8 @@ class Replayer:
             rargs, rkwargs = rebuild_inputs(frame.args, frame.kwargs, golden, objects=start.objects)
             refs, ref_hooks = self._reference_outputs(frame, rargs, rkwargs, children, outputs)
             judge = OwnFloorJudge(self.calibrated, refs)
-        args, kwargs = rebuild_inputs(frame.args, frame.kwargs, golden, objects=start.objects)
+        # the live replay is the snapshot's last use: it gets the objects themselves, not copies
+        args, kwargs = rebuild_inputs(frame.args, frame.kwargs, golden, objects=start.objects, copy_objects=False)
         hooks = ChildHooks(children, outputs) if children else None
         try:
             out = self._run(frame.module, frame, args, kwargs, hooks, {c.name: c.module for c in children})
@@ -406,6 +407,19 @@ def _numbers(layer: LayerResult) -> str:
         return layer.status
     return f"max abs diff {layer.max_abs_diff:.3g}" + (f", rtol={layer.rtol:g}, atol={layer.atol:g}"
                                                       if layer.rtol is not None and layer.atol is not None else "")
+
+
+def _buffers(module: torch.nn.Module, skip: set[int]) -> list[torch.Tensor]:
+    """The buffers a replay of ``module`` may change: all in its subtree but those of children that
+    will not run (``skip``: their ids)."""
+    out = list(module.buffers(recurse=False))
+    stack = list(module.children())
+    while stack:
+        m = stack.pop()
+        if id(m) not in skip:
+            out.extend(m.buffers(recurse=False))
+            stack.extend(m.children())
+    return out
 
 
 def _relative(name: str | None, parent: str) -> str:

@@ -460,3 +460,44 @@ def test_a_skeleton_keeps_the_structure_and_refuses_opaque_objects() -> None:
     assert sk is not None and set(sk.meta) == {"0", "1/a/0"} and sk.meta["0"][0] == (2, 3)
     assert sk.output[0] is PLACEHOLDER and sk.output[1]["a"][1:] == [None, "s"]
     assert skeleton((t, object())) is None
+
+
+class Branch(nn.Module):
+    def __init__(self, extra: bool) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(8)
+        self.extra = extra
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.bn(x)
+        return (y, y * 2, y * 3) if self.extra else (y, y * 2)
+
+
+class Trunk(nn.Module):
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+        self.branch = Branch(extra)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.branch(self.fc(x))[0])
+
+
+def test_a_child_whose_output_changed_structure_runs_in_its_parents_replay_and_keeps_state(tmp_path: Path) -> None:
+    """A child whose live output does not have the golden's places cannot return the golden's
+    output: it runs during its parent's replay, and what it changes (batch-norm statistics in
+    training mode) is put back."""
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(7))
+    p = tmp_path / "g.h5"
+    ag.record(Trunk().train(), x, path=p)
+    live = Trunk(extra=True).train()
+    before = live.branch.bn.running_mean.clone()
+    report = ag.compare(live, x, path=p, replay="all")
+    after_one_forward = Trunk(extra=True).train()
+    after_one_forward(x)
+    assert torch.equal(live.branch.bn.running_mean, after_one_forward.branch.bn.running_mean)
+    assert not torch.equal(before, live.branch.bn.running_mean)  # the live forward itself did update them
+    status = {r.name: r.status for r in report.layers}
+    assert status["branch"] == "structure" and status[""] == "match", status
