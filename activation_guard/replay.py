@@ -13,7 +13,7 @@ the inputs it received when the golden was recorded separates the two cases:
 ``replay="all"`` judges every call by this *own error* instead of its inherited output: the gate
 for cross-device and cross-precision runs, where drift accumulates through depth. In calibrated
 mode the own error is weighed against the layer's own noise floor: a float64 copy of the module
-replayed on the same golden inputs (:class:`OwnFloorJudge`).
+replayed on the same golden inputs (:class:`~activation_guard.ownfloor.OwnFloorJudge`).
 
 A replay never changes the live run: hooks stand aside, the RNG is forked (and set to the state
 the module started with, for training-mode modules), the module's buffers are restored, and
@@ -29,14 +29,13 @@ from typing import Any
 
 import torch
 
-from .calibrate import CalibratedJudge, calibrated_verdict
+from .calibrate import CalibratedJudge
 from .capture import Frame, HookState
 from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, skeleton
-from .devices import stats_device
 from .dtypes import dtype_name
-from .floors import CALIBRATED_DTYPES, NoiseFloor, diff_stats
 from .judges import Judge, LeafContext, StrictJudge
 from .leaves import flatten, flatten_inputs, rebuild_inputs
+from .ownfloor import OwnFloorJudge, judge_input
 from .results import LayerResult, LeafResult, Origin
 from .selection import display_name
 from .shadow import float32_random, to_reference
@@ -219,7 +218,7 @@ class Replayer:
                     floor = self.calibrated.golden.get(g.alias[0], g.alias[1], g.alias[3])
                 rt = None if ref is None else ref.inputs.get(i, {}).get(path)
                 ctx = LeafContext(frame.name, entry.name, entry.call, label, target.dtype, dtype_name(t))
-                res = self._judge_input(ctx, gt, t, rt, floor)
+                res = judge_input(self.strict, self.calibrated, ctx, gt, t, rt, floor)
                 if res.status != "match":
                     res.detail = (f"{label}, made by its own code from the golden's values, differs from the golden's"
                                   + (f": {res.detail}" if res.detail else ""))
@@ -227,24 +226,6 @@ class Replayer:
             if bad:
                 return i, bad
         return None
-
-    def _judge_input(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor, ref: torch.Tensor | None,
-                     floor: NoiseFloor | None) -> LeafResult:
-        """A child's input against the golden's: strictly, or in calibrated mode against the live
-        code's own floor (the float64 replay's input) and the golden's recorded floor of that value
-        when it is a stored output; else the golden's own rounding is taken to be the live one's."""
-        cal = self.calibrated
-        if (cal is None or ref is None or tuple(ref.shape) != tuple(live.shape)
-                or ctx.golden_dtype not in CALIBRATED_DTYPES or ctx.live_dtype not in CALIBRATED_DTYPES
-                or self.strict.tolerance(ctx).rule is not None):
-            return self.strict.judge(ctx, golden, live)
-        lf = diff_stats(live, ref.to(stats_device(live)))
-        if not lf.finite:
-            return self.strict.judge(ctx, golden, live)
-        res = calibrated_verdict(ctx, golden, live, floor or lf, lf)
-        res.tolerance_source = (f"{res.tolerance_source} (live floor: its own code's, from the float64 replay; golden "
-                                f"floor: {'recorded' if floor else 'taken equal to the live one'})")
-        return res
 
     # ------------------------------------------------------------------ attribution
     def attribute(self, frame: Frame, entry: CallEntry, res: LayerResult, compare: Any,
@@ -341,47 +322,6 @@ class Replayer:
         out += [f"{n} replayed call(s) had no own noise floor ({why}): judged with the golden's floors, or strictly"
                 for why, n in self.no_reference.items()]
         return out
-
-
-class OwnFloorJudge:
-    """Calibrated mode for replays: a replayed output is weighed against the live module's own
-    noise floor (its float64 copy on the same golden inputs), not the live floor accumulated
-    through depth, plus the golden's recorded floor for that output.
-
-    The golden side cannot be measured against the live float64 replay: that reference is the
-    *live* module's, so a changed module (a 1% weight) would move it by exactly the change and
-    widen the allowance to cover it (a false pass). The golden's recorded floor (its error
-    against the float64 forward of the recorded model) bounds its own rounding on its inputs
-    (for the first layer they are equal; deeper, it adds what its inputs inherited)."""
-
-    def __init__(self, calibrated: CalibratedJudge, refs: dict[str, Any]):
-        self.calibrated = calibrated
-        self.refs = refs
-
-    def judge(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
-        ref = self.refs.get(ctx.path)
-        gf = self.calibrated.golden.get(ctx.golden_name, ctx.call, ctx.path)
-        if (ref is None or gf is None or tuple(ref.shape) != tuple(live.shape)
-                or ctx.golden_dtype not in CALIBRATED_DTYPES or ctx.live_dtype not in CALIBRATED_DTYPES
-                or self.calibrated.strict.tolerance(ctx).rule is not None):
-            return self.calibrated.judge(ctx, golden, live)  # its fallbacks, notes and explicit patterns
-        lf = diff_stats(live, ref.to(stats_device(live)))
-        if not lf.finite:
-            return self.calibrated.judge(ctx, golden, live)
-        self.calibrated.judged += 1
-        res = calibrated_verdict(ctx, golden, live, gf, NoiseFloor(lf.max_abs, lf.rms))
-        res.tolerance_source = (f"{res.tolerance_source} (live floor: its own, the float64 module re-run on the "
-                                f"golden inputs; golden floor: recorded)")
-        return res
-
-    def identical(self, ctx: LeafContext, live: torch.Tensor) -> LeafResult:
-        return self.calibrated.identical(ctx, live)
-
-    def notes(self) -> list[str]:
-        return []
-
-    def close(self) -> None:
-        pass
 
 
 def keep_own(res: LayerResult, own: LayerResult) -> None:
