@@ -39,7 +39,7 @@ a shared machine.
     python benchmarks/replay_table.py [--seeds 3] [--models bert,gpt2] [--repeat 5] [--json out.json]
     python benchmarks/replay_table.py --quick    # a smoke run in seconds (the test suite's)
 
-Prints markdown tables (docs/replay.md quotes them). One file of about 450 lines on purpose: a
+Prints markdown tables (docs/replay.md quotes them). One file of about 570 lines on purpose: a
 script whose models, faults and tables are read together when a row changes.
 """
 
