@@ -85,7 +85,7 @@ class Comparator:
         self.replayer: Replayer | None = None  # replay on golden inputs (spec.replay), set by the caller
         self.inputs_changed = False  # the model's inputs differ from the recording's
         self.origin: Origin | None = None
-        self.parents: dict[tuple[str, int], bool] = {}  # replay="all": call -> it had child calls
+        self.parents: dict[tuple[str, int], tuple[int, str | None]] = {}  # replay="all": call -> children, last
 
     @staticmethod
     def default_filter(meta: Mapping[str, Any], spec: CompareSpec) -> Selection | None:
@@ -112,12 +112,15 @@ class Comparator:
         if res is None:
             return
         if self.replayer is not None and entry is not None:
+            # its parent's replay returns the golden's output for it (replay="all": without running it)
+            self.replayer.returned(frame, entry, output, stub=self.spec.replay == "all")
             if self.spec.replay == "all":
                 own = self.replayer.own(frame, entry, self._compare_call)
                 if own.layer is not None:
                     res = judge_by_own(res, own.layer)
                     self.results[-1] = res
-                self.parents[(res.name, res.call)] = frame.children > 0
+                if frame.children:
+                    self.parents[(res.name, res.call)] = (frame.children, frame.last_child)
             elif self.origin is None and res.status in REPLAYABLE:
                 self.origin = self.replayer.attribute(frame, entry, res, self._compare_call, self.inputs_changed)
         if self.spec.fail_fast and not res.ok:
@@ -163,12 +166,13 @@ class Comparator:
             return self.origin
         for r in self.results:
             if r.own_status is not None and r.own_status != "match":
-                parent = self.parents.get((r.name, r.call), False)
-                what = ("its children each compute the same on the golden inputs, but its own output on them "
-                        "differs: the change is in its own code between them" if parent else
-                        "re-run on the golden's own inputs it differs: its own computation changed")
-                return Origin(r.name, r.call, "parent-code" if parent else "layer", r.own_max_abs_diff,
-                              detail=what, type_name=r.type_name)
+                parent = self.parents.get((r.name, r.call))
+                if parent is not None:  # r: judged by its own error (replay="all")
+                    children, last = parent
+                    return self.replayer.parent_origin(r.name, r.call, r.type_name, r,
+                                                       self.replayer.between.get((r.name, r.call)), last, children)
+                return Origin(r.name, r.call, "layer", r.own_max_abs_diff, type_name=r.type_name,
+                              detail="re-run on the golden's own inputs it differs: its own computation changed")
         return None
 
     def _compare_call(self, entry: CallEntry, leaves: list[Leaf], name: str,
@@ -247,7 +251,9 @@ class Comparator:
                 return judge.identical(ctx, t)
             golden = tensor_from_bytes(graw.copy(), BY_NAME[g.dtype], g.shape)
         else:
-            golden = self.reader.load(g, label)
+            # replay="all" reads a stored output again for replays: through their cache (children.py)
+            golden = (self.replayer.cache if self.replayer is not None and self.spec.replay == "all"
+                      else self.reader).load(g, label)
         return judge.judge(ctx, golden, t)
 
     # ------------------------------------------------------------------ end of run

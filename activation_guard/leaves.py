@@ -271,21 +271,24 @@ def clone_inputs(obj: Any, depth: int = 0) -> Any:
 
 
 def rebuild(obj: Any, values: Mapping[str, torch.Tensor], prefix: str = "", *,
-            objects: Mapping[int, Any] | None = None) -> Any:
+            objects: Mapping[int, Any] | None = None, copy_objects: bool = True) -> Any:
     """``obj`` with each tensor whose :func:`flatten` path is in ``values`` replaced by that
     value: the same structure (containers rebuilt, repeated and cyclic references kept), other
     data. How replay hands a layer the golden's inputs in the shape of the live call's own
     arguments. ``objects``: opaque objects (a KV cache) are replaced by a fresh copy of the one
-    given for them (by ``id``), so a replay sees them as they were and cannot mutate the live one."""
-    return _Rebuilder(values, objects).walk(obj, prefix, 0)
+    given for them (by ``id``), so a replay sees them as they were and cannot mutate the live one;
+    ``copy_objects=False`` hands over the given ones themselves (their last use)."""
+    return _Rebuilder(values, objects, copy_objects).walk(obj, prefix, 0)
 
 
 class _Rebuilder:
     # a class, not a recursive closure: a closure that calls itself is a reference cycle, which
     # would keep the golden tensors alive until the cyclic collector runs
-    def __init__(self, values: Mapping[str, torch.Tensor], objects: Mapping[int, Any] | None):
+    def __init__(self, values: Mapping[str, torch.Tensor], objects: Mapping[int, Any] | None,
+                 copy_objects: bool = True):
         self.values = values
         self.objects = objects
+        self.copy_objects = copy_objects
         self.seen: dict[int, Any] = {}
 
     def walk(self, o: Any, path: str, depth: int) -> Any:
@@ -303,7 +306,8 @@ class _Rebuilder:
         is_dc = dataclasses.is_dataclass(o) and not isinstance(o, type)
         if depth >= MAX_DEPTH or not (is_map or is_seq or is_dc):
             if self.objects is not None and id(o) in self.objects:
-                return _private(self.objects[id(o)])
+                given = self.objects[id(o)]
+                return _private(given) if self.copy_objects else given
             return o
         if type(o) is dict:  # registered before its items: a cycle through it comes back to it
             new: Any = {}
@@ -343,7 +347,8 @@ def _private(o: Any) -> Any:
 
 
 def rebuild_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any], values: Mapping[str, torch.Tensor],
-                   *, objects: Mapping[int, Any] | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                   *, objects: Mapping[int, Any] | None = None,
+                   copy_objects: bool = True) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A call's arguments with the tensors at :func:`flatten_inputs` paths replaced."""
-    new = rebuild({"args": list(args), "kwargs": kwargs}, values, objects=objects)
+    new = rebuild({"args": list(args), "kwargs": kwargs}, values, objects=objects, copy_objects=copy_objects)
     return tuple(new["args"]), dict(new["kwargs"])

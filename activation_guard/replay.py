@@ -13,7 +13,7 @@ the inputs it received when the golden was recorded separates the two cases:
 ``replay="all"`` judges every call by this *own error* instead of its inherited output: the gate
 for cross-device and cross-precision runs, where drift accumulates through depth. In calibrated
 mode the own error is weighed against the layer's own noise floor: a float64 copy of the module
-replayed on the same golden inputs (:class:`OwnFloorJudge`).
+replayed on the same golden inputs (:class:`~activation_guard.ownfloor.OwnFloorJudge`).
 
 A replay never changes the live run: hooks stand aside, the RNG is forked (and set to the state
 the module started with, for training-mode modules), the module's buffers are restored, and
@@ -24,20 +24,21 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .calibrate import CalibratedJudge, calibrated_verdict
+from .calibrate import CalibratedJudge
 from .capture import Frame, HookState
-from .devices import stats_device
-from .floors import CALIBRATED_DTYPES, NoiseFloor, diff_stats
+from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, skeleton
+from .dtypes import dtype_name
 from .judges import Judge, LeafContext, StrictJudge
 from .leaves import flatten, flatten_inputs, rebuild_inputs
+from .ownfloor import OwnFloorJudge, judge_input
 from .results import LayerResult, LeafResult, Origin
 from .selection import display_name
-from .shadow import to_reference
+from .shadow import float32_random, to_reference
 from .store import CallEntry, GoldenReader
 
 REPLAYABLE = frozenset({"diverged", "nonfinite", "shape", "dtype", "structure"})
@@ -47,10 +48,13 @@ NO_INPUTS = ("the golden has no recorded inputs (recorded with inputs=False, or 
 
 @dataclass
 class OwnResult:
-    """A replay's verdict (``layer``), or why the call could not be replayed (``reason``)."""
+    """A replay's verdict (``layer``), or why the call could not be replayed (``reason``).
+    ``between``: (the child before, the child) when the first difference a parent's own code made
+    is in the inputs of one of its children."""
 
     layer: LayerResult | None
     reason: str | None = None
+    between: tuple[str | None, str] | None = None
 
 
 class Replayer:
@@ -60,6 +64,7 @@ class Replayer:
                  calibrated: CalibratedJudge | None = None, reference: torch.nn.Module | None = None):
         """``reference``: the float64 copy of the model (calibrated mode), for own noise floors."""
         self.reader = reader
+        self.cache = GoldenCache(reader)
         self.strict = strict
         self.grad = grad
         self.calibrated = calibrated
@@ -67,6 +72,8 @@ class Replayer:
         self.state: HookState | None = None  # set once the hooks are installed
         self.replayed = 0
         self.failures: dict[str, int] = {}  # why calls could not be replayed -> how many
+        self.between: dict[tuple[str, int], tuple[str | None, str]] = {}  # call -> children its code differs between
+        self.no_reference: dict[str, int] = {}  # why replays had no float64 reference (own floor) -> how many
 
     # ------------------------------------------------------------------ running
     def _golden_inputs(self, frame: Frame, entry: CallEntry) -> dict[str, torch.Tensor] | str:
@@ -87,17 +94,20 @@ class Replayer:
                 return f"its input {lv.path} is not a tensor in the golden"
             if g.shape != tuple(lv.tensor.shape):
                 return f"its input {lv.path} changed shape {list(g.shape)} -> {list(lv.tensor.shape)}"
-            t = self.reader.load(g, f"layer {display_name(entry.name)!r} call {entry.call} input {lv.path!r}")
-            out[lv.path] = t.to(device=lv.tensor.device, dtype=lv.tensor.dtype)
+            t = self.cache.load(g, f"layer {display_name(entry.name)!r} call {entry.call} input {lv.path!r}")
+            out[lv.path] = t.to(device=lv.tensor.device, dtype=lv.tensor.dtype, copy=True)  # the module may change it
         return out
 
-    def _run(self, module: torch.nn.Module, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run(self, module: torch.nn.Module, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any],
+             hooks: ChildHooks | None = None, modules: dict[str, torch.nn.Module] | None = None, *,
+             widen: bool = False) -> Any:
         assert self.state is not None
-        saved = [(b, b.detach().clone()) for b in module.buffers()]
+        saved = [(b, b.detach().clone()) for b in _buffers(module, hooks.stubbed(modules or {}) if hooks else set())]
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         self.state.replaying = True
         try:
-            with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(self.grad):
+            with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(self.grad), \
+                    (hooks.installed(modules or {}, widen=widen) if hooks is not None else contextlib.nullcontext()):
                 if frame.rng is not None:
                     torch.set_rng_state(frame.rng[0])
                     if frame.rng[1] is not None:
@@ -111,8 +121,10 @@ class Replayer:
                     b.copy_(v)
 
     def own(self, frame: Frame, entry: CallEntry, compare: Any) -> OwnResult:
-        """The call re-run on the golden's inputs and judged against the golden output.
-        ``compare(entry, leaves, name, judge)`` is the comparator's leaf matching."""
+        """The call re-run on the golden's inputs, its children returning the golden's outputs
+        (:mod:`activation_guard.children`), and judged against the golden: its output, and the
+        inputs its own code gave each child. ``compare(entry, leaves, name, judge)`` is the
+        comparator's leaf matching."""
         golden = self._golden_inputs(frame, entry)
         if isinstance(golden, str):
             self.failures[golden] = self.failures.get(golden, 0) + 1
@@ -122,33 +134,100 @@ class Replayer:
             reason = "it takes an object that could not be copied when the call started, so a re-run would differ"
             self.failures[reason] = self.failures.get(reason, 0) + 1
             return OwnResult(None, reason)
-        args, kwargs = rebuild_inputs(frame.args, frame.kwargs, golden, objects=start.objects)
+        children = start.children
+        outputs = GoldenOutputs(self.cache, children)
+        judge: Judge = self.strict
+        ref_hooks: ChildHooks | None = None
+        if self.calibrated is not None and self.reference is not None:
+            # first, on its own copies: the live replay may change its inputs or append to a cache
+            rargs, rkwargs = rebuild_inputs(frame.args, frame.kwargs, golden, objects=start.objects)
+            refs, ref_hooks = self._reference_outputs(frame, rargs, rkwargs, children, outputs)
+            judge = OwnFloorJudge(self.calibrated, refs)
+        # the live replay is the snapshot's last use: it gets the objects themselves, not copies
+        args, kwargs = rebuild_inputs(frame.args, frame.kwargs, golden, objects=start.objects, copy_objects=False)
+        hooks = ChildHooks(children, outputs) if children else None
         try:
-            out = self._run(frame.module, frame, args, kwargs)
+            out = self._run(frame.module, frame, args, kwargs, hooks, {c.name: c.module for c in children})
         except Exception as e:  # a replay never breaks the comparison: the origin says why
             reason = f"re-running it on the golden's inputs raised {type(e).__name__}: {e}"
             self.failures[reason] = self.failures.get(reason, 0) + 1
             return OwnResult(None, reason)
-        judge: Judge = self.strict
-        if self.calibrated is not None and self.reference is not None:
-            judge = OwnFloorJudge(self.calibrated, self._reference_outputs(frame, args, kwargs))
         leaves: list[LeafResult] = compare(entry, flatten(out), frame.name, judge)
+        between = None
+        if hooks is not None:
+            first = self._child_inputs(frame, entry, hooks, ref_hooks)
+            if first is not None:
+                i, bad = first
+                leaves += bad
+                between = (children[i - 1].name if i > 0 else None, children[i].name)
+                self.between[(frame.name, frame.call)] = between
         self.replayed += 1
-        return OwnResult(LayerResult.from_leaves(frame.name, frame.call, type(frame.module).__name__, leaves))
+        return OwnResult(LayerResult.from_leaves(frame.name, frame.call, type(frame.module).__name__, leaves),
+                         between=between)
 
-    def _reference_outputs(self, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The float64 module replayed on the same golden inputs: the own noise floor's reference."""
+    def _reference_outputs(self, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any],
+                           children: list[ChildCall],
+                           outputs: GoldenOutputs) -> tuple[dict[str, Any], ChildHooks | None]:
+        """The float64 module replayed on the same golden inputs (its children returning the
+        golden's outputs, widened): the own noise floor's reference, for its output and for the
+        inputs it gives its children."""
         assert self.reference is not None
         try:
             module = self.reference.get_submodule(frame.name) if frame.name else self.reference
+            modules = {c.name: self.reference.get_submodule(c.name) for c in children}
         except AttributeError:
-            return {}
+            return {}, None
         dev = next((p.device for p in module.parameters()), torch.device("cpu"))
+        hooks = ChildHooks(children, outputs) if children else None
         try:
-            out = self._run(module, frame, to_reference(args, dev), to_reference(kwargs, dev))
-        except Exception:  # no float64 reference: the calibrated rule falls back to the golden's floors
-            return {}
-        return {leaf.path: leaf.tensor for leaf in flatten(out) if leaf.kind == "tensor"}
+            with float32_random():
+                out = self._run(module, frame, to_reference(args, dev), to_reference(kwargs, dev), hooks, modules,
+                                widen=True)
+        except Exception as e:  # no float64 reference: the calibrated rule falls back (the notes say so)
+            why = f"its float64 copy raised {type(e).__name__} when re-run"
+            self.no_reference[why] = self.no_reference.get(why, 0) + 1
+            return {}, None
+        return {leaf.path: leaf.tensor for leaf in flatten(out) if leaf.kind == "tensor"}, hooks
+
+    def _child_inputs(self, frame: Frame, entry: CallEntry, hooks: ChildHooks,
+                      ref: ChildHooks | None) -> tuple[int, list[LeafResult]] | None:
+        """The first child call (index) whose inputs, as the replayed call's own code made them from
+        the golden's values, differ from the golden's inputs of that call; and how."""
+        for i in sorted(hooks.inputs):
+            c = hooks.calls[i]
+            if c.entry.inputs is None:
+                continue
+            golden = {e.path: e for e in c.entry.inputs}
+            child = _relative(c.name, frame.name)
+            bad: list[LeafResult] = []
+            for path, t in hooks.inputs[i].items():
+                label = f"input {path} of {child!r}"
+                where = f"layer {display_name(c.name)!r} call {c.entry.call} input {path!r}"
+                g = golden.get(path)
+                target = None if g is None else self.reader.resolve(g, where)
+                if target is None or target.kind != "tensor" or target.dtype is None:
+                    bad.append(LeafResult(label, "structure", f"{label} is new: the golden has no such tensor input"))
+                    continue
+                if target.shape != tuple(t.shape):
+                    bad.append(LeafResult(label, "shape", f"{label} shape {list(target.shape)} -> {list(t.shape)}",
+                                          dtype=target.dtype, shape=target.shape, live_shape=tuple(t.shape)))
+                    continue
+                gt = self.cache.load(target, where)
+                if gt.dtype == t.dtype and torch.equal(gt, t):  # the common case: what its code passed on as is
+                    continue
+                floor = None
+                if g is not None and g.alias is not None and g.alias[2] == "out" and self.calibrated is not None:
+                    floor = self.calibrated.golden.get(g.alias[0], g.alias[1], g.alias[3])
+                rt = None if ref is None else ref.inputs.get(i, {}).get(path)
+                ctx = LeafContext(frame.name, entry.name, entry.call, label, target.dtype, dtype_name(t))
+                res = judge_input(self.strict, self.calibrated, ctx, gt, t, rt, floor)
+                if res.status != "match":
+                    res.detail = (f"{label}, made by its own code from the golden's values, differs from the golden's"
+                                  + (f": {res.detail}" if res.detail else ""))
+                    bad.append(res)
+            if bad:
+                return i, bad
+        return None
 
     # ------------------------------------------------------------------ attribution
     def attribute(self, frame: Frame, entry: CallEntry, res: LayerResult, compare: Any,
@@ -161,10 +240,8 @@ class Replayer:
         keep_own(res, own.layer)
         err = own.layer.max_abs_diff
         if not own.layer.ok and frame.children:  # a parent whose children all matched: its own code
-            return Origin(frame.name, frame.call, "parent-code", err, type_name=tname, previous=frame.last_child,
-                          detail=(f"own code: its {frame.children} child call(s) computed what they computed before, "
-                                  f"but re-run on the golden's own inputs its output still differs "
-                                  f"({_numbers(own.layer)})"))
+            return self.parent_origin(frame.name, frame.call, tname, own.layer, own.between, frame.last_child,
+                                      frame.children)
         if not own.layer.ok:
             return Origin(frame.name, frame.call, "layer", err, type_name=tname, detail=(
                 f"re-run on the golden's own inputs it still differs ({_numbers(own.layer)}): its own "
@@ -190,6 +267,22 @@ class Replayer:
                       previous=prev, detail=(
                           f"own code {between}: its children compute the same on the golden inputs, but the inputs of "
                           f"{child!r} differ"))
+
+    def parent_origin(self, name: str, call: int, tname: str, own: LayerResult, between: tuple[str | None, str] | None,
+                      last_child: str | None, children: int) -> Origin:
+        """A call with children whose replay differs (its children returning the golden's outputs):
+        its own code changed, between the two children ``between`` names, or after its last child."""
+        if between is not None:
+            prev, child = between
+            where = (f"between {_relative(prev, name)!r} and {_relative(child, name)!r}" if prev is not None
+                     else f"before {_relative(child, name)!r}")
+            return Origin(name, call, "parent-code", own.max_abs_diff, type_name=tname, child=child, previous=prev,
+                          detail=(f"own code {where}: re-run on the golden's inputs, its children returning the "
+                                  f"golden's outputs, the inputs of {_relative(child, name)!r} differ "
+                                  f"({_numbers(own)})"))
+        return Origin(name, call, "parent-code", own.max_abs_diff, type_name=tname, previous=last_child,
+                      detail=(f"own code: its {children} child call(s) computed what they computed before, "
+                              f"but re-run on the golden's own inputs its output still differs ({_numbers(own)})"))
 
     @staticmethod
     def _root(frame: Frame) -> Frame:
@@ -218,41 +311,19 @@ class Replayer:
                 return True
         return False
 
+    def returned(self, frame: Frame, entry: CallEntry, output: Any = None, *, stub: bool = False) -> None:
+        """A compared call returned: its parent's replay will have it return the golden's output
+        (``stub``: without running it, from the skeleton of ``output``)."""
+        parent = frame.parent
+        if parent is not None and isinstance(parent.data, CallStart):
+            parent.data.children.append(ChildCall(frame.module, frame.name, entry,
+                                                  skeleton(output) if stub else None))
+
     def notes(self) -> list[str]:
         out = [f"{n} layer call(s) not replayed: {why}" for why, n in self.failures.items()]
+        out += [f"{n} replayed call(s) had no own noise floor ({why}): judged with the golden's floors, or strictly"
+                for why, n in self.no_reference.items()]
         return out
-
-
-class OwnFloorJudge:
-    """Calibrated mode for replays: a replayed output is weighed against its own noise floor
-    (the float64 module on the same golden inputs), not the floor accumulated through depth."""
-
-    def __init__(self, calibrated: CalibratedJudge, refs: dict[str, Any]):
-        self.calibrated = calibrated
-        self.refs = refs
-
-    def judge(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
-        ref = self.refs.get(ctx.path)
-        if (ref is None or tuple(ref.shape) != tuple(live.shape) or ctx.golden_dtype not in CALIBRATED_DTYPES
-                or ctx.live_dtype not in CALIBRATED_DTYPES):
-            return self.calibrated.judge(ctx, golden, live)
-        dev = stats_device(live)
-        gf = diff_stats(golden.to(dev), ref.to(dev))
-        lf = diff_stats(live, ref.to(dev))
-        if not (gf.finite and lf.finite):
-            return self.calibrated.judge(ctx, golden, live)
-        res = calibrated_verdict(ctx, golden, live, NoiseFloor(gf.max_abs, gf.rms), NoiseFloor(lf.max_abs, lf.rms))
-        res.tolerance_source = f"{res.tolerance_source} (own noise floor: float64 replay on the golden inputs)"
-        return res
-
-    def identical(self, ctx: LeafContext, live: torch.Tensor) -> LeafResult:
-        return self.calibrated.identical(ctx, live)
-
-    def notes(self) -> list[str]:
-        return []
-
-    def close(self) -> None:
-        pass
 
 
 def keep_own(res: LayerResult, own: LayerResult) -> None:
@@ -280,6 +351,19 @@ def _numbers(layer: LayerResult) -> str:
                                                       if layer.rtol is not None and layer.atol is not None else "")
 
 
+def _buffers(module: torch.nn.Module, skip: set[int]) -> list[torch.Tensor]:
+    """The buffers a replay of ``module`` may change: all in its subtree but those of children that
+    will not run (``skip``: their ids)."""
+    out = list(module.buffers(recurse=False))
+    stack = list(module.children())
+    while stack:
+        m = stack.pop()
+        if id(m) not in skip:
+            out.extend(m.buffers(recurse=False))
+            stack.extend(m.children())
+    return out
+
+
 def _relative(name: str | None, parent: str) -> str:
     if name is None:
         return "?"
@@ -294,6 +378,7 @@ class CallStart:
 
     versions: list[tuple[torch.Tensor, int]]
     objects: dict[int, Any]
+    children: list[ChildCall] = field(default_factory=list)  # its direct child calls, as they returned
 
 
 def _modified_in_place(frame: Frame) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .capture import Frame, hooked, run_forward
 from .devices import reference_device
@@ -82,6 +83,33 @@ def _no_autocast() -> Iterator[None]:
         yield
 
 
+class float32_random(TorchFunctionMode):
+    """Within a float64 shadow or replay, random numbers are drawn in float32 and widened: the very
+    numbers the float32 run draws from the same generator state. Drawn in float64 they differ
+    (``torch.rand`` maps the generator's bits to another value per dtype; ``torch.bernoulli`` of a
+    float64 probability draws differently), so a drop-path mask would differ and the noise floor
+    would measure the mask, not the rounding. Dropout's own draws do not depend on the dtype."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        f64 = torch.float64
+        if func in (torch.rand, torch.randn) and kwargs.get("dtype") == f64:
+            return func(*args, **{**kwargs, "dtype": torch.float32}).to(f64)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if first is None or (kwargs.get("dtype") or first.dtype) != f64:
+            return func(*args, **kwargs)
+        if func in (torch.rand_like, torch.randn_like):
+            return func(*args, **{**kwargs, "dtype": torch.float32}).to(f64)
+        if func in (torch.bernoulli, torch.Tensor.bernoulli) and len(args) == 1 and not kwargs:
+            return func(first.float()).to(f64)
+        if func in (torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.exponential_):
+            drawn = func(torch.empty_like(first, dtype=torch.float32), *args[1:], **kwargs)
+            with torch.no_grad():
+                return first.copy_(drawn)
+        return func(*args, **kwargs)
+
+
 class ShadowRun:
     """The float64 copy of a model, run once on the inputs; its outputs kept in a temporary
     golden file so memory stays near one layer's worth, as for the real golden."""
@@ -135,7 +163,7 @@ class ShadowRun:
                     grads.on_output(frame, output)
 
             try:
-                with _isolated_rng(self.live_device), _no_autocast(), full_fp32_precision():
+                with _isolated_rng(self.live_device), _no_autocast(), full_fp32_precision(), float32_random():
                     with hooked(shadow, on_output, include, exclude,
                                 on_enter=None if grads is None else grads.on_enter) as state:
                         out = run_forward(shadow, a, kw, state, grad=self.grad or grads is not None)

@@ -58,6 +58,7 @@ import io
 import math
 import os
 import re
+import runpy
 import shlex
 import shutil
 import subprocess
@@ -104,6 +105,29 @@ def test_encoder(activation_guard, ag_device):
 
 def test_head(activation_guard, ag_device):
     activation_guard.check(head().to(ag_device), inputs(ag_device))
+'''
+
+
+WHY_SCRIPT = '''\
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import activation_guard as ag
+
+torch.manual_seed(0)
+layer = torch.nn.TransformerEncoderLayer(64, 4, 256, activation="gelu", batch_first=True).eval()
+x = torch.randn(2, 10, 64)
+ag.record(layer, x, path="golden.h5", calibrate=True)
+
+refactored = copy.deepcopy(layer)  # the refactor: the same GELU, as its tanh approximation
+refactored.activation = lambda t: F.gelu(t, approximate="tanh")
+print(ag.compare(refactored, x, path="golden.h5"))
+
+with ag.emulate_tf32():  # a GPU's TF32 matmuls, emulated on the CPU: every layer drifts
+    print(ag.compare(refactored, x, path="golden.h5", tolerance="calibrated"))
+    print(ag.compare(refactored, x, path="golden.h5", tolerance="calibrated", replay="all"))
 '''
 
 
@@ -336,6 +360,18 @@ def ex_fingerprint(s: Scratch) -> str:
         '>>> print(ag.compare(buggy, x, path="golden/encoder.h5"))', keep[0], ELIDED, *keep[1:]])
 
 
+def ex_why(s: Scratch) -> str:
+    """The script, run in this process in the scratch folder; the last report cut after its numbers."""
+    (s.path / "why.py").write_text(WHY_SCRIPT)
+    buf = io.StringIO()
+    with cwd(s.path), contextlib.redirect_stdout(buf):
+        runpy.run_path("why.py", run_name="__main__")
+    lines = buf.getvalue().splitlines()
+    last = max(k for k, x in enumerate(lines) if x.startswith("activation_guard: first divergence"))
+    tail = elide(lines[last:], r"^\s*error / noise\s*:", r"^\s*totals:")
+    return "\n".join(["$ cat why.py", *WHY_SCRIPT.splitlines(), "$ python why.py", *lines[:last], *tail])
+
+
 @dataclass(frozen=True)
 class Example:
     run: Callable[[Scratch], str]
@@ -355,6 +391,7 @@ EXAMPLES: dict[str, Example] = {
     "git-diff": Example(ex_git_diff, lang="diff"),
     "pytest-failure": Example(ex_pytest_failure, background=True),
     "fingerprint": Example(ex_fingerprint),
+    "why-diverged": Example(ex_why),
 }
 
 

@@ -24,7 +24,9 @@ from models import (
 from torch import nn
 
 import activation_guard as ag
+from activation_guard.children import PLACEHOLDER, skeleton
 from activation_guard.report import Report
+from activation_guard.shadow import float32_random
 
 
 def _check(model: nn.Module, changed: nn.Module, args: Any, tmp_path: Path, kwargs: Any = None,
@@ -253,3 +255,249 @@ def test_origin_round_trips_through_json(tmp_path: Path) -> None:
     report = _check(layer, changed, X, tmp_path)
     back = Report.from_dict(json.loads(json.dumps(report.to_dict(), allow_nan=False)))
     assert back.origin == report.origin and back == report and str(back) == str(report)
+
+
+# --------------------------------------------------------------------------- calibrated replays
+
+
+def test_calibrated_replay_all_catches_a_weight_change_under_tf32_and_passes_noise(tmp_path: Path) -> None:
+    """Regression: the golden side of a replay's own floor was measured against the *live*
+    module's float64 replay, which a changed weight moves by the change itself: the allowance
+    grew with the bug and a 1% weight passed (a false pass), while replay="first" called it
+    "unknown"."""
+    model = build_hf_bert()
+    layer = "encoder.layer.1.intermediate.dense"
+    changed = copy.deepcopy(model)
+    scale_weight(changed, layer, 1.01)
+    p = tmp_path / "g.h5"
+    ag.record(model, token_input(), path=p, calibrate=True)
+    with ag.emulate_tf32():
+        clean = ag.compare(model, token_input(), path=p, tolerance="calibrated", replay="all")
+        report = ag.compare(changed, token_input(), path=p, tolerance="calibrated", replay="all")
+        first = ag.compare(changed, token_input(), path=p, tolerance="calibrated", replay="first")
+    assert clean.ok and clean.origin is None
+    assert not report.ok and report.origin is not None and (report.origin.kind, report.origin.name) == ("layer", layer)
+    assert first.origin is not None and (first.origin.kind, first.origin.name) == ("layer", layer)
+    judged = next(r for r in report.layers if r.name == layer)
+    assert judged.own_status == "diverged" and judged.leaves[0].error_multiple is not None
+    assert judged.leaves[0].error_multiple > 10
+    assert "golden floor: recorded" in (judged.leaves[0].tolerance_source or "")
+
+
+def test_calibrated_replay_keeps_an_explicit_tolerances_pattern(tmp_path: Path) -> None:
+    """A layer the user gave numbers for is judged strictly with them, replayed or not."""
+    model = build_hf_bert()
+    layer = "encoder.layer.1.intermediate.dense"
+    changed = copy.deepcopy(model)
+    scale_weight(changed, layer, 1.01)
+    p = tmp_path / "g.h5"
+    ag.record(model, token_input(), path=p, calibrate=True)
+    report = ag.compare(changed, token_input(), path=p, tolerance="calibrated", replay="all",
+                        tolerances={layer: dict(rtol=0.05, atol=0.05)})
+    judged = next(r for r in report.layers if r.name == layer)
+    assert judged.own_status == "match" and "overrides calibration" in (judged.leaves[0].tolerance_source or "")
+
+
+def _gelu_layer(seed: int = 0) -> nn.TransformerEncoderLayer:
+    torch.manual_seed(seed)
+    return nn.TransformerEncoderLayer(64, 4, 256, dropout=0.1, activation="gelu", batch_first=True).eval()
+
+
+X64 = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(1))
+
+
+def test_replay_all_finds_a_tanh_gelu_in_the_parents_code_under_tf32_drift(tmp_path: Path) -> None:
+    """The issue's measured failure under drift: replaying the parent re-ran its TF32 Linear
+    (noise about 1e-3), which hid the tanh approximation (about 3e-4). Its children now return
+    the golden's outputs during its replay, and the inputs its code gives 'dropout' are judged."""
+    layer = _gelu_layer()
+    changed = copy.deepcopy(layer)
+    changed.activation = lambda t: F.gelu(t, approximate="tanh")
+    p = tmp_path / "g.h5"
+    ag.record(layer, X64, path=p, calibrate=True)
+    with ag.emulate_tf32():
+        clean = ag.compare(layer, X64, path=p, tolerance="calibrated", replay="all")
+        report = ag.compare(changed, X64, path=p, tolerance="calibrated", replay="all")
+    assert clean.ok, str(clean)
+    o = report.origin
+    assert o is not None and (o.kind, o.name, o.previous, o.child) == ("parent-code", "", "linear1", "dropout")
+    assert "own code between 'linear1' and 'dropout'" in o.detail
+    root = next(r for r in report.layers if r.name == "")
+    assert root.path == "input args/0 of 'dropout'" and root.error_multiple is not None and root.error_multiple > 5
+    assert all(r.ok for r in report.layers if r.name)  # each child computes what it did, TF32 Linears too
+
+
+def test_a_parents_replay_judges_only_its_own_code_not_its_childrens(tmp_path: Path) -> None:
+    """A changed weight in a child is that child's; its parent, replayed with the child returning
+    the golden's output, computes what it computed before."""
+    model = Net()
+    changed = copy.deepcopy(model)
+    scale_weight(changed, "block.fc1", 1.01)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    report = _check(model, changed, x, tmp_path, replay="all")
+    status = {r.name: r.status for r in report.layers}
+    assert status["block.fc1"] == "diverged" and status["block"] == "match" and status[""] == "match"
+    assert report.origin is not None and (report.origin.kind, report.origin.name) == ("layer", "block.fc1")
+
+
+def test_calibrated_replay_of_a_layer_with_a_kv_cache_has_its_float64_floor(tmp_path: Path) -> None:
+    """The float64 replay runs on its own copy of the inputs and of the cache: run after the live
+    replay, it got the cache the live replay had appended to and failed, silently (no own floor)."""
+    model = build_hf_gpt2()
+    p = tmp_path / "g.h5"
+    ag.record(model, token_input(), path=p, calibrate=True)
+    with ag.emulate_tf32():
+        report = ag.compare(model, token_input(), path=p, tolerance="calibrated", replay="all")
+    assert report.ok, str(report)
+    assert not any("no own noise floor" in n for n in report.notes), report.notes
+    attn = next(r for r in report.layers if r.name == "h.0.attn")
+    assert "live floor: its own, the float64 module re-run" in (attn.tolerance_source or "")
+
+
+class InPlaceScale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(self.factor)
+
+
+def test_calibrated_replay_of_a_layer_that_changes_its_input_in_place(tmp_path: Path) -> None:
+    """The float64 reference used to run after the live replay, on inputs the live replay had
+    scaled in place: its floor measured that (a 2x error), and a 1% change passed."""
+    def net(factor: float) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), InPlaceScale(factor), nn.Linear(8, 4)).eval()
+
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(4))
+    p = tmp_path / "g.h5"
+    ag.record(net(2.0), x, path=p, calibrate=True)
+    assert ag.compare(net(2.0), x, path=p, tolerance="calibrated", replay="all").ok
+    report = ag.compare(net(2.02), x, path=p, tolerance="calibrated", replay="all")
+    assert report.origin is not None and (report.origin.kind, report.origin.name) == ("layer", "1")
+
+
+class DropPath(nn.Module):
+    """Stochastic depth as timm and transformers write it: a per-sample mask from torch.rand."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        keep = 0.5 + torch.rand(x.shape[0], 1, dtype=x.dtype, device=x.device)
+        return x / 0.5 * keep.floor()
+
+
+def test_float64_references_draw_the_float32_random_numbers(tmp_path: Path) -> None:
+    """torch.rand in float64 gives other numbers than in float32 from one generator state: the
+    float64 reference of a drop path in train mode drew another mask, its floor measured the mask,
+    and the drop path left on passed its own replay."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), DropPath(), nn.Linear(8, 4)).eval()
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(5))
+    p = tmp_path / "g.h5"
+    ag.record(model, x, path=p, calibrate=True)
+    model[1].train()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        report = ag.compare(model, x, path=p, tolerance="calibrated", replay="all")
+        assert report.origin is not None and (report.origin.kind, report.origin.name) == ("layer", "1"), str(report)
+    for draw in (lambda dt: torch.rand(5, dtype=dt), lambda dt: torch.randn(5, dtype=dt),
+                 lambda dt: torch.rand_like(torch.zeros(5, dtype=dt)), lambda dt: torch.zeros(5, dtype=dt).uniform_(),
+                 lambda dt: torch.bernoulli(torch.full((64,), 0.5, dtype=dt))):
+        torch.manual_seed(1)
+        with float32_random():
+            wide = draw(torch.float64)
+        torch.manual_seed(1)
+        narrow = draw(torch.float32)
+        assert wide.dtype == torch.float64 and torch.equal(wide, narrow.double())
+
+
+class Counting(nn.Linear):
+    """A Linear that counts how often its forward runs."""
+
+    runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Counting.runs += 1
+        return super().forward(x)
+
+
+class Deep(nn.Module):
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = Deep(depth - 1) if depth > 1 else Counting(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        y = self.inner(x)
+        y = y[0] if isinstance(y, tuple) else y
+        return y * 2, {"half": y / 2}
+
+
+def test_replay_all_does_not_rerun_children_for_their_parents(tmp_path: Path) -> None:
+    """Each parent's replay gets its children's golden outputs without running them (a skeleton
+    of the live output filled with the golden's tensors): a replay costs a call's own code, not
+    its subtree again. The leaf runs twice (live, and its own replay), not once per ancestor."""
+    model = Deep(4)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(6))
+    p = tmp_path / "g.h5"
+    ag.record(model, x, path=p)
+    Counting.runs = 0
+    report = ag.compare(model, x, path=p, replay="all")
+    assert report.ok and Counting.runs == 2
+    changed = copy.deepcopy(model)
+    scale_weight(changed, "inner.inner.inner.inner", 1.01)
+    report = ag.compare(changed, x, path=p, replay="all")
+    o = report.origin
+    assert o is not None and (o.kind, o.name) == ("layer", "inner.inner.inner.inner")
+    assert [r.name for r in report.layers if not r.ok] == ["inner.inner.inner.inner"]
+
+
+def test_a_skeleton_keeps_the_structure_and_refuses_opaque_objects() -> None:
+    t = torch.ones(2, 3)
+    sk = skeleton((t, {"a": [t * 2, None, "s"]}))
+    assert sk is not None and set(sk.meta) == {"0", "1/a/0"} and sk.meta["0"][0] == (2, 3)
+    assert sk.output[0] is PLACEHOLDER and sk.output[1]["a"][1:] == [None, "s"]
+    assert skeleton((t, object())) is None
+
+
+class Branch(nn.Module):
+    def __init__(self, extra: bool) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(8)
+        self.extra = extra
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = self.bn(x)
+        return (y, y * 2, y * 3) if self.extra else (y, y * 2)
+
+
+class Trunk(nn.Module):
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+        self.branch = Branch(extra)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.branch(self.fc(x))[0])
+
+
+def test_a_child_whose_output_changed_structure_runs_in_its_parents_replay_and_keeps_state(tmp_path: Path) -> None:
+    """A child whose live output does not have the golden's places cannot return the golden's
+    output: it runs during its parent's replay, and what it changes (batch-norm statistics in
+    training mode) is put back."""
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(7))
+    p = tmp_path / "g.h5"
+    ag.record(Trunk().train(), x, path=p)
+    live = Trunk(extra=True).train()
+    before = live.branch.bn.running_mean.clone()
+    report = ag.compare(live, x, path=p, replay="all")
+    after_one_forward = Trunk(extra=True).train()
+    after_one_forward(x)
+    assert torch.equal(live.branch.bn.running_mean, after_one_forward.branch.bn.running_mean)
+    assert not torch.equal(before, live.branch.bn.running_mean)  # the live forward itself did update them
+    status = {r.name: r.status for r in report.layers}
+    assert status["branch"] == "structure" and status[""] == "match", status
