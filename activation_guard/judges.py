@@ -12,8 +12,7 @@ A judge is built once per comparison and sees every leaf in execution order; it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -26,10 +25,10 @@ from .tolerances import DTYPE_DEFAULTS, Tolerance, ToleranceResolver
 PRECISION = {"float64": 4, "float32": 3, "float16": 2, "bfloat16": 1}
 
 
-@dataclass(frozen=True)
-class LeafContext:
+class LeafContext(NamedTuple):
     """Where a leaf sits: the live layer name, the golden name it is compared with (they differ
-    under ``rename``), the call, the output path, and the two dtype names."""
+    under ``rename``), the call, the output path, and the two dtype names. (A named tuple: one is
+    made per compared output, and a frozen dataclass cost ~1.5 us of that.)"""
 
     name: str
     golden_name: str
@@ -101,9 +100,9 @@ class StrictJudge:
 
     def identical(self, ctx: LeafContext, live: torch.Tensor) -> LeafResult:
         tol = self.tolerance(ctx)
-        shape = tuple(int(s) for s in live.shape)
+        shape = tuple(live.shape)
         numel = live.numel()
-        first = live.reshape(-1)[0].item() if numel else None
+        first = _first(live) if numel else None
         return LeafResult(
             ctx.path, "match", dtype=ctx.golden_dtype, live_dtype=ctx.live_dtype, shape=shape, live_shape=shape,
             numel=numel, max_abs_diff=0.0, max_rel_diff=0.0,
@@ -116,6 +115,17 @@ class StrictJudge:
 
     def close(self) -> None:
         pass
+
+
+def _first(t: torch.Tensor) -> Any:
+    """The first element as a Python number (through numpy where it can: ~3x faster than torch)."""
+    if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES:
+        return t.detach().numpy().flat[0].item()
+    return t.reshape(-1)[0].item()
+
+
+_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.complex64, torch.complex128, torch.bool,
+                           torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 
 
 def is_exact_dtype(dtype_name: str) -> bool:

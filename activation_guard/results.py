@@ -191,6 +191,8 @@ class LayerResult:
 
     @classmethod
     def from_leaves(cls, name: str, call: int, type_name: str, leaves: list[LeafResult], **kw: Any) -> LayerResult:
+        if len(leaves) == 1:  # most layers return one tensor: the leaf's numbers are the layer's
+            return cls._from_leaf(name, call, type_name, leaves[0], kw)
         status = worst_status([leaf.status for leaf in leaves]) if leaves else "match"
         lr = cls(name, call, status, type_name, leaves=leaves, **kw)
         lr.numel = sum(leaf.numel for leaf in leaves)
@@ -218,6 +220,16 @@ class LayerResult:
             if not lr.detail:
                 lr.detail = best.detail
         return lr
+
+    @classmethod
+    def _from_leaf(cls, name: str, call: int, type_name: str, leaf: LeafResult, kw: dict[str, Any]) -> LayerResult:
+        m = leaf.max_abs_diff
+        return cls(name, call, leaf.status, type_name, leaves=[leaf], numel=leaf.numel, mismatched=leaf.mismatched,
+                   nonfinite_new=leaf.nonfinite_new, max_abs_diff=m,
+                   max_rel_diff=None if m is None else (leaf.max_rel_diff or 0.0), error_multiple=leaf.error_multiple,
+                   path=leaf.path, index=leaf.index, golden_value=leaf.golden_value, live_value=leaf.live_value,
+                   rtol=leaf.rtol, atol=leaf.atol, tolerance_source=leaf.tolerance_source,
+                   detail=kw.pop("detail", "") or leaf.detail, **kw)
 
 
 def leaf_from_stats(path: str, dtype: str, live_dtype: str, shape: tuple[int, ...], st: TensorStats,

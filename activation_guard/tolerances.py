@@ -73,6 +73,7 @@ class ToleranceResolver:
         self.cross_device = gd != ld
         self.device_pair = f"{gd}->{ld}"
         # an argument of compare() is "rtol/atol option"; elsewhere the place it was set
+        self._cache: dict[tuple[str, str, str], Tolerance] = {}
         self._option_label = {k: "rtol/atol option" if spec.source(k) == ARGUMENT else spec.source(k)
                               for k in ("rtol", "atol")}
 
@@ -96,6 +97,15 @@ class ToleranceResolver:
         return Tolerance(r, a, f"{dtype_name} default")
 
     def resolve(self, name: str, dtype_name: str, kind: str = "float") -> Tolerance:
+        # the answer depends on the name only through the tolerances patterns: cached per
+        # (dtype, kind) without patterns, per layer with them (one lookup per compared output)
+        key = (name if self.spec.tolerances else "", dtype_name, kind)
+        tol = self._cache.get(key)
+        if tol is None:
+            tol = self._cache[key] = self._resolve(name, dtype_name, kind)
+        return tol
+
+    def _resolve(self, name: str, dtype_name: str, kind: str) -> Tolerance:
         if kind in EXACT_KINDS:
             return Tolerance(0.0, 0.0, f"{dtype_name}: exact")
         base = self.base(dtype_name)

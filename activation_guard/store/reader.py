@@ -190,8 +190,11 @@ class GoldenReader:
         leaf's stored size checked against them (so a bad entry fails at open, naming it)."""
         self.fingerprint_params: FingerprintParams | None = None
         self.fingerprint_leaves = 0
+        # inputs are decoded lazily (replay reads them): only a golden recorded with fingerprints
+        # can hold fingerprinted inputs, so only then are they decoded here
+        with_inputs = fpstore.META_KEY in self.meta
         for c in self.calls:
-            for leaf in (*c.leaves, *(c.inputs or ())):
+            for leaf in (*c.leaves, *((c.inputs or ()) if with_inputs else ())):
                 if leaf.kind != "fingerprint":
                     continue
                 if self.fingerprint_params is None:
@@ -237,8 +240,10 @@ class GoldenReader:
         """Read one fingerprint leaf: checksum-verified bytes (a mismatch is corruption), then
         every field validated (a blob that passes its checksum but not that was not written by
         activation_guard: a format error). Both name the file and ``where``."""
-        assert entry.kind == "fingerprint" and entry.dtype is not None and self.fingerprint_params is not None
+        assert entry.kind == "fingerprint" and entry.dtype is not None
         label = where or entry.path
+        if self.fingerprint_params is None:
+            raise GoldenFormatError(self.path, f"{label}: a fingerprint, but the golden has no fingerprint record")
         raw = self.packed_bytes(entry, label)
         try:
             return fpstore.decode(raw, entry.dtype, entry.shape, self.fingerprint_params)
