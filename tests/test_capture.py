@@ -529,3 +529,24 @@ def test_hooked_context_manager_counts_and_removes():
     assert seen == [("shared", 0), ("act", 0), ("shared", 1), ("act", 1)]
     assert state.calls["blocks.1"] == 1  # unselected modules are still counted
     assert all_hooks_gone(m)
+
+
+def test_hooks_go_in_before_a_users_own_and_leave_them_as_they_were(tmp_path):
+    """Capture inserts its hooks without handles (capture._install); a user's hooks keep their
+    ids and order, ours run first on the output, and nothing of ours is left behind."""
+    m = tiny_mlp(depth=1)
+    seen: list[str] = []
+    user = m.head.register_forward_hook(lambda mod, a, out: seen.append("user") or out * 2)
+    before = (dict(m.head._forward_hooks), dict(m.head._forward_pre_hooks))
+
+    def ours(frame, out):
+        if frame.name == "head":
+            seen.append("ours")
+
+    with hooked(m, ours) as state, torch.no_grad():
+        m(torch.randn(1, 8))
+    assert seen == ["ours", "user"] and state.calls["head"] == 1
+    assert (dict(m.head._forward_hooks), dict(m.head._forward_pre_hooks)) == before
+    assert all_hooks_gone(m.blocks)
+    user.remove()
+    assert not m.head._forward_hooks
