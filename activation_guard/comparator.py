@@ -181,6 +181,13 @@ class Comparator:
             for leaf in leaves:
                 if leaf.legacy_path is not None:
                     leaf.path = leaf.legacy_path
+        judge = judge or self.judge
+        if len(leaves) == 1 and len(entry.leaves) == 1 and leaves[0].path == entry.leaves[0].path:
+            only = leaves[0]  # one output, where the golden has it: no path matching to do
+            res = self._compare_leaf(entry.leaves[0], only, name, entry, judge)
+            if only.dist is not None:  # issue 16 (distributed): name the rank holding the worst element
+                attribute(res, only.dist)
+            return [res]
         live = {leaf.path: leaf for leaf in leaves}
         results: list[LeafResult] = []
         gpaths = {g.path for g in entry.leaves}
@@ -190,7 +197,7 @@ class Comparator:
                 results.append(LeafResult(g.path, "structure",
                                           f"{_out(g.path)} ({_kind(g)}) is missing from the live output"))
                 continue
-            res = self._compare_leaf(g, lv, name, entry, judge or self.judge)
+            res = self._compare_leaf(g, lv, name, entry, judge)
             if lv.dist is not None:  # issue 16 (distributed): name the rank holding the worst element
                 attribute(res, lv.dist)
             results.append(res)
@@ -201,6 +208,19 @@ class Comparator:
         return results
 
     def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
+        t = lv.tensor
+        if (g.pack is not None and g.kind == "tensor" and lv.kind == "tensor" and t is not None
+                and g.type_name == lv.type_name and t.device.type == "cpu" and tuple(t.shape) == g.shape):
+            # the common case first (thousands of tiny layers): a small stored tensor of the same
+            # shape, settled by one memcmp of its stored bytes against the live ones when equal
+            ldt = dtype_name(t)
+            if ldt == g.dtype:
+                ctx = LeafContext(name, entry.name, entry.call, g.path, ldt, ldt)
+                graw = self.reader.packed_bytes(g, lambda: ctx.label)
+                if graw.data == tensor_bytes(t).data:
+                    return judge.identical(ctx, t)
+                golden = tensor_from_bytes(graw.copy(), BY_NAME[ldt], g.shape)
+                return judge.judge(ctx, golden, t)
         p = g.path
         if "fingerprint" in (g.kind, lv.kind):  # fingerprint_rule decides (no memcmp fast path)
             if self.fingerprints is None:

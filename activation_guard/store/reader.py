@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import h5py
@@ -297,18 +297,20 @@ class GoldenReader:
         except KeyError:
             return None
 
-    def packed_bytes(self, entry: LeafEntry, where: str = "") -> np.ndarray:
+    def packed_bytes(self, entry: LeafEntry, where: str | Callable[[], str] = "") -> np.ndarray:
         """The checksum-verified raw bytes of a packed (small) leaf, without copying them: lets
-        the comparator settle bit-identical outputs with one memcmp, no tensor built."""
+        the comparator settle bit-identical outputs with one memcmp, no tensor built. ``where``
+        (the label errors use) may be a function: it is called only when something is wrong."""
         p = self.path
         assert entry.pack is not None
-        label = where or entry.path
         buf = self._pack_bytes(entry.pack)
-        if entry.offset + entry.nbytes > buf.size:
-            raise GoldenCorruptError(p, f"{label}: pack /packs/{entry.pack:04d} is shorter than the index says")
-        raw = buf[entry.offset : entry.offset + entry.nbytes]
+        end = entry.offset + entry.nbytes
+        if end > buf.size:
+            raise GoldenCorruptError(p, f"{_label(where, entry)}: pack /packs/{entry.pack:04d} is shorter than the "
+                                        f"index says")
+        raw = buf[entry.offset : end]
         if entry.nbytes and zlib.crc32(raw.data) != entry.crc32:
-            raise GoldenCorruptError(p, f"{label}: {CORRUPT_VALUES}")
+            raise GoldenCorruptError(p, f"{_label(where, entry)}: {CORRUPT_VALUES}")
         return raw
 
     def resolve(self, entry: LeafEntry, where: str = "") -> LeafEntry:
@@ -398,3 +400,7 @@ class GoldenReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _label(where: str | Callable[[], str], entry: LeafEntry) -> str:
+    return (where() if callable(where) else where) or entry.path
