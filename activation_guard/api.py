@@ -3,6 +3,10 @@
 Each function turns its keyword arguments into a :class:`~activation_guard.spec.RecordSpec` or
 :class:`~activation_guard.spec.CompareSpec` first (the one place options are validated), then
 wires capture -> store (record) or capture -> comparator -> judge -> report (compare).
+
+A little over 400 lines because this is the one module where every capability is wired into the
+two flows (inputs, replay, gradients, fingerprints, ranks): each keeps its logic in its own module
+and adds a few lines here, and splitting the flows apart would scatter the order they run in.
 """
 
 from __future__ import annotations
