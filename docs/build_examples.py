@@ -145,7 +145,9 @@ def env() -> dict[str, str]:
     e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
              COLUMNS="80", OMP_NUM_THREADS="1", GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull,
              GIT_PAGER="cat", LC_ALL="C")
-    e.pop("PYTEST_ADDOPTS", None)
+    # pytest stops shortening summary lines when CI or BUILD_NUMBER is set; examples must read the same anywhere.
+    for name in ("PYTEST_ADDOPTS", "CI", "BUILD_NUMBER"):
+        e.pop(name, None)
     return e
 
 
