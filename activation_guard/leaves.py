@@ -247,27 +247,34 @@ def flatten(obj: Any, prefix: str = "") -> list[Leaf]:
     return w.out
 
 
-def clone_inputs(obj: Any, depth: int = 0) -> Any:
-    """A copy of model inputs whose tensors are cloned (containers rebuilt, other objects
-    shared), so a forward that modifies its inputs in place cannot change what another run sees."""
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], depth: int = 0) -> Any:
+    """``obj`` with every tensor replaced by ``fn(tensor)`` and numpy arrays copied; lists, tuples,
+    named tuples and mappings are rebuilt (a mapping whose type cannot be rebuilt from a dict becomes
+    one), other objects are shared. Model inputs go through this before a run that may change them."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        return fn(obj)
     if depth > MAX_DEPTH:
         return obj
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(clone_inputs(v, depth + 1) for v in obj))
+        return type(obj)(*(map_tensors(v, fn, depth + 1) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(clone_inputs(v, depth + 1) for v in obj)
+        return type(obj)(map_tensors(v, fn, depth + 1) for v in obj)
     if isinstance(obj, np.ndarray):
         return obj.copy()
     if isinstance(obj, Mapping):
-        items = {k: clone_inputs(v, depth + 1) for k, v in obj.items()}
+        items = {k: map_tensors(v, fn, depth + 1) for k, v in obj.items()}
         ctor: Any = type(obj)
         try:
             return ctor(items)
         except Exception:
             return items
     return obj
+
+
+def clone_inputs(obj: Any) -> Any:
+    """A copy of model inputs whose tensors are cloned, so a forward that modifies its inputs in
+    place cannot change what another run sees."""
+    return map_tensors(obj, lambda t: t.detach().clone())
 
 
 def rebuild(obj: Any, values: Mapping[str, torch.Tensor], prefix: str = "", *,

@@ -12,7 +12,7 @@ import copy
 import os
 import random
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -28,35 +28,24 @@ from .floors import CALIBRATED_DTYPES, FloorTable, NoiseFloor, diff_stats
 from .grad_loss import LossRule
 from .grad_store import GradRecorder
 from .gradients import GradCapture
-from .leaves import Leaf, flatten
+from .leaves import Leaf, flatten, map_tensors
 from .numerics import full_fp32_precision
 from .store import GoldenReader, GoldenWriter
 
 # --------------------------------------------------------------------------- shadow forward
 
 
-def to_reference(obj: Any, device: torch.device, depth: int = 0) -> Any:
+def to_reference(obj: Any, device: torch.device) -> Any:
     """Inputs for the shadow: floating tensors become float64 copies on ``device``; other
     tensors are copied (the model may modify its inputs in place); containers are rebuilt."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
         if t.is_floating_point():
             return t.to(device=device, dtype=torch.float64, copy=True)
         return t.to(device=device, copy=True)
-    if depth > 32:
-        return obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(to_reference(v, device, depth + 1) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_reference(v, device, depth + 1) for v in obj)
-    if isinstance(obj, Mapping):
-        items = {k: to_reference(v, device, depth + 1) for k, v in obj.items()}
-        ctor: Any = type(obj)
-        try:
-            return ctor(items)
-        except Exception:
-            return items
-    return obj
+
+    return map_tensors(obj, convert)
 
 
 @contextmanager
