@@ -28,6 +28,7 @@ from .capture import check_model, hooked, normalize_inputs, run_forward
 from .comparator import Comparator, StopForward, recorded_selection
 from .fingerprint import FingerprintParams
 from .fingerprint_leaves import Fingerprinter, meta_entry
+from .gcpause import with_frozen_gc
 from .judges import Judge, StrictJudge
 from .leaves import clone_inputs
 from .recorder import Recorder
@@ -146,6 +147,7 @@ def record(
     return record_spec(model, args, kwargs, path=path, spec=spec)
 
 
+@with_frozen_gc
 def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
                 path: str | os.PathLike[str], spec: RecordSpec, per_rank: bool = True) -> RecordSummary:
     """:func:`record` with its options already in a :class:`RecordSpec` (the plugin's entry).
@@ -281,6 +283,7 @@ def _replayer(spec: CompareSpec, reader: GoldenReader, judge: Judge, resolver: T
     return Replayer(reader, judge if isinstance(judge, StrictJudge) else StrictJudge(resolver), grad=spec.grad)
 
 
+@with_frozen_gc
 def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
                  path: str | os.PathLike[str], spec: CompareSpec) -> Report:
     """:func:`compare` with its options already in a :class:`CompareSpec` (the plugin's entry)."""

@@ -15,7 +15,6 @@ the fix: two modules under one qualified name, and a module called from several 
 from __future__ import annotations
 
 import contextlib
-import gc
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import ActivationGuardError, UnsupportedModelError
+from .gcpause import frozen_gc
 from .selection import Selector
 
 ORIG_MOD = "_orig_mod"  # the eager module inside torch.compile's OptimizedModule wrapper
@@ -241,39 +241,32 @@ def hooked(
 
         return pre, post
 
-    # Objects alive now (the model, torch, a golden's parsed index) are not this forward's
-    # garbage, yet the cyclic collector would rescan them every few hundred allocations of the
-    # per-layer work: ~30% of compare's time on a 1,500-layer model. Freeze them meanwhile (new
-    # objects are still collected); leave a caller's own freeze alone.
-    frozen = gc.isenabled() and not gc.get_freeze_count()
-    if frozen:
-        gc.freeze()
-    try:
-        for name, mod in layers:
-            pre, post = make_hooks(name, wanted_by(name))
-            # post: prepend=True (issue 16, distributed), eager and staged alike: the output as the
-            # module returned it, before other forward hooks rewrite it (tensor parallelism's own
-            # hook turns a DTensor into a local shard; docs/distributed.md)
-            handles.append(_install(mod, pre, post))
-        if staged:
-            _reset_dynamo()  # compile the hooks in (hooks added later are not guarded on)
-        yield state
-        if staged:
-            _check_compiled_capture(target, layers, state)
-            for frame, out in state.staged:
-                if on_enter is not None:
-                    on_enter(frame)
-                on_output(frame, out)
-            state.staged.clear()
-        if state.foreign_threads:
-            raise _thread_error(state.foreign_threads)
-    finally:
-        for h in handles:
-            h()
-        if staged:
-            _reset_dynamo()  # graphs compiled with our hooks must not outlive them
-        if frozen:
-            gc.unfreeze()
+    # objects alive now (the model, torch, a golden's parsed index) are not this forward's garbage
+    with frozen_gc():
+        try:
+            for name, mod in layers:
+                pre, post = make_hooks(name, wanted_by(name))
+                # post: prepend=True (issue 16, distributed), eager and staged alike: the output as the
+                # module returned it, before other forward hooks rewrite it (tensor parallelism's own
+                # hook turns a DTensor into a local shard; docs/distributed.md)
+                handles.append(_install(mod, pre, post))
+            if staged:
+                _reset_dynamo()  # compile the hooks in (hooks added later are not guarded on)
+            yield state
+            if staged:
+                _check_compiled_capture(target, layers, state)
+                for frame, out in state.staged:
+                    if on_enter is not None:
+                        on_enter(frame)
+                    on_output(frame, out)
+                state.staged.clear()
+            if state.foreign_threads:
+                raise _thread_error(state.foreign_threads)
+        finally:
+            for h in handles:
+                h()
+            if staged:
+                _reset_dynamo()  # graphs compiled with our hooks must not outlive them
 
 
 def _install(mod: torch.nn.Module, pre: Callable[..., None], post: Callable[..., None]) -> Callable[[], None]:

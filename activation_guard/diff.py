@@ -17,6 +17,7 @@ from typing import Any
 from . import env as envmod
 from .api import report_meta
 from .comparator import Comparator
+from .gcpause import with_frozen_gc
 from .grad_api import diff_rows
 from .judges import StrictJudge
 from .leaves import Leaf
@@ -44,6 +45,7 @@ def _leaves(reader: GoldenReader, c: CallEntry) -> list[Leaf]:
     return out
 
 
+@with_frozen_gc
 def diff_recordings(
     golden: str | os.PathLike[str],
     other: str | os.PathLike[str],

@@ -1,0 +1,56 @@
+"""Keep the cyclic garbage collector off the objects that were alive before a record or compare.
+
+The model, torch's own modules and a golden's parsed index are hundreds of thousands of tracked
+objects, and none of them becomes this run's garbage, yet every full collection rescans them all.
+Per-layer work allocates steadily, so on a model of thousands of small layers those rescans were
+about a third of the whole cost, and grew faster than the layer count (compare on 3,000
+``Linear(8, 8)``: 3.6x the time of 1,500). Freezing moves them out of the collector's sight for the
+duration; objects created meanwhile are still collected as usual.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Callable, TypeVar
+
+F = TypeVar("F", bound=Callable[..., object])
+
+# The freeze is process-wide: how many of our blocks hold it (a nested block freezes what the outer
+# one created since, e.g. a parsed index before the forward; the outermost one unfreezes)
+_held = 0
+_lock = threading.Lock()
+
+
+@contextmanager
+def frozen_gc() -> Iterator[None]:
+    """Freeze the objects alive now until the block ends; a no-op when the collector is disabled
+    or a caller froze objects itself: their choice stands."""
+    global _held
+    with _lock:
+        ours = _held > 0 or (gc.isenabled() and not gc.get_freeze_count())
+        if ours:
+            gc.freeze()
+            _held += 1
+    try:
+        yield
+    finally:
+        if ours:
+            with _lock:
+                _held -= 1
+                if _held == 0:
+                    gc.unfreeze()
+
+
+def with_frozen_gc(fn: F) -> F:
+    """``fn`` run inside :func:`frozen_gc`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: object, **kwargs: object) -> object:
+        with frozen_gc():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

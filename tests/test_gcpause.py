@@ -1,0 +1,79 @@
+"""The collector freeze around record/compare: nothing stays frozen, a caller's freeze stands."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+import activation_guard as ag
+from activation_guard.gcpause import frozen_gc
+
+
+@pytest.fixture
+def no_freeze() -> None:
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).eval()
+
+
+def test_record_and_compare_leave_nothing_frozen(tmp_path: Path, no_freeze: None) -> None:
+    m, x = model(), torch.randn(3, 4)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p)
+    assert gc.get_freeze_count() == 0
+    assert ag.compare(m, x, path=p).ok
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_failing_compare_unfreezes_too(tmp_path: Path, no_freeze: None) -> None:
+    with pytest.raises(ag.GoldenNotFoundError):
+        ag.compare(model(), torch.randn(3, 4), path=tmp_path / "absent.h5")
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_callers_own_freeze_is_left_alone(tmp_path: Path, no_freeze: None) -> None:
+    keep = [object() for _ in range(10)]
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        m, x = model(), torch.randn(3, 4)
+        ag.record(m, x, path=tmp_path / "g.h5")
+        assert ag.compare(m, x, path=tmp_path / "g.h5").ok
+        # not unfrozen, and not grown by ours (objects that died meanwhile leave the frozen set)
+        assert frozen - 1000 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
+    del keep
+
+
+def test_nested_blocks_unfreeze_once_at_the_outermost(no_freeze: None) -> None:
+    with frozen_gc():
+        outer = gc.get_freeze_count()
+        assert outer > 0
+        made = [[i] for i in range(1000)]  # created inside: frozen by the nested block
+        with frozen_gc():
+            assert gc.get_freeze_count() >= outer + len(made)
+        assert gc.get_freeze_count() > 0  # the inner block does not unfreeze the outer one's
+    assert gc.get_freeze_count() == 0
+
+
+def test_cycles_made_inside_a_block_are_still_collected(no_freeze: None) -> None:
+    import weakref
+
+    class Node:
+        pass
+
+    with frozen_gc():
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # type: ignore[attr-defined]
+        ref = weakref.ref(a)
+        del a, b
+        gc.collect()
+        assert ref() is None
