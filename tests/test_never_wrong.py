@@ -438,3 +438,44 @@ def test_any_nested_output_round_trips_self_compares_and_any_changed_value_fails
     bump = data.draw(st.integers(0, n - 1))
     report = ag.compare(Structured(recipe, bump), (x,), path=p)
     assert not report.ok and report.first_divergence is not None and report.first_divergence.name == ""
+
+
+class LazyView(nn.Module):
+    """Returns a lazily conjugated, lazily negated or transposed view of its input: memory that
+    holds other values (or another order) than the tensor shows."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "conj":
+            return x.conj()
+        if self.kind == "neg":
+            return torch._neg_view(x)
+        return x.t()
+
+
+@pytest.mark.parametrize("kind, dtype", [("conj", torch.complex64), ("neg", torch.float32),
+                                         ("neg", torch.complex128), ("t", torch.float64)])
+def test_lazy_views_compare_by_the_values_they_show(tmp_path: Path, kind: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, dtype=dtype)
+    p = tmp_path / "g.h5"
+    ag.record(LazyView(kind), x, path=p)
+    ok = ag.compare(LazyView(kind), x, path=p)
+    assert ok.ok and ok.layers[0].max_abs_diff == 0.0
+    shown = LazyView(kind)(x).resolve_conj().resolve_neg()
+    assert ok.layers[0].leaves[0].live_value == shown.reshape(-1)[0].item()  # the value, not the memory
+    bumped = x.clone()
+    bumped[1, 2] += 1
+    bad = ag.compare(LazyView(kind), bumped, path=p)
+    assert not bad.ok and bad.layers[0].max_abs_diff == pytest.approx(1.0)
+    assert bad.layers[0].index == ((2, 1) if kind == "t" else (1, 2))
+    # a golden of the plain values matches the view's values, not its memory
+    class Plain(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return LazyView(kind)(x).resolve_conj().resolve_neg().clone()
+
+    ag.record(Plain(), x, path=tmp_path / "plain.h5")
+    assert ag.compare(LazyView(kind), x, path=tmp_path / "plain.h5").ok
