@@ -25,9 +25,9 @@ from .fingerprint_rule import FingerprintJudge
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaves import Leaf, LeafTransform, flatten
 from .rename import apply_rename, renamed_patterns
-from .replay import REPLAYABLE, Replayer, judge_by_own, remember_start
+from .replay import REPLAYABLE, Replayer, judge_by_own, keep_own, remember_start
 from .results import LayerResult, LeafResult, Origin
-from .selection import Selector, selected
+from .selection import Selector, display_name, selected
 from .spec import CompareSpec
 from .store import CallEntry, GoldenReader, LeafEntry
 
@@ -116,7 +116,11 @@ class Comparator:
             self.replayer.returned(frame, entry, output, stub=self.spec.replay == "all")
             if self.spec.replay == "all":
                 own = self.replayer.own(frame, entry, self._compare_call)
-                if own.layer is not None:
+                if own.layer is not None and self.inputs_changed:
+                    # the model's inputs changed: "each layer computes what it did" cannot make the
+                    # changed outputs a pass; the output verdict stands, the own error is shown
+                    keep_own(res, own.layer)
+                elif own.layer is not None:
                     res = judge_by_own(res, own.layer)
                     self.results[-1] = res
                 if frame.children:
@@ -172,7 +176,15 @@ class Comparator:
                     return self.replayer.parent_origin(r.name, r.call, r.type_name, r,
                                                        self.replayer.between.get((r.name, r.call)), last, children)
                 return Origin(r.name, r.call, "layer", r.own_max_abs_diff, type_name=r.type_name,
-                              detail="re-run on the golden's own inputs it differs: its own computation changed")
+                              detail="re-run on the golden's own inputs it differs: its own computation changed"
+                                     + self.replayer.random_hint(r.name, r.call))
+        first = next((r for r in self.results if not r.ok), None)
+        if first is not None and self.inputs_changed:
+            root = next((r for r in self.results if r.name == ""), None)
+            return Origin("", 0, "inputs", first.own_max_abs_diff, type_name="" if root is None else root.type_name,
+                          detail=(f"the model's inputs differ from the recording: the first diverging layer, "
+                                  f"{display_name(first.name)!r}, gives the golden's output when re-run on the "
+                                  f"golden's inputs"))
         return None
 
     def _compare_call(self, entry: CallEntry, leaves: list[Leaf], name: str,

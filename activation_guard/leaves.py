@@ -279,9 +279,9 @@ def clone_inputs(obj: Any) -> Any:
 
 def rebuild(obj: Any, values: Mapping[str, torch.Tensor], prefix: str = "", *,
             objects: Mapping[int, Any] | None = None, copy_objects: bool = True) -> Any:
-    """``obj`` with each tensor whose :func:`flatten` path is in ``values`` replaced by that
-    value: the same structure (containers rebuilt, repeated and cyclic references kept), other
-    data. How replay hands a layer the golden's inputs in the shape of the live call's own
+    """``obj`` with each tensor (or number: flattened as a 0-d tensor) whose :func:`flatten` path is
+    in ``values`` replaced by that value: the same structure (containers rebuilt, repeated and cyclic
+    references kept), other data. How replay hands a layer the golden's inputs in the shape of the live call's own
     arguments. ``objects``: opaque objects (a KV cache) are replaced by a fresh copy of the one
     given for them (by ``id``), so a replay sees them as they were and cannot mutate the live one;
     ``copy_objects=False`` hands over the given ones themselves (their last use)."""
@@ -304,7 +304,10 @@ class _Rebuilder:
             return values.get(path, o)
         if isinstance(o, np.ndarray):
             return values[path].numpy() if path in values else o
-        if o is None or isinstance(o, (str, bytes, bool, int, float, complex, np.generic)):
+        if isinstance(o, (bool, int, float, complex, np.generic)):  # a number: stored as a 0-d tensor
+            v = values.get(path)
+            return o if v is None else type(o)(v.item())
+        if o is None or isinstance(o, (str, bytes)):
             return o
         if id(o) in seen:
             return seen[id(o)]

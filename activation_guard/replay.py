@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ from .selection import display_name
 from .shadow import float32_random, to_reference
 from .store import CallEntry, GoldenReader
 
+PYTHON_NUMBERS = frozenset({"bool", "int", "float", "complex"})
 REPLAYABLE = frozenset({"diverged", "nonfinite", "shape", "dtype", "structure"})
 NO_INPUTS = ("the golden has no recorded inputs (recorded with inputs=False, or before inputs were recorded): "
              "re-record it to replay layers and attribute divergences")
@@ -55,6 +57,12 @@ class OwnResult:
     layer: LayerResult | None
     reason: str | None = None
     between: tuple[str | None, str] | None = None
+    args_changed: bool = False  # not replayed because the call's arguments differ in structure
+
+
+class ArgsChanged(str):
+    """Why a call cannot be replayed on the golden's inputs: its arguments differ in structure from
+    the golden's (a tensor argument dropped, added or retyped), which is its caller's doing."""
 
 
 class Replayer:
@@ -74,6 +82,15 @@ class Replayer:
         self.failures: dict[str, int] = {}  # why calls could not be replayed -> how many
         self.between: dict[tuple[str, int], tuple[str | None, str]] = {}  # call -> children its code differs between
         self.no_reference: dict[str, int] = {}  # why replays had no float64 reference (own floor) -> how many
+        self.drew_random: set[tuple[str, int]] = set()  # replayed calls that drew random numbers
+
+    def random_hint(self, name: str, call: int) -> str:
+        """What a replay of a call that draws random numbers cannot tell apart (for its origin text)."""
+        if (name, call) not in self.drew_random:
+            return ""
+        return ("; it draws random numbers, and its replay starts from the live run's random state: if code "
+                "before it drew more or fewer random numbers than when the golden was recorded, that shift alone "
+                "would explain this")
 
     # ------------------------------------------------------------------ running
     def _golden_inputs(self, frame: Frame, entry: CallEntry) -> dict[str, torch.Tensor] | str:
@@ -82,16 +99,25 @@ class Replayer:
             return NO_INPUTS
         golden = {e.path: e for e in entry.inputs}
         out: dict[str, torch.Tensor] = {}
-        for lv in flatten_inputs(frame.args, frame.kwargs):
+        live = flatten_inputs(frame.args, frame.kwargs)
+        paths = {lv.path for lv in live}
+        gone = [p for p, e in golden.items() if p not in paths and e.kind in ("tensor", "alias", "fingerprint")]
+        if gone:
+            return ArgsChanged(f"the golden's call had the tensor argument(s) {', '.join(gone)}, which the live call "
+                               f"does not pass")
+        for lv in live:
             if lv.kind != "tensor" or lv.tensor is None:
                 continue
-            g = golden.get(lv.path)
-            if g is not None:
-                g = self.reader.resolve(g, f"layer {display_name(entry.name)!r} call {entry.call} input {lv.path!r}")
+            given = golden.get(lv.path)
+            g = None if given is None else self.reader.resolve(
+                given, f"layer {display_name(entry.name)!r} call {entry.call} input {lv.path!r}")
             if g is not None and g.kind == "fingerprint":
                 return f"replay needs full inputs, but its input {lv.path} is stored as a fingerprint"
-            if g is None or g.kind != "tensor":
-                return f"its input {lv.path} is not a tensor in the golden"
+            if given is None or g is None or g.kind != "tensor":
+                return ArgsChanged(f"its argument {lv.path} ({lv.type_name}) is not a tensor or number in the "
+                                   f"golden's call")
+            if given.type_name != lv.type_name and PYTHON_NUMBERS.intersection((given.type_name, lv.type_name)):
+                return ArgsChanged(f"its argument {lv.path} was a {given.type_name}, is now a {lv.type_name}")
             if g.shape != tuple(lv.tensor.shape):
                 return f"its input {lv.path} changed shape {list(g.shape)} -> {list(lv.tensor.shape)}"
             t = self.cache.load(g, f"layer {display_name(entry.name)!r} call {entry.call} input {lv.path!r}")
@@ -100,9 +126,17 @@ class Replayer:
 
     def _run(self, module: torch.nn.Module, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any],
              hooks: ChildHooks | None = None, modules: dict[str, torch.nn.Module] | None = None, *,
-             widen: bool = False) -> Any:
+             widen: bool = False, rewind: Sequence[tuple[str, torch.Tensor]] = ()) -> Any:
+        """``rewind``: (name, value) of the module's own buffers to set before it runs (the values
+        they had when the live call started); every buffer is restored to its live value after."""
         assert self.state is not None
         saved = [(b, b.detach().clone()) for b in _buffers(module, hooks.stubbed(modules or {}) if hooks else set())]
+        if rewind:
+            with torch.no_grad():
+                for name, value in rewind:
+                    b = module._buffers.get(name)
+                    if b is not None:
+                        b.copy_(value.to(device=b.device, dtype=b.dtype))
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         self.state.replaying = True
         try:
@@ -128,12 +162,18 @@ class Replayer:
         golden = self._golden_inputs(frame, entry)
         if isinstance(golden, str):
             self.failures[golden] = self.failures.get(golden, 0) + 1
-            return OwnResult(None, golden)
+            return OwnResult(None, golden, args_changed=isinstance(golden, ArgsChanged))
         start = frame.data if isinstance(frame.data, CallStart) else CallStart([], {})
         if any(v is None for v in start.objects.values()):
             reason = "it takes an object that could not be copied when the call started, so a re-run would differ"
             self.failures[reason] = self.failures.get(reason, 0) + 1
             return OwnResult(None, reason)
+        rewind = _rewind(start)
+        if isinstance(rewind, str):
+            self.failures[rewind] = self.failures.get(rewind, 0) + 1
+            return OwnResult(None, rewind)
+        if frame.rng is not None and not torch.equal(torch.get_rng_state(), frame.rng[0]):
+            self.drew_random.add((frame.name, frame.call))  # it returned just now: the state moved in it
         children = start.children
         outputs = GoldenOutputs(self.cache, children)
         judge: Judge = self.strict
@@ -141,13 +181,14 @@ class Replayer:
         if self.calibrated is not None and self.reference is not None:
             # first, on its own copies: the live replay may change its inputs or append to a cache
             rargs, rkwargs = rebuild_inputs(frame.args, frame.kwargs, golden, objects=start.objects)
-            refs, ref_hooks = self._reference_outputs(frame, rargs, rkwargs, children, outputs)
+            refs, ref_hooks = self._reference_outputs(frame, rargs, rkwargs, children, outputs, rewind)
             judge = OwnFloorJudge(self.calibrated, refs)
         # the live replay is the snapshot's last use: it gets the objects themselves, not copies
         args, kwargs = rebuild_inputs(frame.args, frame.kwargs, golden, objects=start.objects, copy_objects=False)
         hooks = ChildHooks(children, outputs) if children else None
         try:
-            out = self._run(frame.module, frame, args, kwargs, hooks, {c.name: c.module for c in children})
+            out = self._run(frame.module, frame, args, kwargs, hooks, {c.name: c.module for c in children},
+                            rewind=rewind)
         except Exception as e:  # a replay never breaks the comparison: the origin says why
             reason = f"re-running it on the golden's inputs raised {type(e).__name__}: {e}"
             self.failures[reason] = self.failures.get(reason, 0) + 1
@@ -166,8 +207,8 @@ class Replayer:
                          between=between)
 
     def _reference_outputs(self, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any],
-                           children: list[ChildCall],
-                           outputs: GoldenOutputs) -> tuple[dict[str, Any], ChildHooks | None]:
+                           children: list[ChildCall], outputs: GoldenOutputs,
+                           rewind: Sequence[tuple[str, torch.Tensor]] = ()) -> tuple[dict[str, Any], ChildHooks | None]:
         """The float64 module replayed on the same golden inputs (its children returning the
         golden's outputs, widened): the own noise floor's reference, for its output and for the
         inputs it gives its children."""
@@ -182,7 +223,7 @@ class Replayer:
         try:
             with float32_random():
                 out = self._run(module, frame, to_reference(args, dev), to_reference(kwargs, dev), hooks, modules,
-                                widen=True)
+                                widen=True, rewind=rewind)
         except Exception as e:  # no float64 reference: the calibrated rule falls back (the notes say so)
             why = f"its float64 copy raised {type(e).__name__} when re-run"
             self.no_reference[why] = self.no_reference.get(why, 0) + 1
@@ -225,6 +266,10 @@ class Replayer:
                     res.detail = (f"{label}, made by its own code from the golden's values, differs from the golden's"
                                   + (f": {res.detail}" if res.detail else ""))
                     bad.append(res)
+            for path, e in golden.items():  # a tensor argument the golden's call had, which its code no longer passes
+                if path not in hooks.inputs[i] and e.kind in ("tensor", "alias", "fingerprint"):
+                    label = f"input {path} of {child!r}"
+                    bad.append(LeafResult(label, "structure", f"{label} is missing: the golden's call had it"))
             if bad:
                 return i, bad
         return None
@@ -235,6 +280,8 @@ class Replayer:
         """Why the first diverging call ``frame`` differs (see the module docstring)."""
         tname = type(frame.module).__name__
         own = self.own(frame, entry, compare)
+        if own.layer is None and own.args_changed:  # its caller passes other arguments: the caller's code
+            return self._args_origin(frame, str(own.reason))
         if own.layer is None:
             return Origin(frame.name, frame.call, "unknown", detail=f"not replayed: {own.reason}", type_name=tname)
         keep_own(res, own.layer)
@@ -245,7 +292,7 @@ class Replayer:
         if not own.layer.ok:
             return Origin(frame.name, frame.call, "layer", err, type_name=tname, detail=(
                 f"re-run on the golden's own inputs it still differs ({_numbers(own.layer)}): its own "
-                f"computation changed"))
+                f"computation changed" + self.random_hint(frame.name, frame.call)))
         if inputs_changed:
             root = self._root(frame)
             return Origin(root.name, 0, "inputs", err, type_name=type(root.module).__name__, detail=(
@@ -279,10 +326,27 @@ class Replayer:
             return Origin(name, call, "parent-code", own.max_abs_diff, type_name=tname, child=child, previous=prev,
                           detail=(f"own code {where}: re-run on the golden's inputs, its children returning the "
                                   f"golden's outputs, the inputs of {_relative(child, name)!r} differ "
-                                  f"({_numbers(own)})"))
+                                  f"({_how(own)})"))
         return Origin(name, call, "parent-code", own.max_abs_diff, type_name=tname, previous=last_child,
                       detail=(f"own code: its {children} child call(s) computed what they computed before, "
-                              f"but re-run on the golden's own inputs its output still differs ({_numbers(own)})"))
+                              f"but re-run on the golden's own inputs its output still differs ({_numbers(own)})"
+                              + self.random_hint(name, call)))
+
+    def _args_origin(self, frame: Frame, reason: str) -> Origin:
+        """The first diverging call was called with arguments of another structure than the golden's
+        call: made by its parent's code (or, for the model itself, by whoever calls it)."""
+        parent = frame.parent
+        if parent is None:
+            return Origin(frame.name, frame.call, "inputs", type_name=type(frame.module).__name__,
+                          detail=f"the model is called with other arguments than when the golden was recorded: "
+                                 f"{reason}")
+        assert self.state is not None
+        child, prev = _relative(frame.name, parent.name), frame.previous
+        between = (f"between {_relative(prev, parent.name)!r} and {child!r}" if prev is not None
+                   else f"before {child!r}")
+        return Origin(parent.name, self.state.calls.get(parent.name, 0), "parent-code",
+                      type_name=type(parent.module).__name__, child=frame.name, previous=prev,
+                      detail=f"own code {between}: the arguments it passes to {child!r} changed: {reason}")
 
     @staticmethod
     def _root(frame: Frame) -> Frame:
@@ -344,6 +408,12 @@ def judge_by_own(res: LayerResult, own: LayerResult) -> LayerResult:
     return new
 
 
+def _how(layer: LayerResult) -> str:
+    """How a replay's inputs differ: a changed structure in words, else the numbers."""
+    moved = next((leaf.detail for leaf in layer.leaves if leaf.status in ("structure", "shape")), None)
+    return moved or _numbers(layer)
+
+
 def _numbers(layer: LayerResult) -> str:
     if layer.max_abs_diff is None:
         return layer.status
@@ -379,6 +449,10 @@ class CallStart:
     versions: list[tuple[torch.Tensor, int]]
     objects: dict[int, Any]
     children: list[ChildCall] = field(default_factory=list)  # its direct child calls, as they returned
+    # the module's own buffers: (name, buffer, in-place version at the start or None when it has
+    # none, a copy of the starting value when small enough): a call that updates a running
+    # statistic is replayed from the state it started in, not from the one it left
+    buffers: list[tuple[str, torch.Tensor, int | None, torch.Tensor | None]] = field(default_factory=list)
 
 
 def _modified_in_place(frame: Frame) -> bool:
@@ -391,12 +465,41 @@ def _modified_in_place(frame: Frame) -> bool:
 _PLAIN = (str, bytes, bool, int, float, complex, type(None))
 
 
+SNAPSHOT_NUMEL = 1 << 14  # a buffer up to this size is copied at each call's start (replay modes)
+
+
 def remember_start(frame: Frame) -> None:
     """At a call's start (compare with replay): see :class:`CallStart`."""
     start = CallStart([], {})
     for v in (*frame.args, *frame.kwargs.values()):
         _scan(start, v, 0)
+    own = frame.module._buffers
+    if own:
+        for name, b in own.items():
+            if b is None:
+                continue
+            try:
+                version: int | None = b._version
+            except RuntimeError:  # an inference tensor has no version counter
+                version = None
+            snap = b.detach().clone() if b.numel() <= SNAPSHOT_NUMEL else None
+            start.buffers.append((name, b, version, snap))
     frame.data = start
+
+
+def _rewind(start: CallStart) -> list[tuple[str, torch.Tensor]] | str:
+    """The starting values of the buffers the call changed in place (by name), or why it cannot be
+    replayed from its starting state."""
+    out = []
+    for name, b, version, snap in start.buffers:
+        changed = True if version is None else b._version != version
+        if not changed:
+            continue
+        if snap is None:
+            return (f"it changed its buffer {name!r} in place during the call (a running statistic?), and the "
+                    f"buffer is too large to copy at every call's start, so a re-run would start from another state")
+        out.append((name, snap))
+    return out
 
 
 def _scan(start: CallStart, v: Any, depth: int) -> None:

@@ -1,0 +1,204 @@
+"""Replay under an adversarial review: each case once gave a false pass, a false alarm or a wrong
+origin. Stateful modules, changed model inputs under ``replay="all"``, changed non-tensor or
+dropped arguments, and layers that draw random numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import activation_guard as ag
+
+MODES = ("off", "first", "all")
+
+
+class RunningNorm(nn.Module):
+    """Keeps a running mean in a buffer (an EMA normaliser, a quantisation observer) and subtracts
+    it; ``use_before_update`` is the off-by-one-step refactor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(8))
+        self.lin = nn.Linear(8, 8)
+        self.use_before_update = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.use_before_update:
+            out = h - self.ema
+            self.ema.mul_(0.9).add_(0.1 * h.mean(0))
+            return out
+        self.ema.mul_(0.9).add_(0.1 * h.mean(0))
+        return h - self.ema
+
+
+class WithNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RunningNorm()
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def _norm_model(tmp_path: Path) -> tuple[WithNorm, torch.Tensor, Path]:
+    torch.manual_seed(0)
+    m = WithNorm().eval()
+    x = torch.randn(4, 8) + 1.0
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p)
+    return m, x, p
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_module_updating_its_buffer_passes_a_clean_run_in_every_mode(tmp_path: Path, mode: str) -> None:
+    m, x, p = _norm_model(tmp_path)
+    m.norm.ema.zero_()  # the state the recording started from
+    report = ag.compare(m, x, path=p, replay=mode)
+    assert report.ok, str(report)
+    assert torch.allclose(m.norm.ema, 0.1 * m.norm.lin(x).mean(0))  # the replay left the live update alone
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_buffer_used_before_its_update_is_found_in_every_mode(tmp_path: Path, mode: str) -> None:
+    m, x, p = _norm_model(tmp_path)
+    m.norm.ema.zero_()
+    m.norm.use_before_update = True
+    report = ag.compare(m, x, path=p, replay=mode)
+    assert not report.ok  # replay="all" once re-ran it on the updated buffer and called it a match
+    assert report.first_divergence is not None and report.first_divergence.name == "norm"
+    if mode != "off":
+        assert report.origin is not None and report.origin.name == "norm"
+
+
+def test_a_large_buffer_changed_in_place_is_not_replayed_and_says_why(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from activation_guard import replay
+
+    monkeypatch.setattr(replay, "SNAPSHOT_NUMEL", 4)  # the 8-element buffer counts as large
+    m, x, p = _norm_model(tmp_path)
+    m.norm.ema.zero_()
+    m.norm.use_before_update = True
+    report = ag.compare(m, x, path=p, replay="all")
+    assert not report.ok and report.first_divergence is not None and report.first_divergence.name == "norm"
+    assert any("changed its buffer 'ema' in place" in n for n in report.notes), report.notes
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_changed_model_inputs_never_pass_and_are_the_origin(tmp_path: Path, mode: str) -> None:
+    m, x = _mlp(), torch.randn(2, 8)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p)
+    x2 = x.clone()
+    x2[0, 0] += 1.0
+    report = ag.compare(m, x2, path=p, replay=mode)
+    assert not report.ok  # replay="all" once passed: every layer computes what it did, on other inputs
+    if mode != "off":
+        assert report.origin is not None and report.origin.kind == "inputs"
+
+
+def test_changed_inputs_with_gradients_under_replay_all_are_the_inputs(tmp_path: Path) -> None:
+    m, x = _mlp(), torch.randn(2, 8)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p, backward=True)
+    report = ag.compare(m, x + 0.5, path=p, backward=True, replay="all")
+    assert not report.ok and report.origin is not None and report.origin.kind == "inputs"
+
+
+class Scale(nn.Module):
+    def forward(self, x: torch.Tensor, s: float) -> torch.Tensor:
+        return x * s
+
+
+class PassesAScalar(nn.Module):
+    def __init__(self, s: float):
+        super().__init__()
+        self.fc, self.scale, self.out, self.s = nn.Linear(8, 8), Scale(), nn.Linear(8, 4), s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.scale(self.fc(x), self.s))
+
+
+@pytest.mark.parametrize("mode", ("first", "all"))
+def test_a_changed_number_argument_is_the_callers_code(tmp_path: Path, mode: str) -> None:
+    torch.manual_seed(0)
+    m, x = PassesAScalar(0.5).eval(), torch.randn(2, 8)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p)
+    m.s = 0.6
+    report = ag.compare(m, x, path=p, replay=mode)
+    assert not report.ok
+    o = report.origin
+    assert o is not None and (o.name, o.kind, o.child) == ("", "parent-code", "scale"), o  # once: 'scale' (layer)
+
+
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.lin(x)
+        return h if mask is None else h * mask
+
+
+class DropsAMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.child, self.drop_mask = nn.Linear(8, 8), Masked(), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        mask = torch.ones_like(h)
+        mask[0, 0] = 0.0
+        return self.child(h) if self.drop_mask else self.child(h, mask=mask)
+
+
+@pytest.mark.parametrize("mode", ("first", "all"))
+def test_a_dropped_tensor_argument_is_the_callers_code(tmp_path: Path, mode: str) -> None:
+    torch.manual_seed(0)
+    m, x = DropsAMask().eval(), torch.randn(2, 8)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p)
+    m.drop_mask = True
+    report = ag.compare(m, x, path=p, replay=mode)
+    o = report.origin
+    assert not report.ok and o is not None
+    assert (o.name, o.kind, o.child) == ("", "parent-code", "child"), o  # once: 'child' (layer)
+    assert "kwargs/mask" in o.detail
+
+
+class ExtraDraw(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.b, self.extra = nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.extra:
+            torch.rand(3)  # the parent's code draws random numbers: the stream shifts
+        return self.b(self.drop(h))
+
+
+def test_a_layer_drawing_random_numbers_says_a_shifted_stream_looks_the_same(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m, x = ExtraDraw().train(), torch.randn(4, 8)
+    p = tmp_path / "g.h5"
+    torch.manual_seed(1)
+    ag.record(m, x, path=p)
+    torch.manual_seed(1)
+    assert ag.compare(m, x, path=p).ok
+    m.extra = True
+    torch.manual_seed(1)
+    report = ag.compare(m, x, path=p)
+    assert not report.ok and report.origin is not None and report.origin.name == "drop"
+    assert "draws random numbers" in report.origin.detail and "shift" in report.origin.detail
