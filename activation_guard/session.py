@@ -88,6 +88,7 @@ class GuardSession:
         self.records: list[CheckRecord] = []
         self.used: set[str] = set()  # golden paths relative to golden_dir, posix
         self.claims: dict[str, tuple[str, str | None, str]] = {}  # casefolded path -> (owner, name, nodeid)
+        self.planned: dict[str, list[tuple[str, Path]]] = {}  # casefolded path -> (owner, path) of unnamed checks
         # unused-golden bookkeeping (only filled with --ag-unused)
         self.owners: dict[str, set[str]] = {}  # test stem -> node ids that own it
         self.module_dirs: dict[str, str] = {}  # golden module dir (rel) -> module path
@@ -99,9 +100,20 @@ class GuardSession:
         self.ranks: Any = None
 
     # -- checks
+    def plan(self, keys: Iterable[paths.NodeKey]) -> None:
+        """The collected tests that use the check fixture (keys without their ag_device id): the
+        golden files of their unnamed checks, for :meth:`claim`."""
+        for key in keys:
+            path = paths.golden_path(self.settings.golden_dir, key, None)
+            entry = (key.nodeid, path)
+            planned = self.planned.setdefault(os.path.normcase(str(path)).casefold(), [])
+            if entry not in planned:
+                planned.append(entry)
+
     def claim(self, path: Path, nodeid: str, name: str | None, owner: str | None = None) -> None:
         """One golden per (test, name), and never two tests on one file, even on a
-        case-insensitive filesystem (within this process; under xdist each test owns its file).
+        case-insensitive filesystem: among the checks this process ran, and among the unnamed
+        checks of every collected test (which xdist may run in other workers).
 
         ``owner`` is the test's identity without its ag_device id: the cpu and cuda variants
         of one test share their golden by design."""
@@ -109,6 +121,11 @@ class GuardSession:
         me = (owner or nodeid, name)
         prev = self.claims.get(key)
         if prev is None:
+            other = next((o for o, p in self.planned.get(key, ()) if p != path), None)
+            if other is not None:
+                raise OptionError(
+                    f"{nodeid} (name={name!r}) and {other} map to golden files that differ only by letter case "
+                    f"({self.settings.display(path)}); rename one of the tests")
             self.claims[key] = (*me, nodeid)
             return
         if prev[:2] == me:

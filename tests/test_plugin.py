@@ -459,3 +459,27 @@ def test_a_golden_path_that_is_a_directory_is_named_not_reported_missing(ag: pyt
         r.stdout.fnmatch_lines(["*activation_guard: the golden path golden/test_dir/test_mlp.h5 is a directory, "
                                 "not a golden file; remove or rename it*"])
         assert "no golden for this check" not in r.stdout.str()
+
+
+CASE = '''
+import pytest
+from agmodels import build, inputs
+
+@pytest.mark.parametrize("v", ["a", "A", "b"])
+def test_ids(activation_guard, v):
+    activation_guard.check(build(), inputs())
+'''
+
+
+@pytest.mark.parametrize("xdist", [False, True])
+def test_golden_files_differing_only_by_case_are_refused_with_and_without_xdist(ag: pytest.Pytester,
+                                                                                 xdist: bool) -> None:
+    """On a case-insensitive filesystem test_ids[a].h5 and test_ids[A].h5 are one file: each would
+    overwrite the other. Every process collects every test, so the pair is refused even when two
+    xdist workers run them (the per-process check alone let both write)."""
+    ag.makepyfile(test_case=CASE)
+    res = ag.runpytest("--ag-update", *(("-n", "2") if xdist else ()), *LEAN)
+    res.assert_outcomes(passed=1, failed=2)
+    res.stdout.fnmatch_lines(["*test_ids?a? (name=None) and *test_ids?A? map to golden files that differ only by "
+                              "letter case*"])
+    assert [p.name for p in golden_files(ag.path)] == ["test_ids[b].h5"]
