@@ -10,6 +10,7 @@ golden.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from . import paths
-from .errors import UPDATE_HINT, ActivationGuardError, GoldenError, UnsupportedModelError
+from .errors import UPDATE_HINT, ActivationGuardError, ActivationGuardWarning, GoldenError, UnsupportedModelError
 from .options import (
     DEVICE_FIXTURE,
     RECORD_DEVICE,
@@ -243,6 +244,7 @@ class GoldenCheck:
                     out = model(*(tuple(args) if isinstance(args, (tuple, list)) else (args,)), **dict(kwargs or {}))
                 done("deferred", message=f"golden is recorded by the {RECORD_DEVICE} variant: {self.record_nodeid}")
                 return out
+            had_fingerprints = exists and _fingerprinted(rec_path)
             try:
                 summary = api.record_spec(model, args, kwargs, path=rec_path, spec=rec_spec)
             except ActivationGuardError as e:  # ours (unwritable folder, bad selection...): the message says the fix
@@ -254,6 +256,14 @@ class GoldenCheck:
             if problem is not None:
                 pytest.fail(prefixed(problem), pytrace=False)
             done("written", golden=summary.path)
+            for note in summary.notes:  # a fingerprint pattern that matched no layer: stored in full
+                warnings.warn(ActivationGuardWarning(f"{self.nodeid}: {note}; {shown} holds those outputs in full"),
+                              stacklevel=2)
+            if had_fingerprints and not summary.fingerprints:
+                warnings.warn(ActivationGuardWarning(
+                    f"{self.nodeid}: {shown} held fingerprints and was re-recorded with full values (much larger); "
+                    f"to keep fingerprints, re-record with --ag-fingerprint (or the ag_fingerprint ini "
+                    f"option, or the marker option fingerprint=...)"), stacklevel=2)
             return summary.output
         if not exists:
             done("missing")
@@ -311,3 +321,18 @@ class GoldenCheck:
             diff = f" (max abs diff {r.max_abs_diff:.3g})" if r.max_abs_diff is not None else ""
             out.append(f"{r.name or '<root>'}[{r.call}]{diff}")
         return out
+
+
+def _fingerprinted(path: Path) -> bool:
+    """Whether the golden about to be replaced holds fingerprints (a damaged one: no, it is
+    replaced anyway)."""
+    from .store import GoldenReader
+
+    try:
+        reader = GoldenReader(path)
+    except Exception:
+        return False
+    try:
+        return reader.fingerprinted
+    finally:
+        reader.close()

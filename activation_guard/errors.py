@@ -15,6 +15,11 @@ class ActivationGuardError(Exception):
     """Base class for all activation_guard errors."""
 
 
+class ActivationGuardWarning(UserWarning):
+    """Something was done as asked but probably not as meant (a golden re-recorded without the
+    fingerprints it had, a fingerprint pattern that matched no layer)."""
+
+
 class UnsupportedModelError(ActivationGuardError, TypeError):
     """The model cannot be hooked faithfully (torch.compile, TorchScript, DataParallel...)."""
 

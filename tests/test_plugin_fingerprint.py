@@ -174,3 +174,23 @@ def test_corrupt_fingerprint_fails_the_test_naming_the_file(ag_: pytest.Pytester
     out = r.stdout.str()
     assert "checksum" in out and "test_mlp.h5" in out and "layer 'enc' call 0" in out
     assert "re-record it with: pytest --ag-update" in out
+
+
+def test_a_plain_update_of_a_fingerprinted_golden_warns_that_it_is_now_full(ag_: pytest.Pytester) -> None:
+    ag_.runpytest("--ag-update", "--ag-fingerprint", *LEAN).assert_outcomes(passed=1)
+    res = ag_.runpytest("--ag-update", *LEAN)
+    res.assert_outcomes(passed=1, warnings=1)
+    res.stdout.fnmatch_lines(["*ActivationGuardWarning*test_mlp: golden/test_x/test_mlp.h5 held fingerprints and "
+                              "was re-recorded with full values*--ag-fingerprint*"])
+    assert set(kinds(ag_.path / GOLDEN).values()) == {"tensor"}
+    again = ag_.runpytest("--ag-update", *LEAN)  # full -> full: nothing to say
+    again.assert_outcomes(passed=1)
+    assert "ActivationGuardWarning" not in again.stdout.str()
+
+
+def test_a_fingerprint_pattern_matching_no_layer_warns(ag_: pytest.Pytester) -> None:
+    ag_.makeini("[pytest]\nag_fingerprint = true false\n")  # two words: taken as layer patterns
+    res = ag_.runpytest("--ag-update", *LEAN)
+    res.assert_outcomes(passed=1, warnings=2)
+    res.stdout.fnmatch_lines(["*ActivationGuardWarning*fingerprint pattern 'true' matched no layer; "
+                              "golden/test_x/test_mlp.h5 holds those outputs in full*"])
