@@ -121,10 +121,20 @@ class GoldenWriter:
 
     def _write_tensor(self, t: torch.Tensor, pack_up_to: int = SMALL_LEAF_BYTES) -> dict[str, Any]:
         info = dtypes.info_for(t.dtype)
+        small = dtypes.numpy_view(t) if t.numel() * t.element_size() <= pack_up_to else None
+        if small is not None:  # thousands of tiny layers: their bytes in logical order, copied once
+            packed = small.tobytes()
+            nbytes = len(packed)
+            crc = zlib.crc32(packed) if nbytes else 0
+            entry: dict[str, Any] = {"kind": "tensor", "dtype": info.name, "shape": list(small.shape),
+                                     "nbytes": nbytes, "crc32": crc}
+            self._pack_small(entry, packed)
+            self.nbytes += nbytes
+            return entry
         raw = dtypes.tensor_bytes(t)
         nbytes = int(raw.size)
         crc = zlib.crc32(raw.data) if nbytes else 0
-        entry: dict[str, Any] = {
+        entry = {
             "kind": "tensor",
             "dtype": info.name,
             "shape": [int(s) for s in t.shape],
@@ -132,12 +142,7 @@ class GoldenWriter:
             "crc32": crc,
         }
         if nbytes <= pack_up_to:
-            if self._pack_len + nbytes > PACK_BYTES:
-                self._flush_pack()
-            entry["pack"] = self._pack_id
-            entry["offset"] = self._pack_len
-            self._pack.append(raw.tobytes())  # copy: the snapshot
-            self._pack_len += nbytes
+            self._pack_small(entry, raw.tobytes())  # copy: the snapshot
         else:
             if self._data_group is None:
                 self._data_group = self.f.create_group("data")
@@ -153,6 +158,16 @@ class GoldenWriter:
             self._trim.add(nbytes)
         self.nbytes += nbytes
         return entry
+
+    def _pack_small(self, entry: dict[str, Any], raw: bytes) -> None:
+        """Append a small leaf's bytes to the current pack; its location goes into ``entry``."""
+        nbytes = len(raw)
+        if self._pack_len + nbytes > PACK_BYTES:
+            self._flush_pack()
+        entry["pack"] = self._pack_id
+        entry["offset"] = self._pack_len
+        self._pack.append(raw)
+        self._pack_len += nbytes
 
     def _write_fingerprint(self, fp: Fingerprint) -> dict[str, Any]:
         """A fingerprint leaf: its blob goes into the packs (see :mod:`.fingerprints`)."""
@@ -171,7 +186,6 @@ class GoldenWriter:
         entry["offset"] = self._pack_len
         self._pack.append(raw)
         self._pack_len += nbytes
-        self.nbytes += nbytes
         self.nfingerprints += 1
         return entry
 
