@@ -216,7 +216,9 @@ def hooked(
             if staged and wanted and on_enter is not None:
                 args, kwargs = _snapshot((args, kwargs))
             frame = Frame(name, mod, args, kwargs, stack[-1] if stack else None)
-            if state.want_rng and wanted:
+            if state.want_rng and wanted and not staged:
+                # never inside a compiled region: dynamo cannot trace get_rng_state, and a graph
+                # break at every module would compare another graph than the one that runs
                 frame.rng = _rng_state(mod)
             stack.append(frame)
             if wanted and on_enter is not None and not staged:

@@ -132,3 +132,37 @@ def test_hooks_fire_for_nested_modules_of_an_optimized_submodule(tmp_path: Path)
     report = ag.compare(model, x, path=tmp_path / "e.h5")
     assert report.ok, str(report)
     assert {r.name for r in report.layers} == {"", "0", "1", "1.0", "1.1"}
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_the_compiled_graph_compared_is_the_one_that_runs(tmp_path: Path, train: bool) -> None:
+    """A backend wrong only in graphs that span two or more Linears (a cross-layer fusion bug).
+    In training mode (nn.Module's default) the pre-hook once read the RNG state for replay, which
+    dynamo cannot trace: a graph break at every module, so the capture compared single-layer
+    graphs that never run in production, and passed."""
+    graphs: list[int] = []
+
+    def fusing(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        linears = sum(1 for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target))
+        graphs.append(linears)
+        if linears < 2:
+            return gm.forward
+
+        def run(*a: torch.Tensor) -> object:
+            out = gm.forward(*a)
+            return type(out)(o * 1.01 if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in out)
+
+        return run
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).train(train)
+    x = torch.randn(3, 8)
+    p = tmp_path / "g.h5"
+    ag.record(model, (x,), path=p)
+    compiled = torch.compile(copy.deepcopy(model), backend=fusing)
+    compiled(x)
+    plain = list(graphs)
+    graphs.clear()
+    report = ag.compare(compiled, (x,), path=p)
+    assert graphs == plain == [2]  # one graph holding both Linears, as in a plain run
+    assert not report.ok and report.first_divergence is not None and report.first_divergence.name == "0"
