@@ -152,7 +152,22 @@ def resolve_golden_path(path: str | os.PathLike[str], info: RankInfo | None) -> 
     if info is None or info.world_size == 1:
         return text, False
     own = rank_golden_path(text, info)
-    if os.path.exists(own):
+    # every rank must make the same choice, or one compares local values while another waits in
+    # the collectives that gather full ones: decided from the files alone, which all ranks see
+    ranks = [r for r in range(info.world_size) if r != info.rank]
+    have = [r for r in ranks if os.path.exists(rank_golden_path(text, RankInfo(r, info.world_size)))]
+    lack = [r for r in ranks if r not in have]
+    mine = os.path.exists(own)
+    if (not mine and have) or (mine and lack and os.path.exists(text)):
+        present = sorted(have + ([info.rank] if mine else []))
+        absent = sorted(lack + ([] if mine else [info.rank]))
+        raise DistributedError(
+            f"per-rank goldens of {text!r} exist for rank(s) {present} but not for rank(s) {absent} (world size "
+            f"{info.world_size}): those ranks would compare with another kind of golden than the rest, and wait "
+            f"for each other's collectives until the process group times out. Re-record every rank (the same "
+            f"record on all ranks), or delete the per-rank files to compare every rank with the single-device "
+            f"golden. (Ranks on machines that do not share the golden folder each need all the files.)")
+    if mine:
         return own, True
     if os.path.exists(text):
         return text, False

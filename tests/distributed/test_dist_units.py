@@ -110,11 +110,33 @@ def test_resolve_prefers_own_per_rank_golden(tmp_path):
     Path(plain).write_bytes(b"")
     assert resolve_golden_path(plain, me) == (plain, False)  # a single-device golden, compared in full
     (tmp_path / "g.rank1-of-2.h5").write_bytes(b"")
+    (tmp_path / "g.rank0-of-2.h5").write_bytes(b"")
     (tmp_path / "g.rank0-of-4.h5").write_bytes(b"")
     assert resolve_golden_path(plain, me) == (str(tmp_path / "g.rank1-of-2.h5"), True)
-    assert other_rank_goldens(plain) == [str(tmp_path / "g.rank0-of-4.h5"), str(tmp_path / "g.rank1-of-2.h5")]
+    assert other_rank_goldens(plain) == [str(tmp_path / "g.rank0-of-2.h5"), str(tmp_path / "g.rank0-of-4.h5"),
+                                         str(tmp_path / "g.rank1-of-2.h5")]
     with pytest.raises(ValueError, match=r"belongs to rank 0 of 4; this process is rank 1 of 2"):
         resolve_golden_path(tmp_path / "g.rank0-of-4.h5", me)
+
+
+@pytest.mark.parametrize("single", [True, False])
+def test_ranks_that_would_choose_different_goldens_are_refused_on_every_rank(tmp_path, single):
+    """One rank's per-rank file missing: that rank would gather full values from the single-device
+    golden while the others compare local ones, and both would wait in collectives until the
+    process group timed out. Each rank sees the same files, so each refuses, naming them."""
+    plain = str(tmp_path / "g.h5")
+    if single:
+        Path(plain).write_bytes(b"")
+    (tmp_path / "g.rank1-of-2.h5").write_bytes(b"")
+    with pytest.raises(DistributedError, match=r"exist for rank\(s\) \[1\] but not for rank\(s\) \[0\]"):
+        resolve_golden_path(plain, RankInfo(0, 2))
+    if single:  # rank 1 has its file, but rank 0 would take the single-device golden
+        with pytest.raises(DistributedError, match=r"\[1\] but not for rank\(s\) \[0\]"):
+            resolve_golden_path(plain, RankInfo(1, 2))
+    else:  # no other kind of golden to take: rank 0's is simply missing (its not-found error names it)
+        assert resolve_golden_path(plain, RankInfo(1, 2)) == (str(tmp_path / "g.rank1-of-2.h5"), True)
+    (tmp_path / "g.rank0-of-2.h5").write_bytes(b"")
+    assert resolve_golden_path(plain, RankInfo(0, 2)) == (str(tmp_path / "g.rank0-of-2.h5"), True)
 
 
 # --------------------------------------------------------------------------- shards
@@ -381,6 +403,9 @@ def test_rank_paths_and_refusals_of_what_would_hang_or_race(tmp_path, pretend_ra
     assert not for_compare(g, _spec(replay="off"))[1].replay_off
     assert path == g and not cap.local and cap.meta()["values"] == "full"
     Path(own).write_bytes(b"")
+    with pytest.raises(DistributedError, match=r"exist for rank\(s\) \[1\] but not for rank\(s\) \[0\]"):
+        for_compare(g, _spec())  # rank 0 would take the single-device golden: refused on every rank
+    Path(tmp_path / "g.rank0-of-2.h5").write_bytes(b"")
     path, cap, _ = for_compare(g, _spec())  # its own per-rank golden wins
     assert path == own and cap.local
 
