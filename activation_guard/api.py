@@ -163,6 +163,8 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
     if dcap is not None:
         meta["distributed"] = dcap.meta()
     rule = grad_api.RecordGradients.loss_for(spec, target)  # gradients (issue 14): None without backward
+    if dcap is not None:
+        distcap.refuse_sharded_backward(model, rule is not None)
     writer = GoldenWriter(path, compression=spec.compression)  # a bad path fails before the forward
     try:
         shadow = (calmod.ShadowRun(model, a, kw, inc, exc, envmod.model_device(model, a, kw), grad=spec.grad,
@@ -309,6 +311,8 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         gdev = envmod.recorded_device(gmeta)
         resolver = ToleranceResolver(spec, golden_device=gdev, live_device=str(dev))
         rule = grad_api.compare_rule(spec, gmeta, path, target)  # gradients (issue 14): the golden's loss, or None
+        if dcap is not None:
+            distcap.refuse_sharded_backward(model, rule is not None)
         judge = _judge(spec, resolver, gmeta, path, model, a, kw, dev, backward=rule)
         comp = Comparator(reader, spec, judge, golden_filter=golden_filter,
                           transform=None if dcap is None else dcap.convert)

@@ -157,6 +157,20 @@ def for_compare(path: str, spec: CompareSpec) -> tuple[str, RankCapture | None, 
     return resolved, cap, spec
 
 
+def refuse_sharded_backward(model: Any, backward: bool) -> None:
+    """Gradient goldens (issue 14) of a model whose parameters are ``DTensor`` shards (tensor
+    parallelism, FSDP2) are not supported: their gradients are sharded ``DTensor`` values, which
+    the gradient capture does not convert. Said before the forward, with what works."""
+    if not backward:
+        return
+    sharded = next((name for name, p in model.named_parameters() if is_dtensor(p)), None)
+    if sharded is not None:
+        raise DistributedError(
+            f"backward=True with sharded parameters (parameter {sharded!r} is a DTensor: tensor parallelism or "
+            f"FSDP2) is not supported: gradient goldens are recorded and compared on models with plain "
+            f"parameters (a single device, or data parallel); check this model's forward without backward")
+
+
 def shard_verdict(dist: Any, layer: str, path: str, golden_shape: tuple[int, ...]) -> str | None:
     """The local-shard message for a live leaf whose shape differs from the golden's, or None
     (then it is an ordinary shape divergence)."""

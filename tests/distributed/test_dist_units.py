@@ -476,3 +476,15 @@ def test_rank_like_names_are_escaped_and_rank_goldens_have_owners():
     assert paths.owner_stem("m/test_a[p]--dec.rank1-of-2.h5") == "m/test_a[p]"
     assert paths.owner_stem("m/test_a.rank0-of-4.h5") == "m/test_a"
     assert paths.owner_stem("m/test_a%2Erank0-of-4.h5") == "m/test_a%2Erank0-of-4"
+
+
+def test_gradient_goldens_of_sharded_parameters_are_refused_before_the_forward(monkeypatch):
+    from activation_guard import dist_capture
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    dist_capture.refuse_sharded_backward(model, True)  # plain parameters: fine
+    monkeypatch.setattr(dist_capture, "is_dtensor", lambda t: t.dim() == 2)  # as under tensor parallelism
+    dist_capture.refuse_sharded_backward(model, False)  # no backward: nothing to refuse
+    with pytest.raises(DistributedError, match=r"backward=True with sharded parameters \(parameter '0.weight' is a "
+                                               r"DTensor"):
+        dist_capture.refuse_sharded_backward(model, True)
