@@ -91,7 +91,21 @@ def _first_x(report: Report, fd: LayerResult, n: int) -> float:
 
 
 def render_png(report: Report, *, title: str | None = None, dpi: int = 110) -> bytes:
-    """The error-by-layer plot of ``report`` as PNG bytes."""
+    """The error-by-layer plot of ``report`` as PNG bytes. Every text is drawn as given: matplotlib
+    would read ``$...$`` in a layer or file name as a formula (and raise on one it cannot parse)."""
+    _matplotlib()
+    import matplotlib
+
+    with matplotlib.rc_context({"text.parse_math": False}):
+        return _render_png(report, title=title, dpi=dpi)
+
+
+def _tick(name: str, limit: int = 60) -> str:
+    """A tick label short enough to leave room for the plot (the full names are in the tables)."""
+    return name if len(name) <= limit else name[: limit - 1] + "\u2026"
+
+
+def _render_png(report: Report, *, title: str | None, dpi: int) -> bytes:
     figure_cls, canvas_cls = _matplotlib()
     live = _live_layers(report)
     n = len(live)
@@ -142,7 +156,7 @@ def render_png(report: Report, *, title: str | None = None, dpi: int = 110) -> b
             ax.scatter([m for m, _ in missing], [floor] * len(missing), marker="x", s=50, color=c_bad, zorder=6,
                        clip_on=False, label="golden call that did not run")
             for mx, x in missing[:8]:
-                ax.annotate(x.label, xy=(mx, floor), xytext=(0, 8), textcoords="offset points", rotation=90,
+                ax.annotate(_tick(x.label), xy=(mx, floor), xytext=(0, 8), textcoords="offset points", rotation=90,
                             ha="center", va="bottom", fontsize=7, color=c_bad)
         span = backward_span(report)  # gradients (issue 14): the backward pass shaded and labelled
         if span is not None:
@@ -162,7 +176,7 @@ def render_png(report: Report, *, title: str | None = None, dpi: int = 110) -> b
         fx = _first_x(report, fd, n)
         left = fx <= max(n, 1) * 0.6
         ax.axvline(fx, color=c_bad, ls="-.", lw=1.2)
-        ax.annotate(f"first divergence: {fd.label} ({why(fd)})", xy=(fx, 0.91),
+        ax.annotate(f"first divergence: {_tick(fd.label)} ({why(fd)})", xy=(fx, 0.91),
                     xycoords=("data", "axes fraction"), xytext=(6 if left else -6, 0), textcoords="offset points",
                     ha="left" if left else "right", va="top", fontsize=9, color=c_bad,
                     bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": c_bad, "alpha": 0.9})
@@ -171,7 +185,7 @@ def render_png(report: Report, *, title: str | None = None, dpi: int = 110) -> b
     ax.set_xlim(0.5, max(n, 1) + 0.5)
     if show_names:
         ax.set_xticks(xs)
-        ax.set_xticklabels(names, rotation=90, fontsize=7)
+        ax.set_xticklabels([_tick(n) for n in names], rotation=90, fontsize=7)
         ax.set_xlabel("layer call, in execution order" + ("; then gradients, in backward order"
                                                          if backward_span(report) else ""))
     else:
@@ -182,7 +196,7 @@ def render_png(report: Report, *, title: str | None = None, dpi: int = 110) -> b
     if title is None:
         status = "OK" if report.ok else f"first divergence at {fd.label}" if fd else "diverged"
         title = f"error by layer: {os.path.basename(report.path) or report.path} ({status})"
-    ax.set_title(title, fontsize=10)
+    ax.set_title(_tick(title, 120), fontsize=10)
     if n:
         ax.legend(loc="best", fontsize=8, framealpha=0.9)
     fig.tight_layout()

@@ -254,3 +254,23 @@ def test_table_sort_keys_and_defaults(tmp_path):
     assert 'data-v="Infinity"' in text and 'data-v="NaN"' in text and 'data-v="1e-05"' in text
     small = parse(visual.html_page(Report(path="g.h5", layers=rows[-3:]), plots="none"))
     assert not any("checked" in a for tag, a in small.tags if tag == "input")  # small tables open unfiltered
+
+
+@pytest.mark.parametrize("name", ["cost$\\x$", "a$b$c", "$", "x" * 300])
+def test_layer_and_file_names_are_drawn_as_text_not_formulas(tmp_path, name):
+    """matplotlib reads $...$ as mathtext: an unparsable one raised (no plot, no HTML page, and a
+    pytest run with --ag-report ended in a traceback); a parsable one drew another name."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential()
+    m.add_module(name, torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    golden = tmp_path / "p$\\q$.h5"
+    ag.record(m, x, path=golden)
+    with torch.no_grad():
+        m[0].bias += 1
+    report = ag.compare(m, x, path=golden)
+    png = visual.render_png(report)
+    assert matplotlib.image.imread(io.BytesIO(png)).shape[2] in (3, 4)
+    page = visual.html_page(report)
+    assert "data:image/png;base64," in page
+    assert visual._tick(name) == (name if len(name) <= 60 else name[:59] + "\u2026")
