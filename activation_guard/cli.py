@@ -66,7 +66,12 @@ def load_tolerances(path: str) -> dict[str, Any]:
     return data  # its values are validated with every other option, by the spec
 
 
-def _check_writable(path: str | None, option: str) -> None:
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def _check_writable(path: str | None, option: str, inputs: tuple[str, ...] = ()) -> None:
+    """An output file may be written: its folder exists, and it is neither a folder, nor one of
+    the command's inputs, nor any other HDF5 file (a golden is never overwritten by a report)."""
     if path is None:
         return
     d = os.path.dirname(os.path.abspath(path)) or "."
@@ -74,6 +79,19 @@ def _check_writable(path: str | None, option: str) -> None:
         raise CliError(f"{option} {path}: folder {d} does not exist")
     if os.path.isdir(path):
         raise CliError(f"{option} {path}: is a folder; give a file name")
+    for given in inputs:
+        if os.path.abspath(given) == os.path.abspath(path) or (
+                os.path.exists(given) and os.path.exists(path) and os.path.samefile(given, path)):
+            raise CliError(f"{option} {path}: is another file of this command (an input or the other output); "
+                           f"give another file name")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(HDF5_SIGNATURE))
+    except OSError:
+        return
+    if head == HDF5_SIGNATURE:
+        raise CliError(f"{option} {path}: is an HDF5 file (a golden?), which a report never overwrites; give another "
+                       f"file name")
 
 
 # --------------------------------------------------------------------------- commands
@@ -157,8 +175,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
              exclude=args.exclude or None, allow_dtype_change=args.allow_dtype_change or None),
         {"rtol": "--rtol", "atol": "--atol", "tolerances": f"--tolerances {args.tolerances}",
          "include": "--include", "exclude": "--exclude", "allow_dtype_change": "--allow-dtype-change"})
-    _check_writable(args.plot, "--plot")
-    _check_writable(args.html, "--html")
+    _check_writable(args.plot, "--plot", (args.a, args.b))
+    _check_writable(args.html, "--html", (args.a, args.b, *((args.plot,) if args.plot else ())))
     if args.plot:
         from .visual import _matplotlib
 
@@ -177,17 +195,20 @@ def cmd_diff(args: argparse.Namespace) -> int:
         from .visual import plot_available, write_html, write_plot
 
         msgs = []
+        writing = ""
         try:
             if args.plot:
+                writing = f"--plot {args.plot}"
                 write_plot(report, args.plot)
                 msgs.append(f"plot written to {args.plot}")
             if args.html:
+                writing = f"--html {args.html}"
                 write_html([(f"{args.b} vs golden {args.a}", report)], args.html,
                            title=f"activation_guard diff: {os.path.basename(args.b)} vs {os.path.basename(args.a)}")
                 msgs.append(f"HTML report written to {args.html}"
                             + ("" if plot_available() else " (without plot: matplotlib is not installed)"))
         except OSError as e:
-            raise CliError(f"cannot write {e.filename or 'the output file'}: {e.strerror or e}") from None
+            raise CliError(f"cannot write {writing}: {e.strerror or e}") from None
         for m in msgs:
             print(m, file=sys.stderr)
     return 0 if report.ok else 1

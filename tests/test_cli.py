@@ -357,3 +357,27 @@ def test_python_m_diff_and_error_in_a_real_process(demo, tmp_path):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"activation-guard: error: golden {tmp_path / 'nope.h5'}: ")
     assert "does not exist" in lines[0]
+
+
+@pytest.mark.parametrize("option", ["--plot", "--html"])
+def test_diff_never_writes_a_report_over_a_golden(demo, tmp_path, capsys, option):
+    """`diff a.h5 b.h5 --plot b.h5` once replaced b.h5 with a PNG."""
+    import hashlib
+    import shutil
+
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    shutil.copy(demo.golden, a)
+    shutil.copy(demo.refactored, b)
+    other = tmp_path / "other.h5"
+    shutil.copy(demo.golden, other)
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (a, b, other)}
+    for target, why in ((b, "is another file of this command"), (a, "is another file of this command"),
+                        (other, "is an HDF5 file (a golden?)")):
+        rc, _, err = run(capsys, "diff", a, b, option, target)
+        assert rc == 2 and f"{option} {target}: {why}" in err, err
+    if option == "--html":
+        rc, _, err = run(capsys, "diff", a, b, "--plot", tmp_path / "r.png", "--html", tmp_path / "r.png")
+        assert rc == 2 and "is another file of this command" in err
+    assert before == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (a, b, other)}
+    rc, _, err = run(capsys, "diff", a, b, option, tmp_path / "report.out")  # an ordinary file name: written
+    assert rc == 1 and (tmp_path / "report.out").stat().st_size > 0
