@@ -601,3 +601,18 @@ def test_diff_keeps_reference_leaves_of_the_other_recording(tmp_path):
     ag.record(Twice(), X, path=g)
     rep = ag.diff_recordings(g, g)
     assert rep.ok, str(rep)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_a_difference_that_overflows_the_dtype_is_its_true_size_not_inf(dtype):
+    """3e38 vs -3e38 in float32: the difference is 6e38, which float32 cannot hold; the report
+    once said 'max abs diff inf' (and plotted it on the inf / NaN line) with no Inf anywhere."""
+    from activation_guard.kernel import compare_tensors
+
+    g = torch.tensor([3e38, 1.0]).to(dtype)
+    lv = torch.tensor([-3e38, 1.0]).to(dtype)
+    st = compare_tensors(g, lv, 1e-5, 1e-5)
+    assert st.mismatched == 1 and st.nonfinite_new == 0 and st.worst_flat == 0
+    assert st.max_abs_diff == pytest.approx(6e38, rel=1e-6) and st.max_rel_diff == pytest.approx(2.0, rel=1e-6)
+    inf = compare_tensors(g, torch.tensor([float("inf"), 1.0]).to(dtype), 1e-5, 1e-5)  # a real Inf stays inf
+    assert inf.max_abs_diff == float("inf") and inf.nonfinite_new == 1
