@@ -202,6 +202,8 @@ def diff_rows(golden: GoldenReader, other: GoldenReader, spec: CompareSpec, judg
     events = []
     for c in other.backward:
         assert c.grad is not None
+        if not selected(c.name, spec.include, spec.exclude):  # as a live capture hooks only selected layers
+            continue
         ev = Event(c.grad, c.name, c.call, c.type_name, [x.path for x in c.leaves], c.position)
         for x in c.leaves:
             where = f"layer {c.name!r} call {c.call} {c.grad} gradient {x.path!r}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -242,3 +243,40 @@ def test_plugin_records_and_compares_gradients(pytester: pytest.Pytester, monkey
     failed = [ln for ln in out.splitlines() if ln.startswith("FAILED")]
     assert sorted(ln.split(" ")[1] for ln in failed) == ["test_x.py::test_check_kwarg", "test_x.py::test_marker"]
     assert "backward=True (marker)" in out and "backward=True (check())" in out
+
+
+class _OffGrad(torch.autograd.Function):
+    """An exact forward whose weight gradient is 1% off."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g @ w, 1.01 * (g.t() @ x), g.sum(0)
+
+
+class _Lin(torch.nn.Linear):
+    off = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _OffGrad.apply(x, self.weight, self.bias) if self.off else super().forward(x)
+
+
+def test_diff_leaves_the_gradients_of_excluded_layers_alone_as_compare_does(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(_Lin(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+    x = torch.randn(2, 4)
+    ag.record(m, x, path=tmp_path / "golden.h5", backward=True)
+    m[0].off = True
+    ag.record(m, x, path=tmp_path / "new.h5", backward=True)
+    assert ag.compare(m, x, path=tmp_path / "golden.h5", exclude="0").ok
+    whole = ag.diff_recordings(tmp_path / "golden.h5", tmp_path / "new.h5")
+    assert not whole.ok and whole.first_divergence is not None and whole.first_divergence.name == "0"
+    for kw in ({"exclude": "0"}, {"include": ["1", "2", ""]}):
+        report = ag.diff_recordings(tmp_path / "golden.h5", tmp_path / "new.h5", **kw)
+        assert report.ok, str(report)  # once: the excluded layer's weight gradient failed the diff
+        assert all(r.name != "0" for r in report.layers)
