@@ -28,7 +28,7 @@ from .floors import CALIBRATED_DTYPES, FloorTable, NoiseFloor, diff_stats
 from .grad_loss import LossRule
 from .grad_store import GradRecorder
 from .gradients import GradCapture
-from .leaves import Leaf, flatten, map_tensors
+from .leaves import Leaf, clone_inputs, flatten, map_tensors
 from .numerics import full_fp32_precision
 from .store import GoldenReader, GoldenWriter
 
@@ -97,6 +97,21 @@ class float32_random(TorchFunctionMode):
             with torch.no_grad():
                 return first.copy_(drawn)
         return func(*args, **kwargs)
+
+
+def _fails_as_is(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> bool:
+    """Whether a copy of the model, in its own dtype, raises on copies of the inputs (asked only
+    after its float64 copy raised: which of the two errors to show). The model is left untouched."""
+    try:
+        probe = copy.deepcopy(model)
+    except Exception:
+        return False
+    try:
+        with torch.no_grad(), _isolated_rng(device):
+            probe(*clone_inputs(args), **clone_inputs(kwargs))
+    except Exception:
+        return True
+    return False
 
 
 class ShadowRun:
@@ -169,9 +184,15 @@ class ShadowRun:
         except ActivationGuardError:
             raise
         except Exception as e:
+            if _fails_as_is(model, args, kwargs, self.live_device):  # the model's own error: it keeps its type
+                if hasattr(e, "add_note"):
+                    e.add_note("activation_guard: raised in the float64 copy of the model that calibrated "
+                               "tolerances run first; the model itself raises on these inputs too")
+                raise
             raise ActivationGuardError(
                 f"the float64 shadow forward for calibrated tolerances failed on {self.device} "
-                f"({type(e).__name__}: {e}); use tolerance='strict' for this model") from e
+                f"({type(e).__name__}: {e}), while the model runs as it is; record with calibrate=False "
+                f"and compare with tolerance='strict' for this model") from e
         if self.keep_model:
             self.model = shadow
         del shadow

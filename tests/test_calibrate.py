@@ -370,7 +370,8 @@ class Float32Only(nn.Module):
 
 def test_models_that_cannot_run_in_float64_get_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ActivationGuardError,
-                       match=r"float64 shadow forward .* failed .*only supports float32.*tolerance='strict'"):
+                       match=r"float64 shadow forward .* failed .*only supports float32.*while the model runs as it "
+                             r"is.*calibrate=False.*tolerance='strict'"):
         ag.record(Float32Only(), torch.randn(2, 4), path=tmp_path / "f.h5", calibrate=True)
     assert not (tmp_path / "f.h5").exists()
 
@@ -508,3 +509,21 @@ def test_calibrated_mixed_precision_on_a_deep_model(golden: Path) -> None:
     _act(cast)
     bad = ag.compare(cast, x.bfloat16(), path=golden, allow_dtype_change=True, tolerance="calibrated")
     assert bad.first_divergence is not None and bad.first_divergence.name == "blocks.1.act"
+
+
+class Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("bug in my model")
+
+
+def test_a_models_own_error_keeps_its_type_under_calibration(tmp_path: Path) -> None:
+    """The float64 copy runs first: its error once became 'the float64 shadow forward failed ...
+    use tolerance=strict', for a model that fails in any dtype."""
+    with pytest.raises(ValueError, match="bug in my model") as info:
+        ag.record(Broken(), torch.randn(2, 4), path=tmp_path / "b.h5", calibrate=True)
+    assert any("the model itself raises on these inputs too" in n for n in getattr(info.value, "__notes__", []))
+    assert not (tmp_path / "b.h5").exists()
