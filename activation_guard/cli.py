@@ -305,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError):
             pass
         return 0
+    except OSError as e:  # writing the output failed (a full disk): not "diverged" (1)
+        print(f"{PROG}: error: cannot write the output: {e.strerror or e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -381,3 +381,19 @@ def test_diff_never_writes_a_report_over_a_golden(demo, tmp_path, capsys, option
     assert before == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (a, b, other)}
     rc, _, err = run(capsys, "diff", a, b, option, tmp_path / "report.out")  # an ordinary file name: written
     assert rc == 1 and (tmp_path / "report.out").stat().st_size > 0
+
+
+def test_an_output_that_cannot_be_written_exits_2_not_1(demo, capsys, monkeypatch):
+    """1 means "diverged": a full disk while printing matching recordings once exited 1, with a traceback."""
+    import errno
+
+    class Full:
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert main(["diff", str(demo.golden), str(demo.golden), "--json"]) == 2
+    assert "cannot write the output: No space left on device" in capsys.readouterr().err
