@@ -121,6 +121,8 @@ def test_fingerprint_params_are_stored_and_used_by_the_compare(tmp_path):
     assert s.fingerprints == 8 and "8 of them as fingerprints" in str(s)  # enc.0-2, enc, norm, head, root + its input
     with ag.read_golden(p) as r:
         assert r.fingerprint_params == FingerprintParams(rows=7, samples=16)
+        stored = sum(x.nbytes for c in r.calls for x in (*c.leaves, *(c.inputs or ())) if x.kind != "alias")
+        assert s.nbytes == stored > 0  # the summary counts fingerprint blobs too (once it said "0 MB stored")
         fp = r.fingerprint(r.by_key[("enc.0", 0)].leaves[0])
         assert fp.sketch.shape == (7, 64) and fp.samples.shape == (16,)
     rep = ag.compare(Net(), X, path=p)

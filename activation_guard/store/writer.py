@@ -180,12 +180,8 @@ class GoldenWriter:
         nbytes = len(raw)
         entry: dict[str, Any] = {"kind": "fingerprint", "dtype": fp.dtype, "shape": list(fp.shape),
                                  "nbytes": nbytes, "crc32": zlib.crc32(raw)}
-        if self._pack_len + nbytes > PACK_BYTES:
-            self._flush_pack()
-        entry["pack"] = self._pack_id
-        entry["offset"] = self._pack_len
-        self._pack.append(raw)
-        self._pack_len += nbytes
+        self._pack_small(entry, raw)
+        self.nbytes += nbytes
         self.nfingerprints += 1
         return entry
 
