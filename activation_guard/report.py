@@ -35,6 +35,9 @@ CONTEXT_BEFORE = 3
 CONTEXT_AFTER = 4
 
 
+NOT_COMPARED = "not compared"  # notes holding it name values a pass did not cover: shown with the pass
+
+
 @dataclass
 class Report:
     """Result of :func:`activation_guard.compare`.
@@ -235,7 +238,8 @@ class Report:
     def __str__(self) -> str:
         fd = self.first_divergence
         if fd is None:  # a pass is one line; environment notes matter only when explaining a failure
-            return self.headline()
+            # ... but what the pass does not cover is said with it (gradients the golden has, not compared)
+            return "\n".join([self.headline(), *(f"  note: {m}" for m in self.notes if NOT_COMPARED in m)])
         lines = [self.headline()]
         lines += self._origin_lines(fd)
         lines += [f"  NOTE {m}" for m in self.mode_changes]

@@ -280,3 +280,16 @@ def test_diff_leaves_the_gradients_of_excluded_layers_alone_as_compare_does(tmp_
         report = ag.diff_recordings(tmp_path / "golden.h5", tmp_path / "new.h5", **kw)
         assert report.ok, str(report)  # once: the excluded layer's weight gradient failed the diff
         assert all(r.name != "0" for r in report.layers)
+
+
+def test_a_pass_that_left_the_goldens_gradients_out_says_so_with_the_pass(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+    x = torch.randn(2, 4)
+    ag.record(m, x, path=tmp_path / "bwd.h5", backward=True)
+    ag.record(m, x, path=tmp_path / "plain.h5")
+    report = ag.diff_recordings(tmp_path / "bwd.h5", tmp_path / "plain.h5")
+    lines = str(report).splitlines()
+    assert report.ok and lines[0].startswith("activation_guard: OK")
+    assert lines[1:] == ["  note: backward: only the golden has gradients; they were not compared"]
+    assert str(ag.diff_recordings(tmp_path / "plain.h5", tmp_path / "plain.h5")).count("\n") == 0  # else one line
