@@ -324,6 +324,8 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         inputs_raw = gmeta.get("inputs")
         input_changes = envmod.describe_input_change(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs)
         comp.inputs_changed = bool(input_changes)
+        comp.inputs_replaced = envmod.inputs_replaced(inputs_raw if isinstance(inputs_raw, list) else None,
+                                                      live_inputs)
         stopped = False
         out = None
         try:

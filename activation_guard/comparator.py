@@ -84,6 +84,7 @@ class Comparator:
         self.golden_to_live = {g: live for live, g in self.live_to_golden.items()}
         self.replayer: Replayer | None = None  # replay on golden inputs (spec.replay), set by the caller
         self.inputs_changed = False  # the model's inputs differ from the recording's
+        self.inputs_replaced = False  # ... by more than their dtype (env.inputs_replaced)
         self.origin: Origin | None = None
         self.parents: dict[tuple[str, int], tuple[int, str | None]] = {}  # replay="all": call -> children, last
 
@@ -116,9 +117,10 @@ class Comparator:
             self.replayer.returned(frame, entry, output, stub=self.spec.replay == "all")
             if self.spec.replay == "all":
                 own = self.replayer.own(frame, entry, self._compare_call)
-                if own.layer is not None and self.inputs_changed:
+                if own.layer is not None and self.inputs_replaced:
                     # the model's inputs changed: "each layer computes what it did" cannot make the
-                    # changed outputs a pass; the output verdict stands, the own error is shown
+                    # changed outputs a pass; the output verdict stands, the own error is shown (inputs
+                    # only cast to another dtype are the cross-precision case replay="all" judges)
                     keep_own(res, own.layer)
                 elif own.layer is not None:
                     res = judge_by_own(res, own.layer)
@@ -179,7 +181,7 @@ class Comparator:
                               detail="re-run on the golden's own inputs it differs: its own computation changed"
                                      + self.replayer.random_hint(r.name, r.call))
         first = next((r for r in self.results if not r.ok), None)
-        if first is not None and self.inputs_changed:
+        if first is not None and self.inputs_replaced:
             root = next((r for r in self.results if r.name == ""), None)
             return Origin("", 0, "inputs", first.own_max_abs_diff, type_name="" if root is None else root.type_name,
                           detail=(f"the model's inputs differ from the recording: the first diverging layer, "

@@ -158,6 +158,23 @@ def describe_input_change(golden: list[dict[str, Any]] | None, live: list[dict[s
     return msgs
 
 
+def inputs_replaced(golden: list[dict[str, Any]] | None, live: list[dict[str, Any]]) -> bool:
+    """Whether the model's inputs differ from the recording's by more than their dtype: an input
+    added, removed or reshaped, or other values in the same dtype. A dtype change alone (the same
+    inputs cast to bfloat16) is a change of precision, which ``replay="all"`` is meant to judge."""
+    if golden is None:
+        return False
+    g = {str(e.get("path")): e for e in golden if isinstance(e, dict)}
+    lv = {str(e["path"]): e for e in live}
+    for p in set(g) | set(lv):
+        a, b = g.get(p), lv.get(p)
+        if a == b:
+            continue
+        if a is None or b is None or a.get("shape") != b.get("shape") or a.get("dtype") == b.get("dtype"):
+            return True
+    return False
+
+
 def _on(v: Any) -> str:
     return "on" if v else "off"
 

@@ -202,3 +202,18 @@ def test_a_layer_drawing_random_numbers_says_a_shifted_stream_looks_the_same(tmp
     report = ag.compare(m, x, path=p)
     assert not report.ok and report.origin is not None and report.origin.name == "drop"
     assert "draws random numbers" in report.origin.detail and "shift" in report.origin.detail
+
+
+def test_inputs_only_cast_to_another_dtype_are_a_precision_change_not_new_inputs() -> None:
+    """replay="all" is the cross-precision gate: the same inputs in bfloat16 keep it judging each
+    layer by its own error; other values, shapes or inputs make the outputs' verdicts stand."""
+    from activation_guard.env import input_fingerprint, inputs_replaced
+
+    x = torch.randn(2, 4)
+    golden = input_fingerprint((x,), {})
+    assert not inputs_replaced(golden, input_fingerprint((x,), {}))
+    assert not inputs_replaced(golden, input_fingerprint((x.bfloat16(),), {}))
+    assert not inputs_replaced(None, input_fingerprint((x + 1,), {}))  # an old golden without the record
+    for live in ((x + 1,), (x[:1],), (x, x), ()):
+        assert inputs_replaced(golden, input_fingerprint(live, {})), live
+    assert inputs_replaced(golden, input_fingerprint((x,), {"mask": x}))
