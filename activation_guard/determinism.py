@@ -33,6 +33,7 @@ import torch
 
 from .api import compare, record
 from .numerics import PrecisionFlags, precise_fp32
+from .shadow import isolated_rng
 
 CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
 CUBLAS_DETERMINISTIC = ":4096:8"
@@ -138,7 +139,9 @@ def check_determinism(
         raise ValueError(f"check_determinism(runs=...) needs an int >= 2, got {runs!r}")
     worst: dict[tuple[str, int], Any] = {}
     order: dict[tuple[str, int], int] = {}
-    with tempfile.TemporaryDirectory(prefix="activation_guard-det-") as d:
+    # the caller's generators are left as they were: a diagnostic run before a test's real compare
+    # must not change what that compare sees (a seeded dropout would draw other masks)
+    with isolated_rng(_device_of(model)), tempfile.TemporaryDirectory(prefix="activation_guard-det-") as d:
         path = os.path.join(d, "run0.h5")
         record(model, args, kwargs, path=path, include=include, exclude=exclude)
         for _ in range(runs - 1):
@@ -152,3 +155,7 @@ def check_determinism(
                 if prev is None or (layer.max_abs_diff or 0.0) > (prev.max_abs_diff or 0.0):
                     worst[key] = layer
     return sorted(worst.values(), key=lambda layer: order[(layer.name, layer.call)])
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))

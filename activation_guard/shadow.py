@@ -49,8 +49,10 @@ def to_reference(obj: Any, device: torch.device) -> Any:
 
 
 @contextmanager
-def _isolated_rng(device: torch.device) -> Iterator[None]:
-    """The shadow forward must not advance any RNG the real forward will use."""
+def isolated_rng(device: torch.device) -> Iterator[None]:
+    """Every generator (torch on the CPU and on ``device``, Python's, numpy's) as it was on entry
+    when the block ends: a shadow forward or a diagnostic run must not advance what the real
+    forward will draw."""
     py, npst = random.getstate(), np.random.get_state()
     devices = ([device.index if device.index is not None else torch.cuda.current_device()]
                if device.type == "cuda" else [])
@@ -107,7 +109,7 @@ def _fails_as_is(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     except Exception:
         return False
     try:
-        with torch.no_grad(), _isolated_rng(device):
+        with torch.no_grad(), isolated_rng(device):
             probe(*clone_inputs(args), **clone_inputs(kwargs))
     except Exception:
         return True
@@ -167,7 +169,7 @@ class ShadowRun:
                     grads.on_output(frame, output)
 
             try:
-                with _isolated_rng(self.live_device), _no_autocast(), full_fp32_precision(), float32_random():
+                with isolated_rng(self.live_device), _no_autocast(), full_fp32_precision(), float32_random():
                     with hooked(shadow, on_output, include, exclude,
                                 on_enter=None if grads is None else grads.on_enter) as state:
                         out = run_forward(shadow, a, kw, state, grad=self.grad or grads is not None)
