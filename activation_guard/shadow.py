@@ -87,6 +87,15 @@ class float32_random(TorchFunctionMode):
         f64 = torch.float64
         if func in (torch.rand, torch.randn) and kwargs.get("dtype") == f64:
             return func(*args, **{**kwargs, "dtype": torch.float32}).to(f64)
+        if func is torch.normal and "out" not in kwargs and (kwargs.get("dtype") == f64 or any(
+                isinstance(a, torch.Tensor) and a.dtype == f64 for a in (*args, *kwargs.values()))):
+            # mean and std in float32 (as the float32 run has them), the draw widened
+            narrow = [a.float() if isinstance(a, torch.Tensor) and a.dtype == f64 else a for a in args]
+            kw: dict[str, Any] = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == f64 else v)
+                                  for k, v in kwargs.items()}
+            if kw.get("dtype") == f64:
+                kw["dtype"] = torch.float32
+            return func(*narrow, **kw).to(f64)
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if first is None or (kwargs.get("dtype") or first.dtype) != f64:
             return func(*args, **kwargs)
@@ -94,7 +103,8 @@ class float32_random(TorchFunctionMode):
             return func(*args, **{**kwargs, "dtype": torch.float32}).to(f64)
         if func in (torch.bernoulli, torch.Tensor.bernoulli) and len(args) == 1 and not kwargs:
             return func(first.float()).to(f64)
-        if func in (torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.exponential_):
+        if func in (torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.exponential_, torch.Tensor.log_normal_,
+                    torch.Tensor.cauchy_, torch.Tensor.geometric_):
             drawn = func(torch.empty_like(first, dtype=torch.float32), *args[1:], **kwargs)
             with torch.no_grad():
                 return first.copy_(drawn)

@@ -404,7 +404,14 @@ def test_float64_references_draw_the_float32_random_numbers(tmp_path: Path) -> N
         assert report.origin is not None and (report.origin.kind, report.origin.name) == ("layer", "1"), str(report)
     for draw in (lambda dt: torch.rand(5, dtype=dt), lambda dt: torch.randn(5, dtype=dt),
                  lambda dt: torch.rand_like(torch.zeros(5, dtype=dt)), lambda dt: torch.zeros(5, dtype=dt).uniform_(),
-                 lambda dt: torch.bernoulli(torch.full((64,), 0.5, dtype=dt))):
+                 lambda dt: torch.bernoulli(torch.full((64,), 0.5, dtype=dt)),
+                 lambda dt: torch.normal(torch.zeros(64, dtype=dt), torch.ones(64, dtype=dt)),
+                 lambda dt: torch.normal(torch.zeros(64, dtype=dt), 2.0),
+                 lambda dt: torch.normal(0.5, torch.ones(64, dtype=dt)),
+                 lambda dt: torch.normal(0.0, 1.0, (64,), dtype=dt),
+                 lambda dt: torch.zeros(64, dtype=dt).log_normal_(),
+                 lambda dt: torch.zeros(64, dtype=dt).cauchy_(),
+                 lambda dt: torch.zeros(64, dtype=dt).geometric_(0.3)):
         torch.manual_seed(1)
         with float32_random():
             wide = draw(torch.float64)
