@@ -162,6 +162,9 @@ def calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tenso
         # weights) are off by that much with zero arithmetic noise
         rf = diff_stats(g.to(lv.dtype), g)
         lf = NoiseFloor(lf.max_abs + rf.max_abs, lf.rms + rf.rms)
+    elif PRECISION.get(gdt, 0) < PRECISION.get(ldt, 0):  # the reverse: the golden was stored rounded
+        rf = diff_stats(lv.to(g.dtype), lv)
+        gf = NoiseFloor(gf.max_abs + rf.max_abs, gf.rms + rf.rms)
     allow_max = m * (gf.max_abs + lf.max_abs) + ABS_TERM
     allow_rms = m * (gf.rms + lf.rms) + ABS_TERM
     if g.dtype != lv.dtype:

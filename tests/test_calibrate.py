@@ -527,3 +527,21 @@ def test_a_models_own_error_keeps_its_type_under_calibration(tmp_path: Path) -> 
         ag.record(Broken(), torch.randn(2, 4), path=tmp_path / "b.h5", calibrate=True)
     assert any("the model itself raises on these inputs too" in n for n in getattr(info.value, "__notes__", []))
     assert not (tmp_path / "b.h5").exists()
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_a_golden_recorded_in_half_precision_accepts_the_float32_model(tmp_path: Path, low: torch.dtype) -> None:
+    """allow_dtype_change works both ways: a golden stored in bf16/fp16 holds rounded values, so the
+    float32 model's exact embedding lookup (no arithmetic noise on either side) once failed at
+    hundreds of times the allowance."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 8)).eval()
+    ids = torch.randint(0, 50, (4, 12))
+    p = tmp_path / "half.h5"
+    ag.record(copy.deepcopy(model).to(low), ids, path=p, calibrate=True)
+    report = ag.compare(model, ids, path=p, tolerance="calibrated", allow_dtype_change=True)
+    assert report.ok, str(report)
+    with torch.no_grad():
+        model[1].weight.mul_(1.2)  # a change far above half-precision rounding is still found
+    bad = ag.compare(model, ids, path=p, tolerance="calibrated", allow_dtype_change=True)
+    assert not bad.ok and bad.first_divergence is not None and bad.first_divergence.name == "1"
