@@ -82,8 +82,13 @@ class CalibratedJudge:
 
     def judge(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
         gdt, ldt = ctx.golden_dtype, ctx.live_dtype
-        if gdt not in CALIBRATED_DTYPES or ldt not in CALIBRATED_DTYPES:
-            return self.strict.judge(ctx, golden, live)  # integers, bools, complex: exact/strict
+        if gdt not in CALIBRATED_DTYPES or ldt not in CALIBRATED_DTYPES:  # integers, bools: exact; complex: strict
+            if golden.is_complex() or live.is_complex():  # not silently: the report lists them
+                self.fallbacks.append(f"{_where(ctx)}: complex values have no noise floor")
+                res = self.strict.judge(ctx, golden, live)
+                res.tolerance_source = f"{res.tolerance_source}; strict: complex values have no noise floor"
+                return res
+            return self.strict.judge(ctx, golden, live)
         tol = self.strict.tolerance(ctx)
         if tol.rule is not None:
             self.explicit[tol.rule.pattern] = self.explicit.get(tol.rule.pattern, 0) + 1

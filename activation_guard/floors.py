@@ -33,7 +33,8 @@ REDUCED_DTYPES = frozenset({
     "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
     "float8_e8m0fnu",
 })
-CALIBRATED_DTYPES = REDUCED_DTYPES | {"float32", "float64"}  # real floating outputs get floors
+# floating outputs get floors; complex ones too (their floors measure |a - b|, the modulus)
+CALIBRATED_DTYPES = REDUCED_DTYPES | {"float32", "float64", "complex64", "complex128"}
 
 
 def multiplier(dtype_name: str, numel: int) -> float:
@@ -73,6 +74,7 @@ def diff_stats(x: torch.Tensor, ref: torch.Tensor) -> NoiseFloor:
     dev = stats_device(x)
     xs = to_device(x.detach(), dev).reshape(-1)
     rs = to_device(ref.detach(), dev).reshape(-1)
+    wide = torch.complex128 if (xs.is_complex() or rs.is_complex()) else torch.float64  # |a - b| as the kernel has it
     n = xs.numel()
     if n != rs.numel():
         raise ValueError(f"diff_stats: {n} elements vs {rs.numel()}")
@@ -81,8 +83,8 @@ def diff_stats(x: torch.Tensor, ref: torch.Tensor) -> NoiseFloor:
     mx = torch.zeros((), dtype=torch.float64, device=dev)
     ss = torch.zeros((), dtype=torch.float64, device=dev)
     for i in range(0, n, CHUNK):
-        a = xs[i : i + CHUNK].to(torch.float64)
-        b = rs[i : i + CHUNK].to(torch.float64)
+        a = xs[i : i + CHUNK].to(wide)
+        b = rs[i : i + CHUNK].to(wide)
         same = (a == b) | (torch.isnan(a) & torch.isnan(b))
         d = torch.nan_to_num(torch.where(same, torch.zeros_like(a), a - b).abs(), nan=math.inf)
         mx = torch.maximum(mx, d.max())

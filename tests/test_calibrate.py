@@ -545,3 +545,33 @@ def test_a_golden_recorded_in_half_precision_accepts_the_float32_model(tmp_path:
         model[1].weight.mul_(1.2)  # a change far above half-precision rounding is still found
     bad = ag.compare(model, ids, path=p, tolerance="calibrated", allow_dtype_change=True)
     assert not bad.ok and bad.first_divergence is not None and bad.first_divergence.name == "1"
+
+
+class Spectral(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = torch.fft.rfft(self.fc(x))
+        return spec, spec.abs()
+
+
+def test_complex_outputs_are_calibrated_too(tmp_path: Path) -> None:
+    """A complex output was judged strictly (with no note) under calibration: TF32 noise in the
+    Linear before an FFT failed it at 100% of its elements."""
+    from activation_guard import emulate_tf32
+
+    torch.manual_seed(0)
+    model, x = Spectral().eval(), torch.randn(16, 32)
+    p = tmp_path / "c.h5"
+    ag.record(model, x, path=p, calibrate=True)
+    with emulate_tf32():
+        noisy = ag.compare(model, x, path=p, tolerance="calibrated")
+    assert noisy.ok, str(noisy)
+    leaf = next(r for r in noisy.layers if r.name == "").leaves[0]
+    assert leaf.dtype == "complex64" and leaf.error_multiple is not None and 0 < leaf.error_multiple <= 1
+    with torch.no_grad():
+        model.fc.weight[3].mul_(1.01)
+    bad = ag.compare(model, x, path=p, tolerance="calibrated")
+    assert not bad.ok and bad.first_divergence is not None and bad.first_divergence.name == "fc"
