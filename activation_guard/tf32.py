@@ -56,7 +56,9 @@ def _operand_table() -> dict[Any, tuple[int, ...]]:
         torch.Tensor.matmul: two, torch.Tensor.mm: two, torch.Tensor.bmm: two,
         torch.Tensor.__matmul__: two, torch.Tensor.__rmatmul__: two,
         torch.addmm: (1, 2), torch.baddbmm: (1, 2), torch.addbmm: (1, 2),
-        torch.Tensor.addmm: (1, 2), torch.Tensor.baddbmm: (1, 2),
+        torch.Tensor.addmm: (1, 2), torch.Tensor.baddbmm: (1, 2), torch.Tensor.addbmm: (1, 2),
+        torch.Tensor.addmm_: (1, 2), torch.Tensor.baddbmm_: (1, 2), torch.Tensor.addbmm_: (1, 2),
+        torch.linalg.matmul: two, torch.tensordot: two, torch.inner: two, torch.Tensor.inner: two,
         F.scaled_dot_product_attention: (0, 1, 2),
     }
     return table
@@ -89,4 +91,8 @@ class emulate_tf32(TorchFunctionMode):
                 args = (args[0], [tf32_round(a) for a in args[1]])
             else:
                 args = (args[0], *(tf32_round(a) for a in args[1:]))
+        elif func is torch.linalg.multi_dot and args and isinstance(args[0], (list, tuple)):
+            args = ([tf32_round(a) for a in args[0]], *args[1:])
+        elif func is torch.chain_matmul:
+            args = tuple(tf32_round(a) for a in args)
         return func(*args, **kwargs)

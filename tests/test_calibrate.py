@@ -11,6 +11,7 @@ import copy
 import json
 import math
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -575,3 +576,31 @@ def test_complex_outputs_are_calibrated_too(tmp_path: Path) -> None:
         model.fc.weight[3].mul_(1.01)
     bad = ag.compare(model, x, path=p, tolerance="calibrated")
     assert not bad.ok and bad.first_divergence is not None and bad.first_divergence.name == "fc"
+
+
+@pytest.mark.parametrize("op", ["linalg.matmul", "tensordot", "inner", "multi_dot", "chain_matmul", "addmm_",
+                                "addbmm", "Tensor.addbmm"])
+def test_emulate_tf32_rounds_every_matmul_family_function(op: str) -> None:
+    """Each once ran in full float32 under emulation: a model using it looked quieter than on a
+    real TF32 GPU. The emulated result equals the float32 one on pre-rounded operands."""
+    torch.manual_seed(0)
+    a, b, c = torch.randn(16, 32), torch.randn(32, 32), torch.randn(32, 8)
+    ops = {
+        "linalg.matmul": lambda a, b, c: torch.linalg.matmul(a, b),
+        "tensordot": lambda a, b, c: torch.tensordot(a, b, dims=1),
+        "inner": lambda a, b, c: torch.inner(a, b),
+        "multi_dot": lambda a, b, c: torch.linalg.multi_dot([a, b, c]),
+        "chain_matmul": lambda a, b, c: torch.chain_matmul(a, b, c),
+        "addmm_": lambda a, b, c: torch.zeros(16, 32).addmm_(a, b),
+        "addbmm": lambda a, b, c: torch.addbmm(torch.zeros(16, 32), a[None], b[None]),
+        "Tensor.addbmm": lambda a, b, c: torch.zeros(16, 32).addbmm(a[None], b[None]),
+    }
+    f = ops[op]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # chain_matmul is deprecated
+        with tf32.emulate_tf32():
+            emulated = f(a, b, c)
+        exact = f(a, b, c)
+        rounded = f(*(tf32.tf32_round(t) for t in (a, b, c)))
+    assert not torch.equal(emulated, exact)
+    assert torch.allclose(emulated, rounded, rtol=1e-5, atol=1e-5)
