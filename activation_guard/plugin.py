@@ -282,6 +282,19 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
     s.merge_worker_output(out.get(WORKER_KEY), f"xdist worker {getattr(node, 'gateway', None) and node.gateway.id}")
 
 
+def _unused_blocker(config: pytest.Config, s: GuardSession) -> str | None:
+    """Why this run cannot tell which goldens are unused, or None. ``--lf`` and ``--sw`` leave
+    tests out without reporting them as deselected, and a crashed xdist worker's used goldens are
+    lost: a golden of a test that passed would be listed (and the advice is to delete it)."""
+    if config.getoption("lf", False):
+        return "--lf runs only the tests that failed last time, and pytest does not tell which it left out"
+    if config.getoption("stepwise", False) or config.getoption("stepwise_skip", False):
+        return "--sw runs from the last failure on, and pytest does not tell which tests it left out"
+    if s.worker_failures:
+        return f"the results of {', '.join(s.worker_failures)} were lost"
+    return None
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     s = _session(config)
@@ -294,7 +307,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             return
         s.ranks.merge_sessions(s)
     if s.settings.unused is not None:
-        s.find_unused(partial_modules(config.args, Path(config.invocation_params.dir), Path(config.rootpath)))
+        s.unused_blocked = _unused_blocker(config, s)
+        if s.unused_blocked is None:
+            s.find_unused(partial_modules(config.args, Path(config.invocation_params.dir), Path(config.rootpath)))
         if s.unused_fail_the_run() and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
     try:

@@ -94,6 +94,7 @@ class GuardSession:
         self.module_dirs: dict[str, str] = {}  # golden module dir (rel) -> module path
         self.outcomes: dict[str, str] = {}  # nodeid -> "clean" | "dirty"
         self.unused: list[str] = []
+        self.unused_blocked: str | None = None  # why --ag-unused could not tell this run (then nothing is listed)
         self.worker_failures: list[str] = []
         self.report_error: str | None = None
         # issue 16 (distributed): a rank_session.RankContext once a check ran in a multi-rank process group
@@ -277,6 +278,8 @@ class GuardSession:
         return self.settings.unused == "fail" and bool(self.unused)
 
     def _unused_lines(self) -> list[str]:
+        if self.settings.unused is not None and self.unused_blocked:
+            return [f"unused goldens not listed: {self.unused_blocked}; run without it to find them"]
         if self.settings.unused is None:
             return []
         if not self.unused:

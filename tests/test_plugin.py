@@ -483,3 +483,32 @@ def test_golden_files_differing_only_by_case_are_refused_with_and_without_xdist(
     res.stdout.fnmatch_lines(["*test_ids?a? (name=None) and *test_ids?A? map to golden files that differ only by "
                               "letter case*"])
     assert [p.name for p in golden_files(ag.path)] == ["test_ids[b].h5"]
+
+
+LF = '''
+import os
+from agmodels import build, inputs
+
+def test_pass(activation_guard):
+    activation_guard.check(build(), inputs())
+
+def test_flaky(activation_guard):
+    activation_guard.check(build(), inputs(), name="f")
+    assert os.environ.get("FAIL") != "1"
+'''
+
+
+def test_unused_goldens_are_not_listed_after_lf(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--lf leaves passing tests out without telling plugins: test_pass's golden was listed as
+    unused, the run failed, and the advice was to delete it."""
+    ag.makepyfile(test_lf=LF)
+    ag.runpytest("--ag-update", *LEAN).assert_outcomes(passed=2)
+    monkeypatch.setenv("FAIL", "1")
+    ag.runpytest(*LEAN).assert_outcomes(passed=1, failed=1)  # the cache now holds test_flaky's failure
+    monkeypatch.setenv("FAIL", "0")
+    res = ag.runpytest("--lf", "--ag-unused", *LEAN)
+    res.assert_outcomes(passed=1)
+    assert res.ret == 0
+    res.stdout.fnmatch_lines(["*unused goldens not listed: --lf runs only the tests that failed last time*"])
+    assert "UNUSED" not in res.stdout.str()
+    assert len(golden_files(ag.path)) == 2

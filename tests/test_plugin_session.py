@@ -335,3 +335,28 @@ def test_golden_recorded_on_cuda_is_checked_with_device_pair_defaults(tmp_path: 
     rep = ag.compare(m, (x,), path=tmp_path / "g.h5")
     assert rep.ok and any("cuda->cpu" in n for n in rep.notes)
     assert rep.layers[0].tolerance_source == "float32 default for cuda->cpu"
+
+
+def test_unused_goldens_are_not_judged_when_the_run_cannot_tell(tmp_path: Path) -> None:
+    """A crashed xdist worker's used goldens are lost (its passed outcomes are not): a golden a
+    passing test used was listed as unused. --lf and --sw leave tests out silently."""
+    from activation_guard.plugin import _unused_blocker
+
+    class Config:
+        def __init__(self, **opts: bool) -> None:
+            self.opts = opts
+
+        def getoption(self, name: str, default: object = None) -> object:
+            return self.opts.get(name, default)
+
+    s = GuardSession(_settings(tmp_path, unused="fail"))
+    assert _unused_blocker(Config(), s) is None  # type: ignore[arg-type]
+    assert "--lf" in (_unused_blocker(Config(lf=True), s) or "")  # type: ignore[arg-type]
+    assert "--sw" in (_unused_blocker(Config(stepwise=True), s) or "")  # type: ignore[arg-type]
+    s.merge_worker_output(None, "xdist worker gw1")
+    why = _unused_blocker(Config(), s)  # type: ignore[arg-type]
+    assert why is not None and "gw1" in why and "lost" in why
+    s.unused_blocked = why
+    assert "unused goldens not listed: the results of xdist worker gw1 were lost; run without it to find them" \
+        in s.summary_lines()
+    assert not s.unused_fail_the_run()
