@@ -85,6 +85,8 @@ class Settings:
     cli_options: dict[str, Any] = field(default_factory=dict)  # from --ag-rtol/--ag-atol/--ag-fail-fast/...
     rootdir: Path = field(default_factory=Path.cwd)
     cli_golden_dir: str | None = None  # --ag-golden-dir as typed (repeated in re-record commands)
+    invocation_dir: Path | None = None  # where pytest was started: re-record commands are typed there
+    cli_rootdir: str | None = None  # pytest's --rootdir as typed (repeated in re-record commands)
 
     def __post_init__(self) -> None:
         if self.update not in UPDATE_MODES:
@@ -116,6 +118,7 @@ class Settings:
         rank_timeout: str | float | None = None,
         ini_fingerprint: str | None = None,
         cli_fingerprint: bool = False,
+        cli_rootdir: str | None = None,
     ) -> Settings:
         """Command-line paths are relative to where pytest was invoked; ini paths to the rootdir."""
         if cli_golden_dir:
@@ -160,6 +163,8 @@ class Settings:
             cli_options=cli,
             rootdir=rootdir,
             cli_golden_dir=cli_golden_dir or None,
+            invocation_dir=invocation_dir,
+            cli_rootdir=cli_rootdir or None,
         )
 
     def display(self, p: str | os.PathLike[str]) -> str:
@@ -274,6 +279,8 @@ def rerecord_command(
     ``nodeid=None``: every test."""
     values = opts.values if opts is not None else settings.cli_options
     argv = ["pytest", "--ag-update=missing" if missing_only else "--ag-update"]
+    if settings.cli_rootdir:  # the golden folder hangs from the rootdir
+        argv.append(f"--rootdir={settings.cli_rootdir}")
     if settings.cli_golden_dir:
         argv.append(f"--ag-golden-dir={settings.cli_golden_dir}")
     if values.get("tolerance") == "calibrated" or values.get("calibrate") is True:
@@ -281,5 +288,20 @@ def rerecord_command(
     if settings.cli_options.get("fingerprint") is True or (fingerprinted and values.get("fingerprint") is None):
         argv.append("--ag-fingerprint")
     if nodeid is not None:
-        argv.append(nodeid)
+        argv.append(_from_invocation(settings, nodeid))
     return " ".join(shlex.quote(a) for a in argv)
+
+
+def _from_invocation(settings: Settings, nodeid: str) -> str:
+    """A node id (its file relative to the rootdir) as typed where pytest was started, so the
+    command runs from there (pytest started in a subfolder, or given --rootdir)."""
+    here = settings.invocation_dir
+    if here is None or "::" not in nodeid:
+        return nodeid
+    module, rest = nodeid.split("::", 1)
+    target = Path(settings.rootdir, module)
+    try:
+        rel = os.path.relpath(target, here)
+    except ValueError:  # another drive (Windows)
+        return str(target) + "::" + rest
+    return Path(rel).as_posix() + "::" + rest

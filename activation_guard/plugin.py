@@ -116,6 +116,7 @@ def pytest_configure(config: pytest.Config) -> None:
             rank_timeout=o.ag_rank_timeout,
             ini_fingerprint=str(config.getini("ag_fingerprint")),
             cli_fingerprint=o.ag_fingerprint,
+            cli_rootdir=getattr(o, "rootdir", None),
         )
     except (OptionError, SpecOptionError) as e:
         raise pytest.UsageError(prefixed(str(e))) from None

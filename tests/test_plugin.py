@@ -512,3 +512,25 @@ def test_unused_goldens_are_not_listed_after_lf(ag: pytest.Pytester, monkeypatch
     res.stdout.fnmatch_lines(["*unused goldens not listed: --lf runs only the tests that failed last time*"])
     assert "UNUSED" not in res.stdout.str()
     assert len(golden_files(ag.path)) == 2
+
+
+def test_the_rerecord_command_runs_where_pytest_was_started(ag: pytest.Pytester,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a subfolder the command named the test by its rootdir-relative path, which does not
+    exist from there ("file or directory not found"); --rootdir was dropped."""
+    import shlex
+
+    ag.makeini("[pytest]\n")
+    sub = ag.path / "tests"
+    (sub / "a").mkdir(parents=True)
+    (sub / "a" / "test_x.py").write_text(WORKFLOW)
+    monkeypatch.syspath_prepend(str(ag.path))  # agmodels, from the subfolder too
+    monkeypatch.chdir(sub / "a")
+    res = ag.runpytest(*LEAN)
+    res.assert_outcomes(failed=1)
+    line = next(ln for ln in res.stdout.lines if "pytest --ag-update" in ln and "test_mlp" in ln)
+    cmd = shlex.split(line.strip())
+    assert cmd[:2] == ["pytest", "--ag-update"] and cmd[2] == "test_x.py::test_mlp", line
+    ag.runpytest(*cmd[1:], *LEAN).assert_outcomes(passed=1)  # the command, typed where we are
+    assert [p.relative_to(ag.path).as_posix() for p in golden_files(ag.path)] == [
+        "golden/tests/a/test_x/test_mlp.h5"]
