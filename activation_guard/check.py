@@ -273,6 +273,11 @@ class GoldenCheck:
                     f"  nothing was written (goldens are only written when asked). To create it, run:\n"
                     f"    {self.rerecord_command(opts)}\n"
                     f"  or create every missing golden with `{rerecord_command(s.settings, missing_only=True)}`."
+                    + ("" if s.settings.has_config_file or s.settings.cli_golden_dir else
+                       f"\n  note: pytest found no configuration file (pytest.ini, pyproject.toml, tox.ini, "
+                       f"setup.cfg), so its rootdir, {s.settings.rootdir}, and with it the golden folder depend "
+                       f"on where pytest is started: started elsewhere, goldens that exist are not found. Add "
+                       f"one at the project root.")
                 ),
                 pytrace=False,
             )

@@ -87,6 +87,7 @@ class Settings:
     cli_golden_dir: str | None = None  # --ag-golden-dir as typed (repeated in re-record commands)
     invocation_dir: Path | None = None  # where pytest was started: re-record commands are typed there
     cli_rootdir: str | None = None  # pytest's --rootdir as typed (repeated in re-record commands)
+    has_config_file: bool = True  # False: pytest found no ini/pyproject, so its rootdir follows the start folder
 
     def __post_init__(self) -> None:
         if self.update not in UPDATE_MODES:
@@ -119,6 +120,7 @@ class Settings:
         ini_fingerprint: str | None = None,
         cli_fingerprint: bool = False,
         cli_rootdir: str | None = None,
+        has_config_file: bool = True,
     ) -> Settings:
         """Command-line paths are relative to where pytest was invoked; ini paths to the rootdir."""
         if cli_golden_dir:
@@ -165,6 +167,7 @@ class Settings:
             cli_golden_dir=cli_golden_dir or None,
             invocation_dir=invocation_dir,
             cli_rootdir=cli_rootdir or None,
+            has_config_file=has_config_file,
         )
 
     def display(self, p: str | os.PathLike[str]) -> str:

@@ -117,6 +117,7 @@ def pytest_configure(config: pytest.Config) -> None:
             ini_fingerprint=str(config.getini("ag_fingerprint")),
             cli_fingerprint=o.ag_fingerprint,
             cli_rootdir=getattr(o, "rootdir", None),
+            has_config_file=config.inipath is not None,
         )
     except (OptionError, SpecOptionError) as e:
         raise pytest.UsageError(prefixed(str(e))) from None

@@ -534,3 +534,16 @@ def test_the_rerecord_command_runs_where_pytest_was_started(ag: pytest.Pytester,
     ag.runpytest(*cmd[1:], *LEAN).assert_outcomes(passed=1)  # the command, typed where we are
     assert [p.relative_to(ag.path).as_posix() for p in golden_files(ag.path)] == [
         "golden/tests/a/test_x/test_mlp.h5"]
+
+
+@pytest.mark.parametrize("ini", [False, True])
+def test_no_golden_without_a_config_file_says_the_folder_moves_with_the_start(ag: pytest.Pytester, ini: bool) -> None:
+    """Without an ini file pytest's rootdir is the start folder's: started from a subfolder,
+    existing goldens were not found and --ag-update=missing wrote second copies, with no hint."""
+    if ini:
+        ag.makeini("[pytest]\n")
+    ag.makepyfile(test_x=WORKFLOW)
+    res = ag.runpytest(*LEAN)
+    res.assert_outcomes(failed=1)
+    said = "pytest found no configuration file" in res.stdout.str()
+    assert said is (not ini)
