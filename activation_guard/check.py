@@ -206,7 +206,10 @@ class GoldenCheck:
             path = self.path(name)
             s.claim(path, self.nodeid, name, owner=self.key.nodeid)
             # issue 16: in a multi-rank run, this rank's golden (record) and the one it compares with
-            rec_path, path = (path, path) if ranks is None else ranks.golden_paths(path)
+            if ranks is None:
+                rec_path = path
+            else:
+                rec_path, path = ranks.golden_paths(path, updating=self.update is not None)
             opts = self.options(**options)
             rec_spec, cmp_spec = engine_specs(opts)
             check_model(model)  # a lambda, torch.compile or TorchScript model: one line, not a traceback

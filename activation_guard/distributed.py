@@ -133,14 +133,16 @@ def other_rank_goldens(path: str | os.PathLike[str]) -> list[str]:
     return sorted(found)
 
 
-def resolve_golden_path(path: str | os.PathLike[str], info: RankInfo | None) -> tuple[str, bool]:
+def resolve_golden_path(path: str | os.PathLike[str], info: RankInfo | None, *,
+                        agree: bool = True) -> tuple[str, bool]:
     """The golden a compare in this process reads, and whether it is a per-rank golden.
 
     A multi-rank run reads its own per-rank golden if one exists (regression against an earlier
     parallel run), else the plain ``path`` (a golden recorded on a single device, compared through
     full tensors). A path naming a per-rank golden is used as given, after checking it is this
     rank's. When neither file exists the per-rank path is returned, so the not-found error names
-    the file a ``record`` in this run would write.
+    the file a ``record`` in this run would write. ``agree=False`` skips the check that every rank
+    makes the same choice (while the ranks are writing their files, some exist before others).
     """
     text = os.fspath(path)
     parsed = split_rank_path(text)
@@ -158,7 +160,7 @@ def resolve_golden_path(path: str | os.PathLike[str], info: RankInfo | None) -> 
     have = [r for r in ranks if os.path.exists(rank_golden_path(text, RankInfo(r, info.world_size)))]
     lack = [r for r in ranks if r not in have]
     mine = os.path.exists(own)
-    if (not mine and have) or (mine and lack and os.path.exists(text)):
+    if agree and ((not mine and have) or (mine and lack and os.path.exists(text))):
         present = sorted(have + ([info.rank] if mine else []))
         absent = sorted(lack + ([] if mine else [info.rank]))
         raise DistributedError(

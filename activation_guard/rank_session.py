@@ -51,9 +51,11 @@ class RankContext:
         """Ranks > 0 send their results to rank 0, which reports."""
         return self.info.rank != 0
 
-    def golden_paths(self, path: Path) -> tuple[Path, Path]:
-        """(the golden a record writes, the golden a compare reads) for a check's plain path."""
-        compare, _ = resolve_golden_path(path, self.info)
+    def golden_paths(self, path: Path, *, updating: bool = False) -> tuple[Path, Path]:
+        """(the golden a record writes, the golden a compare reads) for a check's plain path.
+        ``updating``: goldens are being written (``--ag-update``): ranks write theirs at their own
+        pace, so the ranks' files are not held to one kind yet."""
+        compare, _ = resolve_golden_path(path, self.info, agree=not updating)
         return rank_golden_path(path, self.info), Path(compare)
 
     def gate(self, session: GuardSession, nodeid: str, name: str | None, run: Callable[[], Any],
