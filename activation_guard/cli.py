@@ -175,6 +175,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
              exclude=args.exclude or None, allow_dtype_change=args.allow_dtype_change or None),
         {"rtol": "--rtol", "atol": "--atol", "tolerances": f"--tolerances {args.tolerances}",
          "include": "--include", "exclude": "--exclude", "allow_dtype_change": "--allow-dtype-change"})
+    if not os.path.exists(args.b):  # not "golden ...: re-record the golden": B is the recording being checked
+        raise CliError(f"recording {args.b}: file does not exist (the recording to check against the golden "
+                       f"{args.a}; write it with activation_guard.record)")
     _check_writable(args.plot, "--plot", (args.a, args.b))
     _check_writable(args.html, "--html", (args.a, args.b, *((args.plot,) if args.plot else ())))
     if args.plot:

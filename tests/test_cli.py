@@ -397,3 +397,9 @@ def test_an_output_that_cannot_be_written_exits_2_not_1(demo, capsys, monkeypatc
     monkeypatch.setattr(sys, "stdout", Full())
     assert main(["diff", str(demo.golden), str(demo.golden), "--json"]) == 2
     assert "cannot write the output: No space left on device" in capsys.readouterr().err
+
+
+def test_diff_names_a_missing_second_recording_as_the_recording(demo, tmp_path, capsys):
+    rc, _, err = run(capsys, "diff", demo.golden, tmp_path / "absent.h5")
+    assert rc == 2 and f"recording {tmp_path / 'absent.h5'}: file does not exist" in err
+    assert "re-record the golden" not in err
