@@ -231,7 +231,8 @@ class Block(nn.Module):
 class Blocks(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.inp, self.blocks, self.head = nn.Linear(32, 64), nn.ModuleList([Block() for _ in range(3)]), nn.Linear(64, 8)
+        self.inp, self.head = nn.Linear(32, 64), nn.Linear(64, 8)
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
