@@ -318,7 +318,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
                           transform=None if dcap is None else dcap.convert)
         comp.replayer = _replayer(spec, reader, judge, resolver)
         grads = None if rule is None else grad_api.CompareGradients(rule, reader, spec, judge, comp.live_to_golden,
-                                                                    path)
+                                                                    path, golden_filter)
         on_enter, on_output = (comp.on_enter, comp.on_output) if grads is None else grads.callbacks(comp.on_enter,
                                                                                                       comp.on_output)
         inputs_raw = gmeta.get("inputs")

@@ -12,7 +12,7 @@ checks gradients whenever the golden has them (``backward=None``, the default), 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -140,13 +140,14 @@ class CompareGradients:
     then rows for the report."""
 
     def __init__(self, rule: LossRule, reader: GoldenReader, spec: CompareSpec, judge: Judge,
-                 live_to_golden: Mapping[str, str], path: str):
+                 live_to_golden: Mapping[str, str], path: str,
+                 golden_filter: tuple[Sequence[str] | None, Sequence[str] | None] | None = None):
         self.rule = rule
         self.spec = spec
         gjudge: Judge = judge
         if isinstance(judge, CalibratedJudge):  # the same float64 run holds the gradients' references
             gjudge = CalibratedJudge(grad_floors(reader.meta, path), GradNoise(judge.shadow), judge.strict)
-        self.comparator = GradComparator(reader, spec, gjudge, rule, live_to_golden)
+        self.comparator = GradComparator(reader, spec, gjudge, rule, live_to_golden, golden_filter)
         self.capture = GradCapture(self.comparator)
         self.ran = False
 

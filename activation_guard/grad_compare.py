@@ -21,7 +21,7 @@ weight shared with another module).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -33,6 +33,7 @@ from .grad_store import describe_leaf, floor_path
 from .gradients import Event
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .results import LayerResult, LeafResult, Origin
+from .selection import selected
 from .shadow import ShadowRun
 from .spec import CompareSpec
 from .store import CallEntry, GoldenReader, LeafEntry
@@ -81,8 +82,13 @@ class GradComparator:
     """Judges each live gradient against the golden's as the backward delivers it."""
 
     def __init__(self, reader: GoldenReader, spec: CompareSpec, judge: Judge, rule: LossRule,
-                 live_to_golden: Mapping[str, str]):
+                 live_to_golden: Mapping[str, str],
+                 golden_filter: tuple[Sequence[str] | None, Sequence[str] | None] | None = None):
+        """``golden_filter``: the golden's recorded selection when the hooks could not apply it
+        (under ``rename``), as the forward comparator has it: gradients of layers outside it were
+        never stored, so they are not "unexpected"."""
         self.reader = reader
+        self.golden_filter = golden_filter
         self.spec = spec
         self.judge = judge
         self.rule = rule
@@ -162,6 +168,9 @@ class GradComparator:
             wrt = None if ev.grad == "param" else ev.grad
             entry = self._entry(ev)
             pos = offset + len(out)
+            if entry is None and self.golden_filter is not None and not selected(
+                    self.live_to_golden.get(ev.name) or ev.name, *self.golden_filter):
+                continue
             if entry is None:
                 out.append(LayerResult(ev.name, ev.call, "unexpected", ev.type_name, position=pos, phase=phase, wrt=wrt,
                                        detail=f"the golden has no {what(ev.grad, '' if wrt else None)} for this call"))

@@ -293,3 +293,31 @@ def test_a_pass_that_left_the_goldens_gradients_out_says_so_with_the_pass(tmp_pa
     assert report.ok and lines[0].startswith("activation_guard: OK")
     assert lines[1:] == ["  note: backward: only the golden has gradients; they were not compared"]
     assert str(ag.diff_recordings(tmp_path / "plain.h5", tmp_path / "plain.h5")).count("\n") == 0  # else one line
+
+
+class _Named(torch.nn.Module):
+    """Two blocks under a container whose name a refactor changes (``blocks`` -> ``layers``)."""
+
+    def __init__(self, container: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(4, 8)
+        self.container = container
+        self.add_module(container, torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8)))
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(getattr(self, self.container)(self.inp(x)))
+
+
+def test_gradients_of_layers_a_golden_never_recorded_are_not_unexpected_under_rename(tmp_path: Path) -> None:
+    """A golden recorded with include= and backward=True, compared with rename=: the forward kept to
+    the golden's selection but every other gradient was 'unexpected', and a real backward bug was
+    reported at '<root>'."""
+    x = torch.randn(2, 4)
+    p = tmp_path / "g.h5"
+    ag.record(_Named("blocks"), x, path=p, backward=True, include="blocks.*")
+    report = ag.compare(_Named("layers"), x, path=p, rename={"blocks": "layers"})
+    assert report.ok, str(report)
+    assert all(r.status != "unexpected" for r in report.layers)
+    assert {r.name for r in report.layers if r.phase != "forward"} <= {"layers.0", "layers.1", "layers.2"}
