@@ -181,7 +181,7 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
     on_enter, on_output = (rec.on_enter, rec.on_output) if grads is None else grads.callbacks(rec.on_enter,
                                                                                                  rec.on_output)
     try:
-        with hooked(target, on_output, inc, exc, on_enter=on_enter) as state:
+        with hooked(target, on_output, inc, exc, on_enter=on_enter, on_abandon=rec.on_abandon) as state:
             out = run_forward(target, a, kw, state, grad=spec.grad or grads is not None)
         if not writer.calls:
             raise nothing_selected(inc, exc, [n for n, _ in model.named_modules()])

@@ -185,6 +185,7 @@ def hooked(
     *,
     on_enter: EnterCallback | None = None,
     want_rng: bool = False,
+    on_abandon: EnterCallback | None = None,
 ) -> Iterator[HookState]:
     """Install hooks on every (selected) module; always remove them.
 
@@ -192,6 +193,7 @@ def hooked(
     as passed); ``on_output(frame, output)`` when it returns (eager), or for each staged call after
     :func:`run_forward` (compiled regions, whose arguments and outputs are cloned snapshots).
     Modules return post-order, so children complete (and are reported) before their parents.
+    ``on_abandon(frame)``: a call that raised, caught by a caller, is dropped when its caller returns.
     """
     if not isinstance(target, Target):
         target = check_model(target)
@@ -228,6 +230,12 @@ def hooked(
             if state.replaying or (not staged and threading.get_ident() != owner):
                 return
             frame = stack.pop()
+            while frame.module is not mod and stack:
+                # a call that raised, its exception caught by a caller (try a fast path, fall back):
+                # it never returns, so its frame is dropped here, not filed under this call's name
+                if on_abandon is not None:
+                    on_abandon(frame)
+                frame = stack.pop()
             k = state.calls.get(name, 0)
             state.calls[name] = k + 1
             frame.call = k

@@ -65,6 +65,7 @@ class Recorder:
         self.names: list[str] = []
         self._stored: dict[int, _Stored] = {}
         self._pending: dict[int, list[dict[str, Any]]] = {}  # id(frame) -> its inputs' index entries
+        self._inputs_of: dict[int, list[int]] = {}  # id(frame) -> ids of the input tensors it remembered
         self._calls_started: dict[str, int] = {}
 
     # ------------------------------------------------------------------ inputs
@@ -92,10 +93,21 @@ class Recorder:
         except Exception as e:
             raise ActivationGuardError(f"recording {where} failed: {e}") from e
         if not recursive:
+            mine = self._inputs_of.setdefault(id(frame), [])
             for leaf, kept in zip(leaves, stored):
                 if leaf.kind == "tensor" and leaf.tensor is not None:
                     self._remember(leaf.tensor, frame.name, call, "in", leaf.path, kept.kind == "fingerprint")
+                    mine.append(id(leaf.tensor))
         self._pending[id(frame)] = entries
+
+    def on_abandon(self, frame: Frame) -> None:
+        """A call that raised (its caller caught the exception) is never stored: later inputs must
+        not refer to its inputs, which no index entry will hold."""
+        self._pending.pop(id(frame), None)
+        for tid in self._inputs_of.pop(id(frame), ()):
+            s = self._stored.get(tid)
+            if s is not None and s.section == "in" and s.name == frame.name:
+                del self._stored[tid]
 
     def _running(self, frame: Frame) -> bool:
         f = frame.parent
@@ -127,6 +139,7 @@ class Recorder:
             if self.transform is not None:  # issue 16 (distributed)
                 self.transform(name, leaves)
             stored = leaves if self.fingerprinter is None else self.fingerprinter(name, leaves)  # on their device
+            self._inputs_of.pop(id(frame), None)
             self.writer.add_call(name, call, type(frame.module).__name__, stored,
                                  inputs=self._pending.pop(id(frame), None) if self.inputs else None)
             if self.shadow is not None:

@@ -320,3 +320,49 @@ def test_ten_thousand_layer_calls(tmp_path):
     # the nudge is added after `step` returned: its first consumer is call 4,900 of `act`
     assert (rep.first_divergence.name, rep.first_divergence.call) == ("act", 4_900)
     assert sum(r.ok for r in rep.layers) == 9_801  # step 0..4900 and act 0..4899
+
+
+class _NoKernel(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("kernel unavailable")
+
+
+class _Fallback(nn.Module):
+    """Tries a fast path and falls back when it raises: a common pattern in kernels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fast, self.slow, self.k = _NoKernel(), nn.Linear(4, 4), 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            y = self.fast(x)
+        except RuntimeError:
+            y = self.slow(x)
+        return y * self.k
+
+
+class _Top(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p, self.head = _Fallback(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.p(x))
+
+
+@pytest.mark.parametrize("replay", ["off", "first", "all"])
+def test_a_call_that_raised_and_was_caught_is_not_recorded_under_another_name(tmp_path: Path, replay: str) -> None:
+    """The failed call's frame stayed on the call stack: every later output was filed under the
+    wrong layer ('p.fast' held p's output, '<root>' was missing) and compare crashed on the
+    golden's dangling references to the failed call's inputs."""
+    torch.manual_seed(0)
+    m, x = _Top().eval(), torch.randn(2, 4)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p)
+    with ag.read_golden(p) as r:
+        assert [c.name for c in r.calls] == ["p.slow", "p", "head", ""]
+    assert ag.compare(m, x, path=p, replay=replay).ok
+    m.p.k = 2.0
+    report = ag.compare(m, x, path=p, replay=replay)
+    assert not report.ok and report.first_divergence is not None and report.first_divergence.name == "p"
