@@ -24,7 +24,7 @@ from . import calibrate as calmod
 from . import dist_capture as distcap  # issue 16 (distributed)
 from . import env as envmod
 from . import grad_api
-from .capture import check_model, hooked, normalize_inputs, run_forward
+from .capture import check_model, hook_notes, hooked, normalize_inputs, run_forward
 from .comparator import Comparator, StopForward, recorded_selection
 from .fingerprint import FingerprintParams
 from .fingerprint_leaves import Fingerprinter, meta_entry
@@ -294,6 +294,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     a, kw = normalize_inputs(args, kwargs)
     live_inputs = envmod.input_fingerprint(a, kw)
     live_modes = envmod.training_modes(model, target.modules)
+    user_hooks = hook_notes(target)  # before ours are added
     dev = envmod.model_device(model, a, kw)
     judge: Judge | None = None
     # issue 16: the golden this rank compares with (replay is off in a multi-rank run)
@@ -376,6 +377,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
                             f"{resolver.device_pair} default tolerances apply")
     report.notes += selection_notes(spec, resolver, layers)
     report.notes += notes
+    report.notes += user_hooks
     if dcap is not None:  # issue 16 (distributed): the report names the rank
         report.rank, report.world_size = dcap.info.rank, dcap.info.world_size
         report.notes += dcap.notes()

@@ -279,6 +279,25 @@ def hooked(
                 _reset_dynamo()  # graphs compiled with our hooks must not outlive them
 
 
+def hook_notes(target: Target) -> list[str]:
+    """Report notes for forward hooks the model carries itself. Ours run first (the output as the
+    module returned it: tensor parallelism's own hook turns it into a shard), so what a user's hook
+    changes is seen by the layers that receive it, and, on the model itself, by no one."""
+    hooked_names = [layer_name(n) for n, m in target.modules if getattr(m, "_forward_hooks", None)]
+    if not hooked_names:
+        return []
+    out = []
+    if "" in hooked_names:
+        out.append("the model itself has forward hooks of its own, which run after its output is read: what they "
+                   "change in the output the caller receives is not compared")
+    inner = [n for n in hooked_names if n]
+    if inner:
+        shown = ", ".join(repr(n) for n in inner[:5]) + (", ..." if len(inner) > 5 else "")
+        out.append(f"{len(inner)} layer(s) have forward hooks of their own ({shown}), which run after their outputs "
+                   f"are read: what those hooks change is judged in the layers that receive it")
+    return out
+
+
 def _install(mod: torch.nn.Module, pre: Callable[..., None], post: Callable[..., None]) -> Callable[[], None]:
     """Add a with-kwargs forward pre-hook and a prepended with-kwargs forward hook to ``mod``;
     return what removes both.

@@ -366,3 +366,26 @@ def test_a_call_that_raised_and_was_caught_is_not_recorded_under_another_name(tm
     m.p.k = 2.0
     report = ag.compare(m, x, path=p, replay=replay)
     assert not report.ok and report.first_divergence is not None and report.first_divergence.name == "p"
+
+
+def test_the_models_own_forward_hooks_are_named_in_the_report(tmp_path: Path) -> None:
+    """Our hooks read each output before the model's own forward hooks run (tensor parallelism's
+    hook turns outputs into shards after us). What a hook on the model itself changes reaches no
+    layer: a pass once said nothing of it."""
+    torch.manual_seed(0)
+    m, x = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval(), torch.randn(2, 4)
+    scale = {"v": 1.0}
+    m.register_forward_hook(lambda mod, a, out: out * scale["v"])
+    m[0].register_forward_hook(lambda mod, a, out: out + 0.0)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p)
+    scale["v"] = 2.0
+    report = ag.compare(m, x, path=p)
+    text = str(report).splitlines()
+    assert report.ok and text[0].startswith("activation_guard: OK")
+    assert ("  note: the model itself has forward hooks of its own, which run after its output is read: what they "
+            "change in the output the caller receives is not compared") in text
+    assert any("1 layer(s) have forward hooks of their own ('0')" in n for n in report.notes)
+    plain = nn.Sequential(nn.Linear(4, 4)).eval()
+    ag.record(plain, x, path=tmp_path / "plain.h5")
+    assert not ag.compare(plain, x, path=tmp_path / "plain.h5").notes  # no hooks, no note
