@@ -38,13 +38,14 @@ def _version(t: torch.Tensor) -> int | None:
 class _Stored:
     """Where a stored tensor's bytes are, and the tensor as it was then (object and version)."""
 
-    __slots__ = ("call", "fingerprint", "name", "path", "ref", "section", "version")
+    __slots__ = ("call", "fingerprint", "frame", "name", "path", "ref", "section", "version")
 
     def __init__(self, t: torch.Tensor, name: str, call: int, section: str, path: str, fingerprint: bool = False):
         self.ref = weakref.ref(t)
         self.version = _version(t)
         self.name, self.call, self.section, self.path = name, call, section, path
         self.fingerprint = fingerprint  # stored as a fingerprint: a full copy stored later is preferred
+        self.frame: int | None = None  # an input of a call still running (its number may change): id of its frame
 
 
 class Recorder:
@@ -66,6 +67,11 @@ class Recorder:
         self._stored: dict[int, _Stored] = {}
         self._pending: dict[int, list[dict[str, Any]]] = {}  # id(frame) -> its inputs' index entries
         self._inputs_of: dict[int, list[int]] = {}  # id(frame) -> ids of the input tensors it remembered
+        # a call's number is known when it returns; its inputs are referred to while it runs, under
+        # the number it would have then. A module re-entered while running (recursion) returns with
+        # another: the references made meanwhile are corrected when it returns
+        self._assumed: dict[int, int] = {}  # id(frame) -> the call number its inputs were stored under
+        self._refs: dict[int, list[dict[str, Any]]] = {}  # id(frame) -> index entries referring to its inputs
         self._calls_started: dict[str, int] = {}
 
     # ------------------------------------------------------------------ inputs
@@ -79,11 +85,15 @@ class Recorder:
         leaves = flatten_inputs(frame.args, frame.kwargs)
         if self.transform is not None:  # issue 16 (distributed)
             self.transform(frame.name, leaves)
+        running: list[tuple[int, int]] = []  # (leaf index, frame id) of references to a running call's inputs
         for i, leaf in enumerate(leaves):
             if leaf.kind == "tensor" and leaf.tensor is not None:
                 alias = self._alias(leaf.tensor)
                 if alias is not None:
                     leaves[i] = Leaf(leaf.path, "alias", type_name=leaf.type_name, alias=alias)
+                    target = self._stored[id(leaf.tensor)].frame
+                    if target is not None:
+                        running.append((i, target))
         where = f"the inputs of layer {frame.name or '<root>'!r} call {call}"
         try:
             stored = leaves if self.fingerprinter is None else self.fingerprinter(frame.name, leaves)
@@ -92,11 +102,17 @@ class Recorder:
             raise
         except Exception as e:
             raise ActivationGuardError(f"recording {where} failed: {e}") from e
+        for i, target in running:
+            self._refs.setdefault(target, []).append(entries[i])
         if not recursive:
             mine = self._inputs_of.setdefault(id(frame), [])
+            self._assumed[id(frame)] = call
             for leaf, kept in zip(leaves, stored):
                 if leaf.kind == "tensor" and leaf.tensor is not None:
                     self._remember(leaf.tensor, frame.name, call, "in", leaf.path, kept.kind == "fingerprint")
+                    s = self._stored.get(id(leaf.tensor))
+                    if s is not None and s.section == "in" and s.name == frame.name:
+                        s.frame = id(frame)
                     mine.append(id(leaf.tensor))
         self._pending[id(frame)] = entries
 
@@ -104,10 +120,24 @@ class Recorder:
         """A call that raised (its caller caught the exception) is never stored: later inputs must
         not refer to its inputs, which no index entry will hold."""
         self._pending.pop(id(frame), None)
+        self._assumed.pop(id(frame), None)
+        self._refs.pop(id(frame), None)
         for tid in self._inputs_of.pop(id(frame), ()):
             s = self._stored.get(tid)
-            if s is not None and s.section == "in" and s.name == frame.name:
+            if s is not None and s.section == "in" and s.frame == id(frame):
                 del self._stored[tid]
+
+    def _settle(self, frame: Frame) -> None:
+        """The call returned with its number: references to its inputs made while it ran name it."""
+        assumed = self._assumed.pop(id(frame), frame.call)
+        refs = self._refs.pop(id(frame), ())
+        for tid in self._inputs_of.pop(id(frame), ()):
+            s = self._stored.get(tid)
+            if s is not None and s.section == "in" and s.frame == id(frame):
+                s.call, s.frame = frame.call, None
+        if assumed != frame.call:
+            for entry in refs:
+                entry["call"] = frame.call
 
     def _running(self, frame: Frame) -> bool:
         f = frame.parent
@@ -139,7 +169,7 @@ class Recorder:
             if self.transform is not None:  # issue 16 (distributed)
                 self.transform(name, leaves)
             stored = leaves if self.fingerprinter is None else self.fingerprinter(name, leaves)  # on their device
-            self._inputs_of.pop(id(frame), None)
+            self._settle(frame)
             self.writer.add_call(name, call, type(frame.module).__name__, stored,
                                  inputs=self._pending.pop(id(frame), None) if self.inputs else None)
             if self.shadow is not None:

@@ -175,6 +175,10 @@ class Replayer:
         if frame.rng is not None and not torch.equal(torch.get_rng_state(), frame.rng[0]):
             self.drew_random.add((frame.name, frame.call))  # it returned just now: the state moved in it
         children = start.children
+        if any(c.module is frame.module for c in children):
+            reason = "it calls itself (recursion): a re-run cannot tell its own call from the inner ones"
+            self.failures[reason] = self.failures.get(reason, 0) + 1
+            return OwnResult(None, reason)
         stored = next((c for c in children if c.entry.fingerprinted), None)
         if stored is not None:  # its children return the golden's values during its replay: none to return
             reason = (f"replay needs full values, but its child {display_name(stored.name)!r} is stored as a "

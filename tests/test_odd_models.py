@@ -389,3 +389,29 @@ def test_the_models_own_forward_hooks_are_named_in_the_report(tmp_path: Path) ->
     plain = nn.Sequential(nn.Linear(4, 4)).eval()
     ag.record(plain, x, path=tmp_path / "plain.h5")
     assert not ag.compare(plain, x, path=tmp_path / "plain.h5").notes  # no hooks, no note
+
+
+class _Recursive(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+        return x if depth == 0 else self(self.a(x), depth - 1)
+
+
+@pytest.mark.parametrize("replay", ["off", "first", "all"])
+def test_a_module_that_calls_itself(tmp_path: Path, replay: str) -> None:
+    """Calls are numbered as they return, so the outer call of a recursive module returns last:
+    references to its inputs, stored under the number it would have had when it started, named
+    another call, and any divergence crashed the compare ('the golden does not hold' them)."""
+    torch.manual_seed(0)
+    m, x = _Recursive().eval(), torch.randn(2, 4)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p)
+    assert ag.compare(m, x, path=p, replay=replay).ok
+    with torch.no_grad():
+        m.a.bias[0] += 1e-3
+    report = ag.compare(m, x, path=p, replay=replay)
+    assert not report.ok and report.first_divergence is not None
+    assert (report.first_divergence.name, report.first_divergence.call) == ("a", 0)
