@@ -283,7 +283,8 @@ def hook_notes(target: Target) -> list[str]:
     """Report notes for forward hooks the model carries itself. Ours run first (the output as the
     module returned it: tensor parallelism's own hook turns it into a shard), so what a user's hook
     changes is seen by the layers that receive it, and, on the model itself, by no one."""
-    hooked_names = [layer_name(n) for n, m in target.modules if getattr(m, "_forward_hooks", None)]
+    hooked_names = [layer_name(n) for n, m in target.modules
+                    if any(not _torch_owned(h) for h in (getattr(m, "_forward_hooks", None) or {}).values())]
     if not hooked_names:
         return []
     out = []
@@ -296,6 +297,12 @@ def hook_notes(target: Target) -> list[str]:
         out.append(f"{len(inner)} layer(s) have forward hooks of their own ({shown}), which run after their outputs "
                    f"are read: what those hooks change is judged in the layers that receive it")
     return out
+
+
+def _torch_owned(hook: Any) -> bool:
+    """A hook torch installed itself (tensor parallelism's input/output conversions): not a user's."""
+    fn = getattr(hook, "func", hook)  # functools.partial
+    return str(getattr(fn, "__module__", "") or "").startswith("torch.")
 
 
 def _install(mod: torch.nn.Module, pre: Callable[..., None], post: Callable[..., None]) -> Callable[[], None]:
