@@ -314,6 +314,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             s.find_unused(partial_modules(config.args, Path(config.invocation_params.dir), Path(config.rootpath)))
         if s.unused_fail_the_run() and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if config.getoption("collectonly", False):  # nothing ran: no report, and no file written
+        return
     try:
         s.write_report()
     except OSError as e:
@@ -336,5 +338,5 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.line(line, **markup)
     if s.report_error:
         terminalreporter.line(s.report_error, red=True)
-    elif s.settings.report_path is not None:
+    elif s.settings.report_path is not None and not config.getoption("collectonly", False):
         terminalreporter.line(f"report written to {s.settings.display(s.settings.report_path)}")

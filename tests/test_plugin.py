@@ -547,3 +547,11 @@ def test_no_golden_without_a_config_file_says_the_folder_moves_with_the_start(ag
     res.assert_outcomes(failed=1)
     said = "pytest found no configuration file" in res.stdout.str()
     assert said is (not ini)
+
+
+def test_collect_only_writes_no_report(ag: pytest.Pytester) -> None:
+    ag.makepyfile(test_x=WORKFLOW)
+    res = ag.runpytest("--collect-only", "--ag-report=out/report.json", *LEAN)
+    assert res.ret == 0
+    assert not (ag.path / "out").exists() and "report written" not in res.stdout.str()
+    assert golden_files(ag.path) == []
