@@ -57,7 +57,11 @@ class OwnResult:
     layer: LayerResult | None
     reason: str | None = None
     between: tuple[str | None, str] | None = None
-    args_changed: bool = False  # not replayed because the call's arguments differ in structure
+
+    @property
+    def args_changed(self) -> bool:
+        """Not replayed because the call's arguments differ in structure (its caller's doing)."""
+        return isinstance(self.reason, ArgsChanged)
 
 
 class ArgsChanged(str):
@@ -161,30 +165,24 @@ class Replayer:
         comparator's leaf matching."""
         golden = self._golden_inputs(frame, entry)
         if isinstance(golden, str):
-            self.failures[golden] = self.failures.get(golden, 0) + 1
-            return OwnResult(None, golden, args_changed=isinstance(golden, ArgsChanged))
+            return self._not_replayed(golden)
         start = frame.data if isinstance(frame.data, CallStart) else CallStart([], {})
         if any(v is None for v in start.objects.values()):
-            reason = "it takes an object that could not be copied when the call started, so a re-run would differ"
-            self.failures[reason] = self.failures.get(reason, 0) + 1
-            return OwnResult(None, reason)
+            return self._not_replayed("it takes an object that could not be copied when the call started, so a "
+                                      "re-run would differ")
         rewind = _rewind(start)
         if isinstance(rewind, str):
-            self.failures[rewind] = self.failures.get(rewind, 0) + 1
-            return OwnResult(None, rewind)
+            return self._not_replayed(rewind)
         if frame.rng is not None and not torch.equal(torch.get_rng_state(), frame.rng[0]):
             self.drew_random.add((frame.name, frame.call))  # it returned just now: the state moved in it
         children = start.children
         if any(c.module is frame.module for c in children):
-            reason = "it calls itself (recursion): a re-run cannot tell its own call from the inner ones"
-            self.failures[reason] = self.failures.get(reason, 0) + 1
-            return OwnResult(None, reason)
+            return self._not_replayed("it calls itself (recursion): a re-run cannot tell its own call from the "
+                                      "inner ones")
         stored = next((c for c in children if c.entry.fingerprinted), None)
         if stored is not None:  # its children return the golden's values during its replay: none to return
-            reason = (f"replay needs full values, but its child {display_name(stored.name)!r} is stored as a "
-                      f"fingerprint")
-            self.failures[reason] = self.failures.get(reason, 0) + 1
-            return OwnResult(None, reason)
+            return self._not_replayed(f"replay needs full values, but its child {display_name(stored.name)!r} is "
+                                      f"stored as a fingerprint")
         outputs = GoldenOutputs(self.cache, children)
         judge: Judge = self.strict
         ref_hooks: ChildHooks | None = None
@@ -200,9 +198,7 @@ class Replayer:
             out = self._run(frame.module, frame, args, kwargs, hooks, {c.name: c.module for c in children},
                             rewind=rewind)
         except Exception as e:  # a replay never breaks the comparison: the origin says why
-            reason = f"re-running it on the golden's inputs raised {type(e).__name__}: {e}"
-            self.failures[reason] = self.failures.get(reason, 0) + 1
-            return OwnResult(None, reason)
+            return self._not_replayed(f"re-running it on the golden's inputs raised {type(e).__name__}: {e}")
         leaves: list[LeafResult] = compare(entry, flatten(out), frame.name, judge)
         between = None
         if hooks is not None:
@@ -215,6 +211,11 @@ class Replayer:
         self.replayed += 1
         return OwnResult(LayerResult.from_leaves(frame.name, frame.call, type(frame.module).__name__, leaves),
                          between=between)
+
+    def _not_replayed(self, reason: str) -> OwnResult:
+        """Why a call was not replayed, counted for the report's notes."""
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+        return OwnResult(None, reason)
 
     def _reference_outputs(self, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any],
                            children: list[ChildCall], outputs: GoldenOutputs,
