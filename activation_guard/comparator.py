@@ -25,9 +25,9 @@ from .fingerprint_rule import FingerprintJudge
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaves import Leaf, LeafTransform, flatten
 from .rename import apply_rename, renamed_patterns
-from .replay import REPLAYABLE, Replayer, judge_by_own, keep_own, remember_start
+from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own, remember_start
 from .results import LayerResult, LeafResult, Origin
-from .selection import Selector, display_name, selected
+from .selection import Selector, selected
 from .spec import CompareSpec
 from .store import CallEntry, GoldenReader, LeafEntry
 
@@ -183,10 +183,7 @@ class Comparator:
         first = next((r for r in self.results if not r.ok), None)
         if first is not None and self.inputs_replaced:
             root = next((r for r in self.results if r.name == ""), None)
-            return Origin("", 0, "inputs", first.own_max_abs_diff, type_name="" if root is None else root.type_name,
-                          detail=(f"the model's inputs differ from the recording: the first diverging layer, "
-                                  f"{display_name(first.name)!r}, gives the golden's output when re-run on the "
-                                  f"golden's inputs"))
+            return inputs_origin("", "" if root is None else root.type_name, first.name, first.own_max_abs_diff)
         return None
 
     def _compare_call(self, entry: CallEntry, leaves: list[Leaf], name: str,

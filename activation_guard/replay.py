@@ -306,9 +306,7 @@ class Replayer:
                 f"computation changed" + self.random_hint(frame.name, frame.call)))
         if inputs_changed:
             root = self._root(frame)
-            return Origin(root.name, 0, "inputs", err, type_name=type(root.module).__name__, detail=(
-                f"the model's inputs differ from the recording: the first diverging layer, "
-                f"{display_name(frame.name)!r}, gives the golden's output when re-run on the golden's inputs"))
+            return inputs_origin(root.name, type(root.module).__name__, frame.name, err)
         parent = frame.parent
         differ = self._inputs_differ(frame, entry)
         if parent is None or differ is False:
@@ -399,6 +397,14 @@ class Replayer:
         out += [f"{n} replayed call(s) had no own noise floor ({why}): judged with the golden's floors, or strictly"
                 for why, n in self.no_reference.items()]
         return out
+
+
+def inputs_origin(root: str, root_type: str, first: str, own_error: float | None) -> Origin:
+    """The model's inputs differ from the recording, and the first diverging call ``first`` gives
+    the golden's output on the golden's inputs."""
+    return Origin(root, 0, "inputs", own_error, type_name=root_type, detail=(
+        f"the model's inputs differ from the recording: the first diverging layer, {display_name(first)!r}, "
+        f"gives the golden's output when re-run on the golden's inputs"))
 
 
 def keep_own(res: LayerResult, own: LayerResult) -> None:
