@@ -137,16 +137,19 @@ def input_fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dic
     return out
 
 
-def describe_input_change(golden: list[dict[str, Any]] | None, live: list[dict[str, Any]]) -> list[str]:
+def _changed_inputs(golden: list[dict[str, Any]] | None,
+                    live: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any] | None, dict[str, Any] | None]]:
+    """(path, recorded, live) of each model input whose record differs (None: absent on that side)."""
     if golden is None:
         return []
     g = {str(e.get("path")): e for e in golden if isinstance(e, dict)}
     lv = {str(e["path"]): e for e in live}
+    return [(p, g.get(p), lv.get(p)) for p in sorted(set(g) | set(lv)) if g.get(p) != lv.get(p)]
+
+
+def describe_input_change(golden: list[dict[str, Any]] | None, live: list[dict[str, Any]]) -> list[str]:
     msgs = []
-    for p in sorted(set(g) | set(lv)):
-        a, b = g.get(p), lv.get(p)
-        if a == b:
-            continue
+    for p, a, b in _changed_inputs(golden, live):
         if a is None:
             msgs.append(f"input {p} is new")
         elif b is None:
@@ -162,17 +165,8 @@ def inputs_replaced(golden: list[dict[str, Any]] | None, live: list[dict[str, An
     """Whether the model's inputs differ from the recording's by more than their dtype: an input
     added, removed or reshaped, or other values in the same dtype. A dtype change alone (the same
     inputs cast to bfloat16) is a change of precision, which ``replay="all"`` is meant to judge."""
-    if golden is None:
-        return False
-    g = {str(e.get("path")): e for e in golden if isinstance(e, dict)}
-    lv = {str(e["path"]): e for e in live}
-    for p in set(g) | set(lv):
-        a, b = g.get(p), lv.get(p)
-        if a == b:
-            continue
-        if a is None or b is None or a.get("shape") != b.get("shape") or a.get("dtype") == b.get("dtype"):
-            return True
-    return False
+    return any(a is None or b is None or a.get("shape") != b.get("shape") or a.get("dtype") == b.get("dtype")
+               for _, a, b in _changed_inputs(golden, live))
 
 
 def _on(v: Any) -> str:
