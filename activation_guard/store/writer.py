@@ -122,27 +122,25 @@ class GoldenWriter:
     def _write_tensor(self, t: torch.Tensor, pack_up_to: int = SMALL_LEAF_BYTES) -> dict[str, Any]:
         info = dtypes.info_for(t.dtype)
         small = dtypes.numpy_view(t) if t.numel() * t.element_size() <= pack_up_to else None
+        packed: bytes | None
         if small is not None:  # thousands of tiny layers: their bytes in logical order, copied once
             packed = small.tobytes()
             nbytes = len(packed)
             crc = zlib.crc32(packed) if nbytes else 0
-            entry: dict[str, Any] = {"kind": "tensor", "dtype": info.name, "shape": list(small.shape),
-                                     "nbytes": nbytes, "crc32": crc}
-            self._pack_small(entry, packed)
-            self.nbytes += nbytes
-            return entry
-        raw = dtypes.tensor_bytes(t)
-        nbytes = int(raw.size)
-        crc = zlib.crc32(raw.data) if nbytes else 0
-        entry = {
+        else:
+            raw = dtypes.tensor_bytes(t)
+            nbytes = int(raw.size)
+            crc = zlib.crc32(raw.data) if nbytes else 0
+            packed = raw.tobytes() if nbytes <= pack_up_to else None  # copy: the snapshot
+        entry: dict[str, Any] = {
             "kind": "tensor",
             "dtype": info.name,
             "shape": [int(s) for s in t.shape],
             "nbytes": nbytes,
             "crc32": crc,
         }
-        if nbytes <= pack_up_to:
-            self._pack_small(entry, raw.tobytes())  # copy: the snapshot
+        if packed is not None:
+            self._pack_small(entry, packed)
         else:
             if self._data_group is None:
                 self._data_group = self.f.create_group("data")
