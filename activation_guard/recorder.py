@@ -109,10 +109,8 @@ class Recorder:
             self._assumed[id(frame)] = call
             for leaf, kept in zip(leaves, stored):
                 if leaf.kind == "tensor" and leaf.tensor is not None:
-                    self._remember(leaf.tensor, frame.name, call, "in", leaf.path, kept.kind == "fingerprint")
-                    s = self._stored.get(id(leaf.tensor))
-                    if s is not None and s.section == "in" and s.name == frame.name:
-                        s.frame = id(frame)
+                    self._remember(leaf.tensor, frame.name, call, "in", leaf.path, kept.kind == "fingerprint",
+                                   frame=id(frame))
                     mine.append(id(leaf.tensor))
         self._pending[id(frame)] = entries
 
@@ -154,11 +152,14 @@ class Recorder:
         return {"name": s.name, "call": s.call, "section": s.section, "of": s.path}
 
     def _remember(self, t: torch.Tensor, name: str, call: int, section: str, path: str,
-                  fingerprint: bool = False) -> None:
+                  fingerprint: bool = False, *, frame: int | None = None) -> None:
+        """``frame``: the inputs of a call still running (its number is settled when it returns)."""
         old = self._stored.get(id(t))
         # a full copy beats a fingerprint (a Sequential returns its last child's output object)
         if old is None or old.ref() is not t or (old.fingerprint and not fingerprint):
-            self._stored[id(t)] = _Stored(t, name, call, section, path, fingerprint)
+            new = _Stored(t, name, call, section, path, fingerprint)
+            new.frame = frame
+            self._stored[id(t)] = new
 
     # ------------------------------------------------------------------ outputs
     def on_output(self, frame: Frame, output: Any) -> None:
