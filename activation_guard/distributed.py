@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,11 +33,10 @@ from typing import Any, TypeVar, Union
 
 import torch
 
+from . import paths
 from .errors import DistributedError
 
-SUFFIX = ".h5"
-# the same rank part as activation_guard.paths.RANK_PART (kept torch-free there; a test checks they agree)
-_RANK_FILE = re.compile(r"(.+)\.rank(0|[1-9][0-9]*)-of-([1-9][0-9]*)\.h5\Z", re.DOTALL)
+SUFFIX = paths.SUFFIX
 
 PathT = TypeVar("PathT", str, Path)
 
@@ -105,13 +103,11 @@ def split_rank_path(path: str | os.PathLike[str]) -> tuple[str, RankInfo] | None
     non-canonical spellings such as ``rank01`` or a rank outside the world)."""
     text = os.fspath(path)
     head, base = os.path.split(text)
-    m = _RANK_FILE.match(base)
-    if m is None:
+    parts = paths.split_rank_part(base[: -len(SUFFIX)]) if base.endswith(SUFFIX) else None
+    if parts is None or not parts[0]:
         return None
-    rank, world = int(m.group(2)), int(m.group(3))
-    if rank >= world or world == 1:
-        return None
-    return os.path.join(head, m.group(1) + SUFFIX) if head else m.group(1) + SUFFIX, RankInfo(rank, world)
+    stem, rank, world = parts
+    return os.path.join(head, stem + SUFFIX) if head else stem + SUFFIX, RankInfo(rank, world)
 
 
 def other_rank_goldens(path: str | os.PathLike[str]) -> list[str]:
