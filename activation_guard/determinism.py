@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .api import compare, record
+from .env import model_device
 from .numerics import PrecisionFlags, precise_fp32
 from .shadow import isolated_rng
 
@@ -141,7 +142,8 @@ def check_determinism(
     order: dict[tuple[str, int], int] = {}
     # the caller's generators are left as they were: a diagnostic run before a test's real compare
     # must not change what that compare sees (a seeded dropout would draw other masks)
-    with isolated_rng(_device_of(model)), tempfile.TemporaryDirectory(prefix="activation_guard-det-") as d:
+    device = model_device(model, args if isinstance(args, tuple) else (args,), dict(kwargs or {}))
+    with isolated_rng(device), tempfile.TemporaryDirectory(prefix="activation_guard-det-") as d:
         path = os.path.join(d, "run0.h5")
         record(model, args, kwargs, path=path, include=include, exclude=exclude)
         for _ in range(runs - 1):
@@ -155,7 +157,3 @@ def check_determinism(
                 if prev is None or (layer.max_abs_diff or 0.0) > (prev.max_abs_diff or 0.0):
                     worst[key] = layer
     return sorted(worst.values(), key=lambda layer: order[(layer.name, layer.call)])
-
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
