@@ -10,6 +10,9 @@ and a compiled region whose inner hooks still did not fire is an error, never an
 
 Model-level conditions that would make call numbers meaningless are refused with the layer and
 the fix: two modules under one qualified name, and a module called from several threads.
+
+A little over 400 lines: eager and compiled capture share the hook pair and the call stack, and
+the refusals must see the same module walk; splitting them would pass that state between modules.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
+from .callstart import remember_start
 from .capture import Frame
 from .dist_capture import attribute, shard_verdict
 from .dtypes import BY_NAME, dtype_name, numpy_view, tensor_bytes, tensor_from_bytes
@@ -25,7 +26,7 @@ from .fingerprint_rule import FingerprintJudge
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaves import Leaf, LeafTransform, flatten
 from .rename import apply_rename, renamed_patterns
-from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own, remember_start
+from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
 from .results import LayerResult, LeafResult, Origin
 from .selection import Selector, selected
 from .spec import CompareSpec

@@ -16,21 +16,27 @@ mode the own error is weighed against the layer's own noise floor: a float64 cop
 replayed on the same golden inputs (:class:`~activation_guard.ownfloor.OwnFloorJudge`).
 
 A replay never changes the live run: hooks stand aside, the RNG is forked (and set to the state
-the module started with, for training-mode modules), the module's buffers are restored, and
-objects passed as inputs (caches) are deep-copied before the module can mutate them.
+the module started with, for training-mode modules), the module's own buffers start from their
+values at the call's start and get their live values back, and objects passed as inputs (caches)
+are deep-copied before the module can mutate them (:mod:`activation_guard.callstart` takes those
+snapshots).
+
+A little over 400 lines: running a replay, judging the inputs a parent's code hands its children,
+and turning both into an origin are one sequence of decisions over the same call; the snapshot
+taken at each call's start, and the children standing in during a replay, live in their own modules.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .calibrate import CalibratedJudge
+from .callstart import CallStart, modified_in_place, start_values
 from .capture import Frame, HookState
 from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, skeleton
 from .dtypes import dtype_name
@@ -170,7 +176,7 @@ class Replayer:
         if any(v is None for v in start.objects.values()):
             return self._not_replayed("it takes an object that could not be copied when the call started, so a "
                                       "re-run would differ")
-        rewind = _rewind(start)
+        rewind = start_values(start)
         if isinstance(rewind, str):
             return self._not_replayed(rewind)
         if frame.rng is not None and not torch.equal(torch.get_rng_state(), frame.rng[0]):
@@ -366,7 +372,7 @@ class Replayer:
     def _inputs_differ(self, frame: Frame, entry: CallEntry) -> bool | None:
         """Whether the live call's tensor inputs differ from the golden's beyond tolerance (None:
         cannot tell: the golden has no inputs, or the layer changed its inputs in place)."""
-        if entry.inputs is None or _modified_in_place(frame):
+        if entry.inputs is None or modified_in_place(frame):
             return None
         golden = {e.path: e for e in entry.inputs}
         for lv in flatten_inputs(frame.args, frame.kwargs):
@@ -455,83 +461,3 @@ def _relative(name: str | None, parent: str) -> str:
     if name is None:
         return "?"
     return name[len(parent) + 1:] if parent and name.startswith(parent + ".") else display_name(name)
-
-
-@dataclass
-class CallStart:
-    """What a call's arguments were when it started, beyond their tensors' values: the tensors'
-    in-place versions (did the layer change its inputs?) and copies of opaque objects (a KV cache
-    the layer appends to), so a replay sees them as the live call did."""
-
-    versions: list[tuple[torch.Tensor, int]]
-    objects: dict[int, Any]
-    children: list[ChildCall] = field(default_factory=list)  # its direct child calls, as they returned
-    # the module's own buffers: (name, buffer, in-place version at the start or None when it has
-    # none, a copy of the starting value when small enough): a call that updates a running
-    # statistic is replayed from the state it started in, not from the one it left
-    buffers: list[tuple[str, torch.Tensor, int | None, torch.Tensor | None]] = field(default_factory=list)
-
-
-def _modified_in_place(frame: Frame) -> bool:
-    start = frame.data
-    if not isinstance(start, CallStart):
-        return False
-    return any(t._version != v for t, v in start.versions)
-
-
-_PLAIN = (str, bytes, bool, int, float, complex, type(None))
-
-
-SNAPSHOT_NUMEL = 1 << 14  # a buffer up to this size is copied at each call's start (replay modes)
-
-
-def remember_start(frame: Frame) -> None:
-    """At a call's start (compare with replay): see :class:`CallStart`."""
-    start = CallStart([], {})
-    for v in (*frame.args, *frame.kwargs.values()):
-        _scan(start, v, 0)
-    own = frame.module._buffers
-    if own:
-        for name, b in own.items():
-            if b is None:
-                continue
-            try:
-                version: int | None = b._version
-            except RuntimeError:  # an inference tensor has no version counter
-                version = None
-            snap = b.detach().clone() if b.numel() <= SNAPSHOT_NUMEL else None
-            start.buffers.append((name, b, version, snap))
-    frame.data = start
-
-
-def _rewind(start: CallStart) -> list[tuple[str, torch.Tensor]] | str:
-    """The starting values of the buffers the call changed in place (by name), or why it cannot be
-    replayed from its starting state."""
-    out = []
-    for name, b, version, snap in start.buffers:
-        changed = True if version is None else b._version != version
-        if not changed:
-            continue
-        if snap is None:
-            return (f"it changed its buffer {name!r} in place during the call (a running statistic?), and the "
-                    f"buffer is too large to copy at every call's start, so a re-run would start from another state")
-        out.append((name, snap))
-    return out
-
-
-def _scan(start: CallStart, v: Any, depth: int) -> None:
-    # a module-level function, not a closure: a recursive closure is a reference cycle that would
-    # keep every call's input tensors alive until the cyclic collector runs (+46 MiB measured)
-    if isinstance(v, torch.Tensor):
-        with contextlib.suppress(RuntimeError):  # inference tensors have no version counter
-            start.versions.append((v, v._version))
-    elif isinstance(v, (*_PLAIN, torch.nn.Module)) or depth > 2:
-        return
-    elif type(v) in (list, tuple, dict):
-        for x in (v.values() if isinstance(v, dict) else v):
-            _scan(start, x, depth + 1)
-    elif id(v) not in start.objects:
-        try:
-            start.objects[id(v)] = copy.deepcopy(v)
-        except Exception:  # cannot be copied: the replay is told it may differ
-            start.objects[id(v)] = None

@@ -13,6 +13,9 @@ and in-block position ``j = i % B``. In row ``r`` it is added, with sign
 bucket ``j XOR m_r[k]``. The signs multiply a whole block at once through a strided view of
 ``w``; blocks are routed to their masks with one ``index_add_`` per row and chunk, and the in-block XOR
 permutation is applied once per few million elements on a ``B x B`` matrix, not per element.
+
+A little over 400 lines: the chunking, the kernel and its hash cache are one hot loop, tuned
+together (docs/performance.md, "Fingerprint goldens"); the hashing itself is in :mod:`.seeded_hash`.
 """
 
 from __future__ import annotations

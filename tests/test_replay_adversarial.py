@@ -77,9 +77,9 @@ def test_a_buffer_used_before_its_update_is_found_in_every_mode(tmp_path: Path, 
 
 def test_a_large_buffer_changed_in_place_is_not_replayed_and_says_why(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from activation_guard import replay
+    from activation_guard import callstart
 
-    monkeypatch.setattr(replay, "SNAPSHOT_NUMEL", 4)  # the 8-element buffer counts as large
+    monkeypatch.setattr(callstart, "SNAPSHOT_NUMEL", 4)  # the 8-element buffer counts as large
     m, x, p = _norm_model(tmp_path)
     m.norm.ema.zero_()
     m.norm.use_before_update = True
