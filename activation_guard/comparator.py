@@ -18,13 +18,15 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
+import torch
+
 from .callstart import remember_start
 from .capture import Frame
 from .dist_capture import attribute, shard_verdict
 from .dtypes import BY_NAME, dtype_name, numpy_view, tensor_bytes, tensor_from_bytes
 from .fingerprint_rule import FingerprintJudge
 from .judges import Judge, LeafContext, dtype_change_allowed
-from .leaves import Leaf, LeafTransform, flatten
+from .leaves import Leaf, LeafTransform, _plain, flatten
 from .rename import apply_rename, renamed_patterns
 from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
 from .results import LayerResult, LeafResult, Origin
@@ -110,7 +112,8 @@ class Comparator:
             self.transform(frame.name, leaves)
             res, entry = self._judge_call(frame.name, frame.call, tname, lambda: leaves)
         else:
-            res, entry = self._judge_call(frame.name, frame.call, tname, lambda: flatten(output))
+            res, entry = self._judge_call(frame.name, frame.call, tname, lambda: flatten(output),
+                                          single=output if _plain(output) else None)
         if res is None:
             return
         if self.replayer is not None and entry is not None:
@@ -139,10 +142,11 @@ class Comparator:
         if res is not None and self.spec.fail_fast and not res.ok:
             raise StopForward
 
-    def _judge_call(self, name: str, call: int, tname: str,
-                    get_leaves: Callable[[], list[Leaf]]) -> tuple[LayerResult | None, CallEntry | None]:
+    def _judge_call(self, name: str, call: int, tname: str, get_leaves: Callable[[], list[Leaf]],
+                    single: Any = None) -> tuple[LayerResult | None, CallEntry | None]:
         """Compare one layer call given its flattened outputs; ``get_leaves`` runs only when the
-        golden has this call. None for a call outside the golden's recorded selection."""
+        golden has this call. None for a call outside the golden's recorded selection. ``single``:
+        the output when it is one plain tensor, for the common case settled without leaves."""
         pos = len(self.results)
         # a live name no golden name maps to is new, even if a golden layer had that name
         # before `rename` mapped it elsewhere
@@ -157,7 +161,10 @@ class Comparator:
             res = LayerResult(name, call, "unexpected", tname, position=pos, detail=detail)
         else:
             self.seen.add((entry.name, call))
-            leaves = self._compare_call(entry, get_leaves(), name)
+            quick = None
+            if single is not None and len(entry.leaves) == 1 and entry.leaves[0].path == "":
+                quick = self._identical_small(entry.leaves[0], single, "Tensor", name, entry, self.judge)
+            leaves = [quick] if quick is not None else self._compare_call(entry, get_leaves(), name)
             res = LayerResult.from_leaves(name, call, tname, leaves, position=pos, golden_position=entry.position,
                                           golden_name=entry.name if entry.name != name else None)
             if entry.type_name and entry.type_name != tname and res.ok:
@@ -219,21 +226,33 @@ class Comparator:
                                           f"{_out(leaf.path)} ({leaf.type_name}) is new in the live output"))
         return results
 
+    def _identical_small(self, g: LeafEntry, t: torch.Tensor, type_name: str, name: str, entry: CallEntry,
+                         judge: Judge) -> LeafResult | None:
+        """The common case first (thousands of tiny layers): a small stored tensor of the same
+        shape and dtype, bit-identical to the live one, settled by one memcmp of its stored bytes;
+        None for anything else (the full path decides, reading the bytes again only then)."""
+        if not (g.pack is not None and g.kind == "tensor" and g.type_name == type_name and t.is_cpu):
+            return None
+        arr = numpy_view(t)  # its bytes in logical order, as stored
+        if arr is None:
+            if tuple(t.shape) != g.shape or dtype_name(t) != g.dtype:
+                return None
+            live = tensor_bytes(t).data
+        else:
+            if arr.shape != g.shape or dtype_name(t) != g.dtype:
+                return None
+            live = arr.tobytes()
+        ctx = LeafContext(name, entry.name, entry.call, g.path, g.dtype, g.dtype)
+        if self.reader.packed_bytes(g, lambda: ctx.label).data != live:
+            return None
+        return judge.identical(ctx, t)
+
     def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
         t = lv.tensor
-        if (g.pack is not None and g.kind == "tensor" and lv.kind == "tensor" and t is not None
-                and g.type_name == lv.type_name and t.is_cpu and tuple(t.shape) == g.shape):
-            # the common case first (thousands of tiny layers): a small stored tensor of the same
-            # shape, settled by one memcmp of its stored bytes against the live ones when equal
-            ldt = dtype_name(t)
-            if ldt == g.dtype:
-                ctx = LeafContext(name, entry.name, entry.call, g.path, ldt, ldt)
-                graw = self.reader.packed_bytes(g, lambda: ctx.label)
-                arr = numpy_view(t)  # its bytes in logical order, as stored
-                if graw.data == (tensor_bytes(t).data if arr is None else arr.tobytes()):
-                    return judge.identical(ctx, t)
-                golden = tensor_from_bytes(graw.copy(), BY_NAME[ldt], g.shape)
-                return judge.judge(ctx, golden, t)
+        if lv.kind == "tensor" and t is not None:
+            quick = self._identical_small(g, t, lv.type_name, name, entry, judge)
+            if quick is not None:
+                return quick
         p = g.path
         if "fingerprint" in (g.kind, lv.kind):  # fingerprint_rule decides (no memcmp fast path)
             if self.fingerprints is None:
@@ -277,12 +296,8 @@ class Comparator:
         ctx = LeafContext(name, entry.name, entry.call, p, g.dtype, ldt)
         label = ctx.label
         if g.pack is not None and ldt == g.dtype and t.device.type == "cpu":
-            # small leaves (thousands of tiny layers): settle the common bit-identical case with
-            # one memcmp of the stored bytes against the live ones, before building any tensor
-            graw = self.reader.packed_bytes(g, label)
-            if graw.tobytes() == tensor_bytes(t).tobytes():
-                return judge.identical(ctx, t)
-            golden = tensor_from_bytes(graw.copy(), BY_NAME[g.dtype], g.shape)
+            # a small stored leaf that is not bit-identical (``_identical_small`` settled those)
+            golden = tensor_from_bytes(self.reader.packed_bytes(g, label).copy(), BY_NAME[g.dtype], g.shape)
         else:
             # replay="all" reads a stored output again for replays: through their cache (children.py)
             golden = (self.replayer.cache if self.replayer is not None and self.spec.replay == "all"

@@ -94,7 +94,7 @@ def numpy_view(t: torch.Tensor) -> np.ndarray | None:
     About 3x cheaper than :func:`tensor_bytes` for the tiny outputs of deep models."""
     if t.dtype not in NUMPY_DTYPES or not t.is_cpu or t.is_conj() or t.is_neg():
         return None
-    return t.detach().numpy()
+    return t.detach().numpy() if t.requires_grad else t.numpy()  # detach: +0.7 us, needed only with grad
 
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
