@@ -234,6 +234,7 @@ class Comparator:
         if not (g.pack is not None and g.kind == "tensor" and g.type_name == type_name and t.is_cpu):
             return None
         arr = numpy_view(t)  # its bytes in logical order, as stored
+        live: bytes | memoryview
         if arr is None:
             if tuple(t.shape) != g.shape or dtype_name(t) != g.dtype:
                 return None

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .dtypes import BY_NAME, numpy_view
+from .dtypes import BY_NAME, dtype_name, numpy_view
 from .kernel import compare_tensors
 from .results import LeafResult, leaf_from_stats
 from .tolerances import DTYPE_DEFAULTS, Tolerance, ToleranceResolver
@@ -90,12 +90,16 @@ class StrictJudge:
     def judge_with(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor, tol: Tolerance) -> LeafResult:
         changed = ctx.live_dtype != ctx.golden_dtype
         if changed:
-            golden, live = golden.float(), live.float()
+            # in the wider of the two (float32 at least): casting a float64 side down to float32
+            # would turn a finite 1e300 into inf and pass an inf that appeared on the other side
+            wide = torch.promote_types(torch.promote_types(golden.dtype, live.dtype), torch.float32)
+            golden, live = golden.to(wide), live.to(wide)
         st = compare_tensors(golden, live, tol.rtol, tol.atol)
         shape = tuple(int(s) for s in live.shape)
         res = leaf_from_stats(ctx.path, ctx.golden_dtype, ctx.live_dtype, shape, st, tol.rtol, tol.atol, tol.source)
         if changed:
-            res.detail = f"dtype {ctx.golden_dtype} -> {ctx.live_dtype} allowed (compared in float32)"
+            res.detail = (f"dtype {ctx.golden_dtype} -> {ctx.live_dtype} allowed "
+                          f"(compared in {dtype_name(golden)})")
         return res
 
     def identical(self, ctx: LeafContext, live: torch.Tensor) -> LeafResult:

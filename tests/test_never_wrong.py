@@ -479,3 +479,25 @@ def test_lazy_views_compare_by_the_values_they_show(tmp_path: Path, kind: str, d
 
     ag.record(Plain(), x, path=tmp_path / "plain.h5")
     assert ag.compare(LazyView(kind), x, path=tmp_path / "plain.h5").ok
+
+
+def test_allow_dtype_change_float64_to_float32_compares_in_float64(tmp_path):
+    """A finite float64 golden (1e300) against a live float32 inf is a new non-finite value:
+    casting the golden down to float32 made it inf too, and the pair passed."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dt = torch.float64
+
+        def forward(self, x):
+            return (x * 1e300).to(self.dt)
+
+    m, x = M(), torch.ones(2, dtype=torch.float64)
+    p = tmp_path / "g.h5"
+    ag.record(m, (x,), path=p)
+    assert ag.compare(m, (x,), path=p).ok
+    m.dt = torch.float32
+    rep = ag.compare(m, (x,), path=p, allow_dtype_change=True)
+    assert not rep.ok
+    assert rep.first_divergence.status == "nonfinite"
