@@ -234,15 +234,9 @@ class Comparator:
         if not (g.pack is not None and g.kind == "tensor" and g.type_name == type_name and t.is_cpu):
             return None
         arr = numpy_view(t)  # its bytes in logical order, as stored
-        live: bytes | memoryview
-        if arr is None:
-            if tuple(t.shape) != g.shape or dtype_name(t) != g.dtype:
-                return None
-            live = tensor_bytes(t).data
-        else:
-            if arr.shape != g.shape or dtype_name(t) != g.dtype:
-                return None
-            live = arr.tobytes()
+        if (tuple(t.shape) if arr is None else arr.shape) != g.shape or dtype_name(t) != g.dtype:
+            return None
+        live: bytes | memoryview = tensor_bytes(t).data if arr is None else arr.tobytes()
         ctx = LeafContext(name, entry.name, entry.call, g.path, g.dtype, g.dtype)
         if self.reader.packed_bytes(g, lambda: ctx.label).data != live:
             return None
