@@ -26,7 +26,7 @@ from .dist_capture import attribute, shard_verdict
 from .dtypes import BY_NAME, dtype_name, numpy_view, tensor_bytes, tensor_from_bytes
 from .fingerprint_rule import FingerprintJudge
 from .judges import Judge, LeafContext, dtype_change_allowed
-from .leaves import Leaf, LeafTransform, _plain, flatten
+from .leaves import Leaf, LeafTransform, flatten, is_plain_tensor
 from .rename import apply_rename, renamed_patterns
 from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
 from .results import LayerResult, LeafResult, Origin
@@ -113,7 +113,7 @@ class Comparator:
             res, entry = self._judge_call(frame.name, frame.call, tname, lambda: leaves)
         else:
             res, entry = self._judge_call(frame.name, frame.call, tname, lambda: flatten(output),
-                                          single=output if _plain(output) else None)
+                                          single=output if is_plain_tensor(output) else None)
         if res is None:
             return
         if self.replayer is not None and entry is not None:

@@ -220,7 +220,7 @@ class _Walker:
 _STRIDED = torch.strided
 
 
-def _plain(t: Any) -> bool:
+def is_plain_tensor(t: Any) -> bool:
     """A plain strided tensor on a real device: its own leaf, as is (the common case, decided
     without the walker: most layers take and return one such tensor)."""
     return (type(t) is torch.Tensor and t.layout is _STRIDED and not t.is_quantized and not t.is_nested
@@ -229,7 +229,7 @@ def _plain(t: Any) -> bool:
 
 def flatten_inputs(args: Any, kwargs: Any) -> list[Leaf]:
     """A call's arguments as leaves: ``args/0``, ``args/1``, ``kwargs/<name>``..."""
-    if not kwargs and all(_plain(a) for a in args):
+    if not kwargs and all(is_plain_tensor(a) for a in args):
         return [Leaf(f"args/{i}", "tensor", tensor=a) for i, a in enumerate(args)]
     return flatten({"args": list(args), "kwargs": kwargs})
 
@@ -240,7 +240,7 @@ def flatten(obj: Any, prefix: str = "") -> list[Leaf]:
     Tuples/lists are addressed by index, mappings (including Hugging Face ``ModelOutput``) and
     dataclasses by key/field name. A bare tensor output has the empty path.
     """
-    if _plain(obj):
+    if is_plain_tensor(obj):
         return [Leaf(prefix, "tensor", tensor=obj)]
     w = _Walker()
     w.walk(obj, prefix, prefix, 0)
