@@ -429,7 +429,8 @@ def compare_models(
 ) -> Report:
     """Refactor verification without files on disk: where does ``candidate`` depart from
     ``reference`` on the same inputs? The reference is recorded to a temporary golden (bounded
-    memory, same code path as a stored golden) and the candidate compared against it."""
+    memory, same code path as a stored golden) and the candidate compared against it, both
+    starting from the same random state (a training-mode model draws the same numbers)."""
     spec = CompareSpec.build(options, ARGUMENT)
     # with `rename` the patterns name candidate layers: record all of the reference's
     sel = (None, None) if spec.rename else (spec.include, spec.exclude)
@@ -442,7 +443,13 @@ def compare_models(
         a, kw = normalize_inputs(args, kwargs)
         # per_rank=False: a private file holding full values, so a parallel candidate is compared
         # with it as with a single-device golden (issue 16)
+        # both models start from one random state: a training-mode Dropout draws the same mask
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if cuda else None)
         record_spec(reference, clone_inputs(a), clone_inputs(kw), path=p, spec=rspec, per_rank=False)
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state_all(rng[1])
         report = compare_spec(candidate, args, kwargs, path=p, spec=spec)
     report.path = f"<reference {type(reference).__name__}>"
     return report

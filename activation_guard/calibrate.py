@@ -27,6 +27,8 @@ the live floors are measured during ``compare(tolerance="calibrated")``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .devices import stats_device, to_device
@@ -152,6 +154,23 @@ def _where(ctx: LeafContext) -> str:
     return f"{ctx.name or '<root>'}[{ctx.call}]{'/' + ctx.path if ctx.path else ''}"
 
 
+def cast_rounding(x: torch.Tensor, dtype: torch.dtype) -> NoiseFloor:
+    """How far rounding ``x`` to ``dtype`` moves it (max abs, RMS). A value the cast overflows
+    (70000 to float16) gets no allowance: the element rule then meets a new inf where a finite
+    value was, and fails it, instead of the whole tensor getting an infinite allowance."""
+    low = x.to(dtype)
+    over = torch.isinf(low) & torch.isfinite(x)
+    if bool(over.any()):
+        low = torch.where(over, x, low.to(x.dtype))
+    return diff_stats(low, x)
+
+
+def _ratio(err: float, allow: float) -> float:
+    if err == 0:
+        return 0.0
+    return err / allow if math.isfinite(allow) else (math.inf if math.isinf(err) else 0.0)
+
+
 def calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor,
                         gf: NoiseFloor, lf: NoiseFloor) -> LeafResult:
     gdt, ldt = ctx.golden_dtype, ctx.live_dtype
@@ -165,10 +184,10 @@ def calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tenso
         # a result stored in a lower precision cannot be closer to the truth than rounding
         # it: a cast model's exactly computed outputs (an embedding lookup of rounded
         # weights) are off by that much with zero arithmetic noise
-        rf = diff_stats(g.to(lv.dtype), g)
+        rf = cast_rounding(g, lv.dtype)
         lf = NoiseFloor(lf.max_abs + rf.max_abs, lf.rms + rf.rms)
     elif PRECISION.get(gdt, 0) < PRECISION.get(ldt, 0):  # the reverse: the golden was stored rounded
-        rf = diff_stats(lv.to(g.dtype), lv)
+        rf = cast_rounding(lv, g.dtype)
         gf = NoiseFloor(gf.max_abs + rf.max_abs, gf.rms + rf.rms)
     allow_max = m * (gf.max_abs + lf.max_abs) + ABS_TERM
     allow_rms = m * (gf.rms + lf.rms) + ABS_TERM
@@ -176,7 +195,7 @@ def calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tenso
         g, lv = g.to(torch.float64), lv.to(torch.float64)
     st = compare_tensors(g, lv, 0.0, allow_max)
     err = diff_stats(lv, g)
-    multiple = max(err.max_abs / allow_max, err.rms / allow_rms)
+    multiple = max(_ratio(err.max_abs, allow_max), _ratio(err.rms, allow_rms))
     res = leaf_from_stats(ctx.path, gdt, ldt, shape, st, 0.0, allow_max, rule_text(m))
     res.error_multiple = multiple
     if multiple > 1 and res.status == "match":

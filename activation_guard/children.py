@@ -110,6 +110,9 @@ class ChildCall:
     name: str
     entry: CallEntry
     skeleton: Skeleton | None = None
+    # the RNG state the live call left (a training-mode child that drew random numbers): a stub
+    # that does not run sets it, so the parent's later draws are the live run's
+    rng_end: tuple[torch.Tensor, Any] | None = None
 
 
 class GoldenCache:
@@ -191,7 +194,9 @@ class ChildHooks:
                     stubbed.append(mod)
                     continue
                 handles.append(mod.register_forward_pre_hook(partial(self._pre, name), with_kwargs=True))
-                handles.append(mod.register_forward_hook(partial(self._post, name), with_kwargs=True))
+                # prepended: the golden output replaces what the child's forward returned, before
+                # the child's own forward hooks rewrite it as they did in the live run
+                handles.append(mod.register_forward_hook(partial(self._post, name), with_kwargs=True, prepend=True))
             yield
         finally:
             for h in handles:
@@ -233,7 +238,7 @@ class ChildHooks:
         i = self._next(name, args, kwargs)
         sk = None if i is None else self.calls[i].skeleton
         golden = None if i is None else self.golden.get(i)
-        if sk is None or golden is None or not _fits(sk.meta, golden):
+        if i is None or sk is None or golden is None or not _fits(sk.meta, golden):
             # it runs after all (calls inside it are not its parent's); the replay did not plan to
             # restore its buffers, so this does
             self.active.append(None)
@@ -246,6 +251,11 @@ class ChildHooks:
                     for b, v in saved:
                         b.copy_(v)
         self.substituted += 1
+        end = self.calls[i].rng_end
+        if end is not None:
+            torch.set_rng_state(end[0])
+            if end[1] is not None:
+                torch.cuda.set_rng_state(end[1])
         return rebuild(sk.output, {p: golden[p].to(device=dev, dtype=_wide(dt) if widen else dt, copy=True)
                                    for p, (_, dt, dev) in sk.meta.items()})
 

@@ -131,7 +131,10 @@ def input_fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dic
                         "sha256": hashlib.sha256(raw.data).hexdigest()})
         elif leaf.kind == "str":
             digest = hashlib.sha256((leaf.value or "").encode()).hexdigest()
-            out.append({"path": leaf.path, "kind": "str", "sha256": digest})
+            e: dict[str, Any] = {"path": leaf.path, "kind": "str", "sha256": digest}
+            if leaf.type_name not in ("str", "int"):  # a dtype, device, enum or bytes, stored by value
+                e["type"] = leaf.type_name
+            out.append(e)
         else:
             out.append({"path": leaf.path, "kind": leaf.kind, "type": leaf.type_name})
     return out
@@ -144,7 +147,15 @@ def _changed_inputs(golden: list[dict[str, Any]] | None,
         return []
     g = {str(e.get("path")): e for e in golden if isinstance(e, dict)}
     lv = {str(e["path"]): e for e in live}
-    return [(p, g.get(p), lv.get(p)) for p in sorted(set(g) | set(lv)) if g.get(p) != lv.get(p)]
+    return [(p, g.get(p), lv.get(p)) for p in sorted(set(g) | set(lv)) if not _same_input(g.get(p), lv.get(p))]
+
+
+def _same_input(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    if a == b:
+        return True
+    # a recording from before dtypes, devices, enums and bytes were stored by value: by type only
+    return (a is not None and b is not None and a.get("kind") == "object" and b.get("kind") == "str"
+            and a.get("type") is not None and a.get("type") == b.get("type"))
 
 
 def describe_input_change(golden: list[dict[str, Any]] | None, live: list[dict[str, Any]]) -> list[str]:

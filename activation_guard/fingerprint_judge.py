@@ -30,6 +30,7 @@ import torch
 
 from . import dtypes
 from .fingerprint import Fingerprint, FingerprintError, compute_fingerprint, fingerprintable_dtype
+from .kernel import element_rule
 
 STATUSES = ("ok", "diverged", "nonfinite", "shape", "dtype")
 U = 2.0**-53  # float64 unit roundoff
@@ -38,6 +39,13 @@ U = 2.0**-53  # float64 unit roundoff
 # underflow of rtol * |golden| (at most 2**-149). Both are covered with room to spare:
 TOL_SLACK = 1.0 + 2.0**-20
 ELEM_EPS = 2.0**-140
+ELEM_EPS_F64 = 2.0**-1070  # float64 arithmetic (a float64 side): rtol * |golden| underflows by < 2**-1074
+_F64 = ("float64", "complex128")
+
+
+def _elem_eps(g: Fingerprint, lf: Fingerprint) -> float:
+    """The underflow allowance of the precision the comparator evaluates in (the wider side's)."""
+    return ELEM_EPS_F64 if (g.dtype in _F64 or lf.dtype in _F64) else ELEM_EPS
 
 
 def gamma(k: int) -> float:
@@ -131,11 +139,16 @@ def judge_fingerprint(golden: Fingerprint, live: torch.Tensor | Fingerprint, rto
     if isinstance(lf, FingerprintVerdict):
         return lf
     n = golden.count if not golden.is_complex else golden.numel  # elements that can differ
-    a, q = _inflated_abs(golden), _inflated_sq(golden)
-    t2 = atol * atol * n + 2.0 * atol * rtol * a + rtol * rtol * q
-    bound = _up(math.sqrt(_up(t2))) * TOL_SLACK + ELEM_EPS * math.sqrt(n)
+    a, sq = _inflated_abs(golden), _root_sq(golden)
+    eps = _elem_eps(golden, lf)
+    # T = sqrt(atol^2 n + 2 atol rtol a + rtol^2 q), scaled by its largest term: float64 squares of
+    # tiny values (1e-300) would underflow to zero and make T too small (a false alarm)
+    s = max(atol, rtol * sq)
+    t = 0.0 if s == 0 else s * math.sqrt(_up((atol / s) ** 2 * n + 2.0 * (atol / s) * (rtol * a / s)
+                                             + (rtol * sq / s) ** 2))
+    bound = _up(t) * TOL_SLACK + eps * math.sqrt(n)
     root2 = math.sqrt(2.0) if golden.is_complex else 1.0  # a complex difference moves re + im by <= sqrt(2)|d|
-    sum_bound = _up(root2 * ((atol * n + rtol * a) * TOL_SLACK + ELEM_EPS * n))
+    sum_bound = _up(root2 * ((atol * n + rtol * a) * TOL_SLACK + eps * n))
     rule = f"|live - golden| <= {atol:g} + {rtol:g} * |golden|"
     return _judge(golden, lf, elem=(rtol, atol), bound=bound, sum_bound=sum_bound, rule=rule, rms=False)
 
@@ -175,7 +188,7 @@ def judge_fingerprint_calibrated(golden: Fingerprint, live: torch.Tensor | Finge
         allow_max = multiplier * (golden_max_floor + live_max_floor) + abs_term
         elem = (0.0, allow_max)
         root2 = math.sqrt(2.0) if golden.is_complex else 1.0
-        sum_bound = min(sum_bound, _up(root2 * (allow_max * n * TOL_SLACK + ELEM_EPS * n)))
+        sum_bound = min(sum_bound, _up(root2 * (allow_max * n * TOL_SLACK + _elem_eps(golden, lf) * n)))
         rule += f"; max abs error <= {allow_max:.3g}"
     return _judge(golden, lf, elem=elem, bound=bound, sum_bound=sum_bound, rule=rule, rms=True)
 
@@ -224,6 +237,17 @@ def _inflated_sq(f: Fingerprint) -> float:
     return _up(f.sq_sum * (1.0 + U) / (1.0 - gamma(f.depth + 1))) if f.sq_sum else 0.0
 
 
+def _root_sq(f: Fingerprint) -> float:
+    """An upper bound on ``sqrt(sum |x|^2)``. The stored float64 sum of squares loses each square
+    that underflows (values below ~1e-154), at most 2**-1074 each; for a real leaf
+    ``sum x^2 <= max|x| sum|x|`` bounds it without squaring, which is tight for tiny values."""
+    root = _up(math.sqrt(_inflated_sq(f) + _up(f.real_numel * 2.0**-1074)))
+    big = max(abs(f.min), abs(f.max)) if f.count else 0.0
+    if not f.is_complex and math.isfinite(big):
+        root = min(root, _up(math.sqrt(big) * math.sqrt(_inflated_abs(f))))
+    return root
+
+
 def _row_norms(d: np.ndarray) -> np.ndarray:
     """||row||_2 of each row, scaled so that no square overflows or underflows to zero."""
     scale = np.abs(d).max(axis=1, initial=0.0)
@@ -263,7 +287,7 @@ def _judge(g: Fingerprint, lf: Fingerprint, *, elem: tuple[float, float] | None,
         big = max(abs(g.min), abs(g.max)) * (math.sqrt(2.0) if g.is_complex else 1.0)
         for name, gv, lv in (("max", g.max, lf.max), ("min", g.min, lf.min)):
             mag = abs(gv) if (rtol <= 1.0 and not g.is_complex) else big
-            allowed = _up((atol + rtol * mag) * TOL_SLACK + ELEM_EPS)
+            allowed = _up((atol + rtol * mag) * TOL_SLACK + _elem_eps(g, lf))
             if abs(lv - gv) > allowed:
                 failures.append((name, f"the {name}imum moved from {gv:.7g} to {lv:.7g}, by {abs(lv - gv):.3g} > "
                                        f"{allowed:.3g}, impossible if every element were within tolerance (certain)"))
@@ -329,12 +353,7 @@ def _compute_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 
 def _sample_mismatches(g: torch.Tensor, lv: torch.Tensor, rtol: float, atol: float) -> list[int]:
     """Indices of samples failing the comparator's element rule (same NaN/Inf at the same place ok)."""
-    cdt = _compute_dtype(g.dtype, lv.dtype)
-    gc, lc = g.to(cdt), lv.to(cdt)
-    d = (lc - gc).abs()
-    ga = gc.abs()
-    eq = (gc == lc) | (torch.isnan(gc) & torch.isnan(lc))
-    ok = ((d <= atol + rtol * ga) & torch.isfinite(gc)) | eq
+    ok = element_rule(g, lv, _compute_dtype(g.dtype, lv.dtype), rtol, atol)[-1]
     return [int(i) for i in torch.nonzero(~ok).view(-1)]
 
 

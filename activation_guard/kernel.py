@@ -87,7 +87,7 @@ def compare_tensors(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol:
             gc, lc = g[i : i + CHUNK].to(_WIDER[cdt]), lv[i : i + CHUNK].to(_WIDER[cdt])
             d = (lc - gc).abs()
             m = float(d.max())
-        if m <= atol:  # False for NaN: falls through to the exact rule
+        if m <= atol and m != math.inf:  # False for NaN: falls through to the exact rule
             max_abs = max(max_abs, m)
             if m > best_m:
                 best_m, best_i = m, i
@@ -96,10 +96,7 @@ def compare_tensors(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol:
                 torch.div(d, r, out=r)  # 0/0 -> NaN -> 0 below; d/0 -> inf is kept
                 max_rel = max(max_rel, float(r.nan_to_num_(nan=0.0, posinf=math.inf).max()))
             continue
-        ga = gc.abs()
-        eq = (gc == lc) | (torch.isnan(gc) & torch.isnan(lc))
-        # an infinite golden is only matched by the same infinity (rtol * inf would accept anything)
-        ok = ((d <= atol + rtol * ga) & torch.isfinite(gc)) | eq
+        gc, lc, d, ga, eq, ok = element_rule(g[i : i + CHUNK], lv[i : i + CHUNK], cdt, rtol, atol)
         bad = ~ok
         nb = int(bad.sum())
         fin_d = torch.where(eq, torch.zeros_like(d), d)
@@ -135,6 +132,36 @@ def compare_tensors(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol:
 
 
 _WIDER = {torch.float32: torch.float64, torch.complex64: torch.complex128}
+
+
+def element_rule(g: torch.Tensor, lv: torch.Tensor, cdt: torch.dtype, rtol: float, atol: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``|live - golden| <= atol + rtol*|golden|`` element by element, in ``cdt`` (widened where
+    ``cdt`` would overflow), as the comparator decides it; the fingerprint's sampled check calls
+    this too, so a sample fails exactly when the comparator would fail it.
+
+    NaN matches NaN (a complex number part by part) and an infinite golden only the same infinity;
+    a live value that is not finite where the golden is never passes, whatever the tolerance (an
+    infinite allowance must not accept a new inf). Returns the cast values, ``|d|``, ``|golden|``,
+    the "same value" mask and the "within tolerance" mask."""
+    gc, lc = g.to(cdt), lv.to(cdt)
+    d, ga = (lc - gc).abs(), gc.abs()
+    if cdt in _WIDER and bool(((torch.isinf(d) | torch.isinf(ga)) & torch.isfinite(gc) & torch.isfinite(lc)).any()):
+        # two finite float32 values whose difference overflows (3e38 vs -3e38 is 6e38, not inf), or
+        # the modulus of a finite complex64 (3e38+3e38j), which would make the tolerance inf
+        gc, lc = g.to(_WIDER[cdt]), lv.to(_WIDER[cdt])
+        d, ga = (lc - gc).abs(), gc.abs()
+    eq = _same(gc, lc)
+    ok = ((d <= atol + rtol * ga) & torch.isfinite(gc) & torch.isfinite(lc)) | eq
+    return gc, lc, d, ga, eq, ok
+
+
+def _same(gc: torch.Tensor, lc: torch.Tensor) -> torch.Tensor:
+    """Equal, NaN matching NaN; a complex number part by part (``isnan`` of a complex is true when
+    either part is NaN, which would let a NaN real part hide any change of the imaginary one)."""
+    if gc.is_complex():
+        return _same(gc.real, lc.real) & _same(gc.imag, lc.imag)
+    return (gc == lc) | (torch.isnan(gc) & torch.isnan(lc))
 
 
 def _item(x: torch.Tensor) -> Any:

@@ -6,6 +6,8 @@ path, whatever their keys' types. Path components (documented in docs/format.md)
 * a sequence index is its decimal digits: ``0``, ``12``;
 * a ``str`` key (or dataclass field) is the key with ``%``, ``/`` and ``#`` percent-encoded, and a
   leading digit encoded too (``"0"`` is ``%30``), so no string key can look like an index;
+* the empty ``str`` key is ``#str:''`` (an empty component would vanish at the top level, where
+  ``{"": {"x": a}}`` and ``{"x": a}`` would share the path ``x``);
 * an ``int`` key is ``#`` and its digits (``#1``, ``#-3``): ``{1: a, "1": b}`` gives ``#1`` and ``%31``;
 * any other key is ``#``, its type's name, ``:`` and its ``repr`` percent-encoded
   (``#tuple:(1, 2)``, ``#Color:<Color.RED: 1>``). Two keys of one type with one ``repr`` would
@@ -13,16 +15,20 @@ path, whatever their keys' types. Path components (documented in docs/format.md)
 
 Values: tensors (sparse, quantized and nested ones reduced to what they hold), numpy arrays and
 numpy scalars (stored by value with their dtype, like tensors), Python numbers (0-d tensors),
-strings, ``None``. A container reached a second time (a repeated reference, or a cycle such as
-``d["self"] = d``) becomes a ``ref`` leaf naming the path of its first occurrence and is never
-walked again. Anything else (a KV-cache object, a generator) is an ``object`` leaf recorded by
-type name only; reports count those, so "OK" never hides a value that was not compared.
+strings, ``None``, and by their ``repr`` torch dtypes, devices, layouts, memory formats and
+enum members (``bytes`` by hex, or SHA-256 beyond 4 KiB). A container reached a second time (a
+repeated reference, or a cycle such as ``d["self"] = d``) becomes a ``ref`` leaf naming the path
+of its first occurrence and is never walked again. Anything else (a KV-cache object, a
+generator) is an ``object`` leaf recorded by type name only; reports count those, so "OK" never
+hides a value that was not compared.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -34,6 +40,10 @@ if TYPE_CHECKING:
     from .fingerprint import Fingerprint
 
 MAX_DEPTH = 32
+MAX_BYTES_INLINE = 4096  # a longer bytes value is stored as its SHA-256
+# values compared by their repr (stored as ``str`` leaves with the type's name): a layer returning
+# ``torch.float16`` where it returned ``torch.float32`` has changed
+_BY_REPR = (torch.dtype, torch.device, torch.layout, torch.memory_format, enum.Enum)
 EMPTY_PREFIX = "empty "  # type names of empty containers: a structure marker, not a value
 
 
@@ -81,7 +91,12 @@ def _pct(ch: str) -> str:
     return "".join(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
 
 
+EMPTY_KEY = "#str:''"  # the empty string key: an empty component would vanish at the top level
+
+
 def encode_str_key(key: str) -> str:
+    if not key:
+        return EMPTY_KEY
     out = key.replace("%", "%25").replace("/", "%2F").replace("#", "%23")
     if out[:1].isdigit():
         out = _pct(out[0]) + out[1:]
@@ -132,6 +147,13 @@ class _Walker:
             return
         if isinstance(obj, (np.ndarray, np.generic)):
             self.numpy(obj, path, legacy)
+            return
+        if isinstance(obj, _BY_REPR):
+            self.leaf(path, legacy, "str", type_name=type(obj).__name__, value=repr(obj))
+            return
+        if isinstance(obj, (bytes, bytearray)):
+            value = obj.hex() if len(obj) <= MAX_BYTES_INLINE else "sha256:" + hashlib.sha256(obj).hexdigest()
+            self.leaf(path, legacy, "str", type_name=type(obj).__name__, value=value)
             return
         if depth >= MAX_DEPTH:
             self.leaf(path, legacy, "object", type_name=type(obj).__name__)
@@ -244,6 +266,11 @@ def flatten(obj: Any, prefix: str = "") -> list[Leaf]:
         return [Leaf(prefix, "tensor", tensor=obj)]
     w = _Walker()
     w.walk(obj, prefix, prefix, 0)
+    if len(w.out) > 1 and len({leaf.path for leaf in w.out}) != len(w.out):
+        # the encoding is injective, so this is a bug here: refuse rather than compare one of two values
+        paths = [leaf.path for leaf in w.out]
+        dup = next(p for i, p in enumerate(paths) if p in paths[:i])
+        raise PathCollisionError(f"two values in one output share the path {dup!r}; please report this")
     return w.out
 
 

@@ -156,8 +156,7 @@ class Replayer:
                     torch.set_rng_state(frame.rng[0])
                     if frame.rng[1] is not None:
                         torch.cuda.set_rng_state(frame.rng[1])
-                out = module(*args, **kwargs)
-            return out
+                return call_as_captured(module, args, kwargs)
         finally:
             self.state.replaying = False
             with torch.no_grad():
@@ -395,14 +394,47 @@ class Replayer:
         (``stub``: without running it, from the skeleton of ``output``)."""
         parent = frame.parent
         if parent is not None and isinstance(parent.data, CallStart):
+            end = None
+            if stub and frame.rng is not None and not torch.equal(torch.get_rng_state(), frame.rng[0]):
+                cuda = torch.cuda.get_rng_state() if frame.rng[1] is not None else None
+                end = (torch.get_rng_state(), cuda)  # it drew random numbers: where it left the stream
             parent.data.children.append(ChildCall(frame.module, frame.name, entry,
-                                                  skeleton(output) if stub else None))
+                                                  skeleton(output) if stub else None, end))
 
     def notes(self) -> list[str]:
         out = [f"{n} layer call(s) not replayed: {why}" for why, n in self.failures.items()]
         out += [f"{n} replayed call(s) had no own noise floor ({why}): judged with the golden's floors, or strictly"
                 for why, n in self.no_reference.items()]
         return out
+
+
+def call_as_captured(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``module(*args, **kwargs)`` as the capture saw the call. The capture records a call's inputs
+    after the module's own forward pre-hooks ran and its output before its own forward hooks run
+    (capture.py), so the pre-hooks run (a pruning mask, an offload hook may be needed), then a last
+    pre-hook hands the forward the given (recorded) inputs again, undoing any change they made to
+    them; the output is taken before the module's forward hooks rewrite it. Only the outermost
+    call is steered: a module that calls itself keeps its inner calls' own arguments."""
+    outputs: list[Any] = []
+    entered = [False]
+
+    def pre(mod: torch.nn.Module, a: Any, kw: Any) -> Any:
+        if entered[0]:
+            return None
+        entered[0] = True
+        return args, kwargs
+
+    def post(mod: torch.nn.Module, a: Any, kw: Any, out: Any) -> None:
+        outputs.append(out)
+
+    h_pre = module.register_forward_pre_hook(pre, with_kwargs=True)
+    h_post = module.register_forward_hook(post, with_kwargs=True, prepend=True)
+    try:
+        module(*args, **kwargs)
+    finally:
+        h_pre.remove()
+        h_post.remove()
+    return outputs[-1]  # the outermost call returns last
 
 
 def inputs_origin(root: str, root_type: str, first: str, own_error: float | None) -> Origin:

@@ -32,7 +32,7 @@ DTYPE_DEFAULTS: dict[str, tuple[float, float]] = {
     "float8_e4m3fnuz": (1.25e-1, 1e-3),
     "float8_e5m2": (2.5e-1, 1e-3),
     "float8_e5m2fnuz": (2.5e-1, 1e-3),
-    "float8_e8m0fnu": (1.0, 0.0),
+    "float8_e8m0fnu": (0.0, 0.0),  # powers of two only: one unit in the last place is a factor of 2
 }
 
 # A golden recorded on one device type and checked on another (e.g. CPU golden, CUDA run):

@@ -1,0 +1,246 @@
+"""False passes found by adversarial review in round 2, each reproduced end to end.
+
+Each test failed (passed a changed model) before its fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import activation_guard as ag
+from activation_guard.kernel import compare_tensors
+from activation_guard.leaves import PathCollisionError, flatten
+
+X = torch.randn(4, generator=torch.Generator().manual_seed(0))
+
+
+class Returns(nn.Module):
+    """A model whose output is built by ``make(x, k)``: ``k`` is the change under test."""
+
+    def __init__(self, make: Any, k: Any):
+        super().__init__()
+        self.make = make
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.make(x, self.k)
+
+
+def _passes(tmp_path: Path, make: Any, k_golden: Any, k_live: Any, **kw: Any) -> bool:
+    p = tmp_path / "g.h5"
+    ag.record(Returns(make, k_golden), (X,), path=p, **kw)
+    assert ag.compare(Returns(make, k_golden), (X,), path=p, **kw).ok, "an unchanged model must pass"
+    return ag.compare(Returns(make, k_live), (X,), path=p, **kw).ok
+
+
+# ----------------------------------------------------------------------------- the empty dict key
+
+
+def test_an_empty_key_never_shares_a_path() -> None:
+    a, b = torch.ones(1), torch.zeros(1)
+    paths = [leaf.path for leaf in flatten({"": {"x": a}, "x": b})]
+    assert len(set(paths)) == 2, paths
+    assert flatten({"": a})[0].path != flatten(a)[0].path
+
+
+def test_a_change_under_an_empty_key_fails(tmp_path: Path) -> None:
+    assert not _passes(tmp_path, lambda x, k: {"": {"x": x * k}, "x": x}, 1.0, 2.0)
+
+
+def test_a_bare_tensor_is_not_a_dict_with_an_empty_key(tmp_path: Path) -> None:
+    assert not _passes(tmp_path, lambda x, k: x if k else {"": x}, True, False)
+
+
+def test_nested_empty_keys_round_trip(tmp_path: Path) -> None:
+    leaves = flatten({"a": {"": {"": X}}, "b": {"": X * 2}})
+    assert [leaf.path for leaf in leaves] == ["a/#str:''/#str:''", "b/#str:''"]
+    assert not _passes(tmp_path, lambda x, k: {"a": {"": {"": x * k}}}, 1.0, 3.0)
+
+
+@dataclasses.dataclass
+class _Pair:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def test_a_duplicate_path_is_refused_not_merged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last line of defence: were the encoding ever to repeat a path, flatten refuses."""
+    import activation_guard.leaves as leaves_mod
+    monkeypatch.setattr(leaves_mod, "encode_str_key", lambda key: "same")
+    with pytest.raises(PathCollisionError, match="share the path 'same'"):
+        flatten(_Pair(X, X * 2))
+
+
+# ----------------------------------------------------------------------------- complex numbers
+
+
+def test_a_nan_real_part_does_not_hide_the_imaginary_part() -> None:
+    g = torch.tensor([complex(float("nan"), 1.0)], dtype=torch.complex64)
+    lv = torch.tensor([complex(float("nan"), 5.0)], dtype=torch.complex64)
+    assert compare_tensors(g, lv, 1e-5, 1e-8).mismatched == 1
+    assert compare_tensors(g, g.clone(), 1e-5, 1e-8).mismatched == 0
+    g2 = torch.tensor([complex(2.0, float("nan"))], dtype=torch.complex128)
+    assert compare_tensors(g2, torch.tensor([complex(-2.0, float("nan"))], dtype=torch.complex128),
+                           1e-5, 1e-8).mismatched == 1
+
+
+def test_a_nan_part_end_to_end(tmp_path: Path) -> None:
+    def make(x: torch.Tensor, k: float) -> torch.Tensor:
+        return torch.complex(torch.full_like(x, float("nan")), x * k)
+    assert not _passes(tmp_path, make, 1.0, 2.0)
+
+
+def test_a_complex64_modulus_overflow_does_not_make_the_tolerance_infinite() -> None:
+    g = torch.tensor([complex(3e38, 3e38)], dtype=torch.complex64)
+    lv = torch.tensor([complex(1e38, 3e38)], dtype=torch.complex64)
+    st = compare_tensors(g, lv, 1e-5, 1e-8)
+    assert st.mismatched == 1 and st.max_abs_diff == pytest.approx(2e38, rel=1e-6)
+    assert compare_tensors(g, g.clone(), 1e-5, 1e-8).mismatched == 0
+
+
+# ----------------------------------------------------------------------------- values compared by type only
+
+
+class Color(enum.Enum):
+    RED = 1
+    BLUE = 2
+
+
+@pytest.mark.parametrize("golden,live", [
+    (torch.float32, torch.float16),
+    (torch.device("cpu"), torch.device("meta")),
+    (Color.RED, Color.BLUE),
+    (b"\x00\x01", b"\x00\x02"),
+    (bytes(10_000), bytes(9_999) + b"\x01"),
+    (torch.strided, torch.sparse_coo),
+])
+def test_dtypes_devices_enums_and_bytes_are_compared_by_value(tmp_path: Path, golden: Any, live: Any) -> None:
+    assert not _passes(tmp_path, lambda x, k: (x, k), golden, live)
+
+
+def test_a_str_is_not_a_dtype(tmp_path: Path) -> None:
+    assert not _passes(tmp_path, lambda x, k: (x, k), torch.float32, "torch.float32")
+
+
+def test_float8_e8m0_is_exact(tmp_path: Path) -> None:
+    def make(x: torch.Tensor, k: float) -> torch.Tensor:
+        return (torch.ones(4) * k).to(torch.float8_e8m0fnu)
+    assert not _passes(tmp_path, make, 2.0, 4.0)
+
+
+def test_a_golden_from_before_still_compares_dtypes_by_type(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import activation_guard.leaves as leaves_mod
+    p = tmp_path / "old.h5"
+    with monkeypatch.context() as m:  # how older versions recorded a dtype: an object leaf
+        m.setattr(leaves_mod, "_BY_REPR", ())
+        ag.record(Returns(lambda x, k: (x, k), torch.float32), (X,), path=p)
+    report = ag.compare(Returns(lambda x, k: (x, k), torch.float16), (X,), path=p)
+    assert report.ok
+    assert "compared by type only: dtype" in str(report)
+    details = [leaf.detail for layer in report.layers for leaf in layer.leaves]
+    assert any("re-record to compare its value" in (d or "") for d in details), details
+    assert not ag.compare(Returns(lambda x, k: (x, k), torch.device("cpu")), (X,), path=p).ok
+
+
+# ----------------------------------------------------------------------------- kernel and samples agree
+
+
+def test_an_infinite_allowance_never_accepts_a_new_inf() -> None:
+    g = torch.tensor([7e4, 1.0])
+    lv = torch.tensor([float("inf"), 1.0])
+    assert compare_tensors(g, lv, 0.0, float("inf")).mismatched == 1
+    assert compare_tensors(g, g.clone(), 0.0, float("inf")).mismatched == 0
+
+
+def test_the_sampled_check_widens_where_float32_overflows() -> None:
+    """rtol 1.5: 3e38 -> -3e38 moves by 6e38 > 4.5e38 (the comparator widens to float64 and fails
+    it); the fingerprint's sample of that element once computed inf <= inf in float32 and passed."""
+    from activation_guard.fingerprint import compute_fingerprint
+    from activation_guard.fingerprint_judge import judge_fingerprint
+    g = torch.full((8,), 3e38)
+    lv = -g
+    assert compare_tensors(g, lv, 1.5, 0.0).mismatched == 8
+    v = judge_fingerprint(compute_fingerprint(g), lv, 1.5, 0.0)
+    assert v.status != "ok" and v.mismatches, v
+
+
+def test_tiny_float64_values_are_not_below_the_fingerprints_resolution() -> None:
+    """The float32-underflow allowance (2**-140) once applied to float64 leaves: a float64 leaf of
+    1e-300 values could change by 1e-290 at an unsampled place and pass."""
+    from activation_guard.fingerprint import compute_fingerprint
+    from activation_guard.fingerprint_judge import judge_fingerprint
+    g = torch.full((50_000,), 1e-300, dtype=torch.float64)
+    fp = compute_fingerprint(g)
+    j = next(i for i in range(g.numel()) if i not in set(fp.positions))
+    lv = g.clone()
+    lv[j] = 1e-290
+    assert judge_fingerprint(fp, g.clone(), 1e-7, 0.0).status == "ok"
+    assert judge_fingerprint(fp, lv, 1e-7, 0.0).status != "ok"
+
+
+# ----------------------------------------------------------------------------- calibrated, with dtype changes
+
+
+class Times(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * 1000.0
+
+
+def test_a_half_precision_overflow_is_not_hidden_by_an_infinite_floor(tmp_path: Path) -> None:
+    """One output element beyond float16's range made the cast-rounding allowance inf, so the fp16
+    run's inf (and any other change) passed the calibrated rule."""
+    import copy
+    torch.manual_seed(0)
+    model = Times().eval()
+    with torch.no_grad():
+        model.fc.bias.copy_(torch.tensor([70.0, 0.0, 0.0, 0.0]))
+        model.fc.weight.mul_(0.01)
+    x = torch.randn(2, 4)
+    p = tmp_path / "g.h5"
+    ag.record(model, x, path=p, calibrate=True)
+    half = copy.deepcopy(model).half()
+    report = ag.compare(half, x.half(), path=p, tolerance="calibrated", allow_dtype_change=True)
+    assert not report.ok
+    fd = report.first_divergence
+    assert fd is not None and fd.status == "nonfinite", str(report)
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_a_fingerprinted_half_precision_golden_accepts_the_float32_model(tmp_path: Path, low: torch.dtype) -> None:
+    import copy
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 64), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).eval()
+    ids = torch.randint(0, 50, (4, 64))
+    p = tmp_path / "half.h5"
+    ag.record(copy.deepcopy(model).to(low), ids, path=p, calibrate=True, fingerprint=True)
+    report = ag.compare(model, ids, path=p, tolerance="calibrated", allow_dtype_change=True)
+    assert report.ok, str(report)
+    with torch.no_grad():
+        model[1].weight.mul_(1.2)
+    bad = ag.compare(model, ids, path=p, tolerance="calibrated", allow_dtype_change=True)
+    assert not bad.ok and bad.first_divergence is not None and bad.first_divergence.name == "1"
+
+
+@pytest.mark.parametrize("scale", [1e-300, 1e-170, 1e-160, 1e-20, 1e300])
+def test_tiny_and_huge_float64_values_within_tolerance_pass(scale: float) -> None:
+    """Squares of values below ~1e-154 underflow in the stored sum of squares: the norm bound must
+    not shrink to zero with them (that would be a false alarm)."""
+    from activation_guard.fingerprint import compute_fingerprint
+    from activation_guard.fingerprint_judge import judge_fingerprint
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(40_000, generator=gen, dtype=torch.float64) * scale
+    lv = g * (1 + 0.99e-7 * (2 * torch.rand(40_000, generator=gen, dtype=torch.float64) - 1))
+    assert compare_tensors(g, lv, 1e-7, 0.0).mismatched == 0
+    v = judge_fingerprint(compute_fingerprint(g), lv, 1e-7, 0.0)
+    assert v.status == "ok", v.detail

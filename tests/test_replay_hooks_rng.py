@@ -1,0 +1,138 @@
+"""replay="all" with the model's own hooks and random numbers (adversarial review, round 2).
+
+A replay must run a call the way the capture saw it: user pre-hooks had already changed the
+recorded inputs, user forward hooks change outputs only after they are read, and a child that
+is not re-run still moves the random stream as the live call did.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import activation_guard as ag
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+X = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _shift(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] + 1.0,)
+
+
+def _double(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    return out * 2.0
+
+
+def _hooked(pre: bool, post: bool) -> Net:
+    net = _net()
+    for m in (net.block, net.block.a, net.head):
+        if pre:
+            m.register_forward_pre_hook(_shift)
+        if post:
+            m.register_forward_hook(_double)
+    return net
+
+
+def test_user_pre_hooks_are_not_applied_twice(tmp_path: Path) -> None:
+    p = tmp_path / "g.h5"
+    ag.record(_hooked(True, False), X, path=p)
+    report = ag.compare(_hooked(True, False), X, path=p, replay="all")
+    assert report.ok, str(report)
+
+
+def test_user_forward_hooks_rewrite_outputs_after_they_are_read(tmp_path: Path) -> None:
+    p = tmp_path / "g.h5"
+    ag.record(_hooked(False, True), X, path=p)
+    report = ag.compare(_hooked(False, True), X, path=p, replay="all")
+    assert report.ok, str(report)
+
+
+def test_a_change_under_user_hooks_is_attributed_to_its_layer(tmp_path: Path) -> None:
+    p = tmp_path / "g.h5"
+    ag.record(_hooked(True, True), X, path=p)
+    bad = _hooked(True, True)
+    with torch.no_grad():
+        bad.block.b.weight.mul_(1.01)
+    for replay in ("first", "all"):
+        report = ag.compare(bad, X, path=p, replay=replay)
+        assert not report.ok
+        assert report.origin is not None and report.origin.name == "block.b", (replay, str(report))
+
+
+class Noisy(nn.Module):
+    """A parent whose forward draws random numbers after a Dropout child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.fc(x))
+        return self.out(h + 0.1 * torch.randn_like(h))
+
+
+def _noisy() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Noisy(), nn.Linear(8, 2)).train()
+
+
+def test_a_child_not_rerun_still_moves_the_random_stream(tmp_path: Path) -> None:
+    p = tmp_path / "g.h5"
+    model = _noisy()
+    torch.manual_seed(5)
+    ag.record(model, X, path=p)
+    model = _noisy()
+    torch.manual_seed(5)
+    report = ag.compare(model, X, path=p, replay="all")
+    assert report.ok, str(report)
+    bad = _noisy()
+    with torch.no_grad():
+        bad[0].out.bias.add_(0.5)
+    torch.manual_seed(5)
+    report = ag.compare(bad, X, path=p, replay="all")
+    assert not report.ok and report.origin is not None and report.origin.name == "0.out", str(report)
+
+
+def test_compare_models_gives_both_models_the_same_random_stream() -> None:
+    """A training-mode Dropout: the candidate once ran on the stream the reference had advanced."""
+    ref = _noisy()
+    cand = _noisy()
+    torch.manual_seed(3)
+    report = ag.compare_models(ref, cand, X)
+    assert report.ok, str(report)
+    with torch.no_grad():
+        cand[1].bias.add_(1.0)
+    torch.manual_seed(3)
+    bad = ag.compare_models(ref, cand, X)
+    assert not bad.ok and bad.first_divergence is not None and bad.first_divergence.name == "1"
