@@ -26,7 +26,7 @@ from .dist_capture import attribute, shard_verdict
 from .dtypes import BY_NAME, dtype_name, numpy_view, tensor_bytes, tensor_from_bytes
 from .fingerprint_rule import FingerprintJudge
 from .judges import Judge, LeafContext, dtype_change_allowed
-from .leaves import Leaf, LeafTransform, flatten, is_plain_tensor
+from .leaves import Leaf, LeafTransform, UnsupportedTensorError, flatten, is_plain_tensor
 from .rename import apply_rename, renamed_patterns
 from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
 from .results import LayerResult, LeafResult, Origin
@@ -103,9 +103,19 @@ class Comparator:
     # ------------------------------------------------------------------ per call
     def on_enter(self, frame: Frame) -> None:
         if self.replayer is not None:
-            remember_start(frame)  # in-place changes to its inputs, copies of objects it may mutate
+            try:
+                remember_start(frame)  # in-place changes to its inputs, copies of objects it may mutate
+            except UnsupportedTensorError as e:
+                raise UnsupportedTensorError(f"layer {frame.name or '<root>'!r}: an input is {e}") from None
 
     def on_output(self, frame: Frame, output: Any) -> None:
+        try:
+            self._on_output(frame, output)
+        except UnsupportedTensorError as e:
+            raise UnsupportedTensorError(f"layer {frame.name or '<root>'!r} call {frame.call}: an output is {e}") \
+                from None
+
+    def _on_output(self, frame: Frame, output: Any) -> None:
         tname = type(frame.module).__name__
         if self.transform is not None:  # every call, whatever the golden holds (same order on every rank)
             leaves = flatten(output)

@@ -13,7 +13,8 @@ path, whatever their keys' types. Path components (documented in docs/format.md)
   (``#tuple:(1, 2)``, ``#Color:<Color.RED: 1>``). Two keys of one type with one ``repr`` would
   collide; that is refused with an error naming them, never merged.
 
-Values: tensors (sparse, quantized and nested ones reduced to what they hold), numpy arrays and
+Values: tensors (sparse, quantized and nested ones reduced to what they hold, a wrapper subclass
+such as ``TwoTensor`` to the tensors its ``__tensor_flatten__`` names), numpy arrays and
 numpy scalars (stored by value with their dtype, like tensors), Python numbers (0-d tensors),
 strings, ``None``, and by their ``repr`` torch dtypes, devices, layouts, memory formats and
 enum members (``bytes`` by hex, or SHA-256 beyond 4 KiB). A container reached a second time (a
@@ -35,6 +36,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
+
+from .errors import ActivationGuardError
 
 if TYPE_CHECKING:
     from .fingerprint import Fingerprint
@@ -229,6 +232,24 @@ class _Walker:
         if getattr(t, "is_nested", False):
             self.walk(list(t.unbind()), path, legacy, depth + 1)
             return
+        if _wrapped(t):
+            raise UnsupportedTensorError(
+                "a tensor inside a torch.func transform (vmap, grad, jacrev...): a hook sees a wrapper, not "
+                "the values; exclude the layers that run inside the transform (exclude=[...]) or apply the "
+                "transform outside the model")
+        if type(t) not in _PLAIN_TYPES and _own_dispatch(type(t)) and not type(t).__module__.startswith(
+                "torch.distributed"):  # DTensors are turned into local values by dist_capture
+            inner = getattr(t, "__tensor_flatten__", None)
+            if inner is None or depth >= MAX_DEPTH:
+                raise UnsupportedTensorError(
+                    f"a {type(t).__name__} (a tensor subclass with its own __torch_dispatch__ and no "
+                    "__tensor_flatten__) cannot be read as values; exclude the layer (exclude=[...]) or "
+                    "return plain tensors")
+            # a wrapper subclass (TwoTensor, a float8 training tensor): the tensors it holds, by name
+            for attr in inner()[0]:
+                k = encode_str_key(attr)
+                self.walk(getattr(t, attr), _join(path, k), None if legacy is None else _join(legacy, k), depth + 1)
+            return
         if t.device.type == "meta":
             self.leaf(path, legacy, "object", type_name=f"meta Tensor{list(t.shape)}")
             return
@@ -240,13 +261,25 @@ class _Walker:
 
 
 _STRIDED = torch.strided
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # a tensor inside vmap/grad: no storage of its own
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+_NO_DISPATCH = getattr(torch.Tensor.__torch_dispatch__, "__func__", torch.Tensor.__torch_dispatch__)
+
+
+def _own_dispatch(cls: type) -> bool:
+    f = getattr(cls, "__torch_dispatch__", None)
+    return getattr(f, "__func__", f) is not _NO_DISPATCH
+
+
+class UnsupportedTensorError(ActivationGuardError, TypeError):
+    """A tensor whose values a hook cannot read (inside torch.vmap, an opaque dispatch subclass)."""
 
 
 def is_plain_tensor(t: Any) -> bool:
     """A plain strided tensor on a real device: its own leaf, as is (the common case, decided
     without the walker: most layers take and return one such tensor)."""
     return (type(t) is torch.Tensor and t.layout is _STRIDED and not t.is_quantized and not t.is_nested
-            and not t.is_meta)
+            and not t.is_meta and not _wrapped(t))
 
 
 def flatten_inputs(args: Any, kwargs: Any) -> list[Leaf]:

@@ -23,7 +23,7 @@ import torch
 from .capture import Frame
 from .errors import ActivationGuardError
 from .fingerprint_leaves import Fingerprinter
-from .leaves import Leaf, LeafTransform, flatten, flatten_inputs
+from .leaves import Leaf, LeafTransform, UnsupportedTensorError, flatten, flatten_inputs
 from .store import GoldenWriter
 
 
@@ -82,7 +82,10 @@ class Recorder:
         # return twice while it runs, except recursively (then its inputs are never aliased)
         call = self._calls_started.get(frame.name, 0)
         recursive = self._running(frame)
-        leaves = flatten_inputs(frame.args, frame.kwargs)
+        try:
+            leaves = flatten_inputs(frame.args, frame.kwargs)
+        except UnsupportedTensorError as e:
+            raise UnsupportedTensorError(f"layer {frame.name or '<root>'!r} call {call}: an input is {e}") from None
         if self.transform is not None:  # issue 16 (distributed)
             self.transform(frame.name, leaves)
         running: list[tuple[int, int]] = []  # (leaf index, frame id) of references to a running call's inputs
@@ -175,6 +178,8 @@ class Recorder:
                                  inputs=self._pending.pop(id(frame), None) if self.inputs else None)
             if self.shadow is not None:
                 self.shadow.measure(name, call, leaves, self.floors)
+        except UnsupportedTensorError as e:
+            raise UnsupportedTensorError(f"layer {name or '<root>'!r} call {call}: an output is {e}") from None
         except ActivationGuardError:
             raise
         except Exception as e:

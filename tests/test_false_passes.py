@@ -244,3 +244,35 @@ def test_tiny_and_huge_float64_values_within_tolerance_pass(scale: float) -> Non
     assert compare_tensors(g, lv, 1e-7, 0.0).mismatched == 0
     v = judge_fingerprint(compute_fingerprint(g), lv, 1e-7, 0.0)
     assert v.status == "ok", v.detail
+
+
+# ----------------------------------------------------------------------------- tensors a hook cannot read
+
+
+class Vmapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.vmap(self.fc)(x)
+
+
+def test_a_layer_inside_vmap_is_refused_by_name_and_can_be_excluded(tmp_path: Path) -> None:
+    from activation_guard.errors import ActivationGuardError
+    x = torch.randn(3, 2, 4)
+    with pytest.raises(ActivationGuardError, match=r"layer 'fc' call 0: an input is a tensor inside a torch.func "
+                                                   r"transform .*exclude="):
+        ag.record(Vmapped(), x, path=tmp_path / "v.h5")
+    assert not (tmp_path / "v.h5").exists()
+    torch.manual_seed(0)
+    ag.record(Vmapped(), x, path=tmp_path / "v.h5", exclude=["fc"])
+    torch.manual_seed(0)
+    assert ag.compare(Vmapped(), x, path=tmp_path / "v.h5", exclude=["fc"]).ok
+
+
+def test_a_wrapper_tensor_subclass_is_compared_by_the_tensors_it_holds(tmp_path: Path) -> None:
+    from torch.testing._internal.two_tensor import TwoTensor
+    leaves = flatten(TwoTensor(X, X * 2))
+    assert [leaf.path for leaf in leaves] == ["a", "b"]
+    assert not _passes(tmp_path, lambda x, k: TwoTensor(x, x * k), 2.0, 3.0)
