@@ -249,6 +249,11 @@ def _from_arrays(arrays: Mapping[str, Any], meta: Mapping[str, Any]) -> Fingerpr
         raise _bad("min/max/sums of a fingerprint without finite values must be +inf/-inf/0")
     if count and not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
         raise _bad(f"min {lo} / max {hi} must be finite with min <= max")
+    if count:
+        big = max(abs(lo), abs(hi))  # every finite value is within [min, max]: the sums are bounded by it
+        if a_sum > count * big * (1 + 1e-9) + 1e-300 or q > count * big * big * (1 + 1e-9) + 1e-300:
+            raise _bad(f"statistics are inconsistent: sum of |x| {a_sum} or sum of squares {q} exceeds what "
+                       f"{count} values within [{lo}, {hi}] can add up to")
     sk = arr["sketch"]
     if np.isnan(sk).any() or (math.isfinite(a_sum) and not np.isfinite(sk).all()):
         raise _bad("sketch holds NaN or infinite values")
