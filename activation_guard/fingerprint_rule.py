@@ -151,7 +151,11 @@ class FingerprintJudge:
                                          live_max_floor=lf.max_abs, allow_dtype_change=True)
         allow_max = m * (gf.max_abs + lf.max_abs) + ABS_TERM
         res = self._result(ctx, golden, v, "rms", 0.0, allow_max, f"{rule_text(m)} (L2 form)")
-        res.error_multiple = v.ratio if math.isfinite(v.ratio) else None
+        # the sketch's ratio, or the worst sampled element's error over the max-abs allowance if larger
+        diffs = [abs(complex(m.live) - complex(m.golden)) for m in v.mismatches]
+        worst = max((math.inf if math.isnan(d) else d for d in diffs), default=0.0) / allow_max
+        ratio = v.ratio if math.isfinite(v.ratio) else None
+        res.error_multiple = worst if v.mismatches and (ratio is None or worst > ratio) else ratio
         return res
 
     def _strict(self, ctx: LeafContext, golden: Fingerprint, live: torch.Tensor | Fingerprint, tol: Tolerance,
@@ -180,11 +184,14 @@ class FingerprintJudge:
             res.index, res.golden_value, res.live_value = tuple(first.index), first.golden, first.live
         if status != "match" and v.check not in ("sketch", "sample"):
             res.detail = v.reason  # a certain check's sentence; the sketch's and samples' numbers are fields
-        if v.note:
-            res.detail = f"{res.detail}; {v.note}" if res.detail else v.note
-        if ctx.golden_dtype != ctx.live_dtype:
-            res.detail = (res.detail + "; " if res.detail else "") + (
-                f"dtype {ctx.golden_dtype} -> {ctx.live_dtype} allowed")
+        notes = [n for n in (v.note, f"dtype {ctx.golden_dtype} -> {ctx.live_dtype} allowed"
+                             if ctx.golden_dtype != ctx.live_dtype else "") if n]
+        if notes and status != "match" and v.check in ("sketch", "sample"):
+            # a note alone on the "what" line would read as the reason it failed: name the check first
+            res.detail = (f"{len(v.mismatches)} of {v.sampled} sampled elements outside tolerance (certain)"
+                          if v.check == "sample" else "the sketch's estimate exceeds its threshold (an estimate)")
+        if notes:
+            res.detail = "; ".join([res.detail, *notes] if res.detail else notes)
         return res
 
     # ------------------------------------------------------------------ report

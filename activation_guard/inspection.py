@@ -25,6 +25,7 @@ import torch
 
 from . import dtypes
 from .fingerprint import Fingerprint
+from .fingerprint_judge import gamma
 from .results import json_number
 from .selection import match_any
 from .store import FORMAT_VERSION, CallEntry, GoldenReader, LeafEntry
@@ -153,14 +154,18 @@ def tensor_stats(t: torch.Tensor) -> LeafStats:
 
 def fingerprint_stats(fp: Fingerprint) -> LeafStats:
     """The statistics a fingerprint holds, shaped like :func:`tensor_stats`'s (std from the exact
-    sums: ``sqrt(max(sum x^2 / n - mean^2, 0))``)."""
+    sums: ``sqrt(sum x^2 / n - mean^2)``). Where that difference is below the float64 rounding of
+    the sums (values far from zero that vary little: 1e4 +- 1e-4), the std cannot be known from
+    them and is left unknown (``None``), never shown as 0."""
     st = LeafStats(numel=fp.numel, nonfinite=fp.nonfinite, fingerprint=True,
                    sha256=hashlib.sha256(fingerprint_bytes(fp)).hexdigest())
     n = fp.count
     if n:
         mean = fp.sum / n
         st.min, st.max, st.mean = fp.min, fp.max, mean
-        st.std = math.sqrt(max(fp.sq_sum / n - mean * mean, 0.0))
+        var = fp.sq_sum / n - mean * mean
+        noise = 4 * gamma(fp.depth + 2) * (fp.sq_sum / n + abs(mean) * fp.abs_sum / n + mean * mean)
+        st.std = 0.0 if fp.min == fp.max else (math.sqrt(var) if var > noise else None)
     return st
 
 

@@ -572,3 +572,30 @@ def test_compare_models_style_reuse_keeps_the_model(goldens):
     out = ag.compare(m, X, path=goldens["fp"]).output
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
     assert torch.equal(out["logits"], Net()(X)["logits"])
+
+
+def test_a_sample_failure_with_a_note_says_which_check_failed_first(tmp_path: Path) -> None:
+    """A note (the allowed dtype change) was once the whole "what" line of a failing fingerprint."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256)).eval()
+    x = torch.randn(16, 64)
+    p = tmp_path / "fp.h5"
+    ag.record(model, x, path=p, fingerprint=True)
+    bad = copy.deepcopy(model).bfloat16()
+    with torch.no_grad():
+        bad[0].weight.mul_(2.0)
+    report = ag.compare(bad, x.bfloat16(), path=p, allow_dtype_change=True)
+    fd = report.first_divergence
+    assert fd is not None and not report.ok
+    assert fd.detail is not None and fd.detail.startswith("64 of 64 sampled elements outside tolerance (certain)")
+    assert fd.detail.endswith("dtype float32 -> bfloat16 allowed")
+
+
+def test_inspect_never_shows_a_std_lost_to_rounding_as_zero() -> None:
+    from activation_guard.inspection import fingerprint_stats
+    gen = torch.Generator().manual_seed(0)
+    close = 1e4 + 1e-4 * torch.randn(100_000, generator=gen, dtype=torch.float64)
+    assert fingerprint_stats(compute_fingerprint(close)).std is None  # sum x^2/n - mean^2 is all rounding
+    spread = torch.randn(100_000, generator=gen, dtype=torch.float64)
+    assert fingerprint_stats(compute_fingerprint(spread)).std == pytest.approx(float(spread.std(unbiased=False)))
+    assert fingerprint_stats(compute_fingerprint(torch.full((1000,), 3.0))).std == 0.0
