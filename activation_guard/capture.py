@@ -252,6 +252,7 @@ def hooked(
             else:
                 on_output(frame, output)
 
+        pre._ag_capture = True  # type: ignore[attr-defined]  # not a user's pre-hook (replay.call_as_captured)
         return pre, post
 
     # objects alive now (the model, torch, a golden's parsed index) are not this forward's garbage

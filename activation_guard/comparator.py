@@ -26,7 +26,7 @@ from .dist_capture import attribute, shard_verdict
 from .dtypes import BY_NAME, dtype_name, numpy_view, tensor_bytes, tensor_from_bytes
 from .fingerprint_rule import FingerprintJudge
 from .judges import Judge, LeafContext, dtype_change_allowed
-from .leaves import Leaf, LeafTransform, UnsupportedTensorError, flatten, is_plain_tensor
+from .leaves import EMPTY_KEY, Leaf, LeafTransform, UnsupportedTensorError, flatten, is_plain_tensor, old_empty_key_path
 from .rename import apply_rename, renamed_patterns
 from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
 from .results import LayerResult, LeafResult, Origin
@@ -220,6 +220,8 @@ class Comparator:
         live = {leaf.path: leaf for leaf in leaves}
         results: list[LeafResult] = []
         gpaths = {g.path for g in entry.leaves}
+        if self.reader.version == 2 and any(EMPTY_KEY in p for p in live):
+            live = _with_old_empty_keys(live, gpaths)
         for g in entry.leaves:
             lv = live.get(g.path)
             if lv is None:
@@ -350,6 +352,29 @@ class Comparator:
             order[len(results)] = (at, c.position)
             results.append(lr)
         return results, order
+
+
+def _with_old_empty_keys(live: dict[str, Leaf], gpaths: set[str]) -> dict[str, Leaf]:
+    """Live leaves under ``""`` keys named as earlier version-2 writers named them (an empty
+    component), where the golden has that path and no other live leaf does: so an older golden
+    still compares. Only a path with an empty component is taken, one no current writer makes; a
+    top-level ``""`` key was dropped from the path altogether (``{"": t}`` was ``t``'s path), which
+    is the ambiguity the new encoding fixed: such a golden fails as changed and is re-recorded."""
+    old = {p: q for p in live if EMPTY_KEY in p and p not in gpaths
+           for q in (old_empty_key_path(p),) if q and "" in q.split("/")}
+    counts: dict[str, int] = {}
+    for p in live:
+        q = old.get(p, p)
+        counts[q] = counts.get(q, 0) + 1
+    out: dict[str, Leaf] = {}
+    for p, leaf in live.items():
+        was = old.get(p)
+        if was is not None and was in gpaths and counts[was] == 1:
+            leaf.path = was
+            out[was] = leaf
+        else:
+            out[p] = leaf
+    return out
 
 
 def _out(path: str) -> str:

@@ -165,6 +165,9 @@ def describe_input_change(golden: list[dict[str, Any]] | None, live: list[dict[s
             msgs.append(f"input {p} is new")
         elif b is None:
             msgs.append(f"input {p} is missing")
+        elif a.get("kind") == "str" or b.get("kind") == "str":
+            what = b.get("type") or a.get("type") or "str"
+            msgs.append(f"input {p}: a different {what}" if what != "str" else f"input {p}: a different string")
         elif a.get("shape") != b.get("shape") or a.get("dtype") != b.get("dtype"):
             msgs.append(f"input {p}: {a.get('dtype')} {a.get('shape')} -> {b.get('dtype')} {b.get('shape')}")
         else:
@@ -177,7 +180,14 @@ def inputs_replaced(golden: list[dict[str, Any]] | None, live: list[dict[str, An
     added, removed or reshaped, or other values in the same dtype. A dtype change alone (the same
     inputs cast to bfloat16) is a change of precision, which ``replay="all"`` is meant to judge."""
     return any(a is None or b is None or a.get("shape") != b.get("shape") or a.get("dtype") == b.get("dtype")
-               for _, a, b in _changed_inputs(golden, live))
+               for _, a, b in _changed_inputs(golden, live) if not _precision_arg(a, b))
+
+
+def _precision_arg(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """A ``torch.dtype`` or ``torch.device`` argument that changed: the model asked to run in
+    another precision or on another device, which is what a cross-precision replay judges."""
+    return (a is not None and b is not None and a.get("kind") == b.get("kind") == "str"
+            and a.get("type") == b.get("type") and a.get("type") in ("dtype", "device"))
 
 
 def _on(v: Any) -> str:

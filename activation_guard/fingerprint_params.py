@@ -19,8 +19,8 @@ from .errors import ActivationGuardError
 
 DEFAULT_SEED = 0x5EED_F16E_1234_ABCD
 MAX_ROWS = 31
-MIN_BUCKETS, MAX_BUCKETS = 16, 2048
-MAX_FOLD = 1 << 23  # rows x buckets^2: the fold's routing workspace (16 bytes each) stays <= 128 MiB
+MIN_BUCKETS, MAX_BUCKETS = 16, 4096
+MAX_FOLD = 1 << 24  # rows x buckets^2: the fold's routing workspace (16 bytes each) stays <= 256 MiB
 MAX_SAMPLES = 1 << 16
 PARAM_KEYS = ("seed", "samples", "rows", "buckets", "false_alarm")
 
@@ -115,8 +115,9 @@ class FingerprintParams:
                                    f"got {b!r}")
         if self.rows * b * b > MAX_FOLD:
             raise FingerprintError(f"fingerprint rows x buckets^2 must be at most {MAX_FOLD:,} (the fold's workspace "
-                                   f"is 16 x rows x buckets^2 bytes: {16 * MAX_FOLD >> 20} MiB at most), got rows "
-                                   f"{self.rows} x buckets {b}^2 = {self.rows * b * b:,}")
+                                   f"is 16 x rows x buckets^2 bytes: {16 * MAX_FOLD >> 20} MiB at most; earlier "
+                                   f"versions accepted more and could need {16 * self.rows * b * b / 2**30:.3g} GiB "
+                                   f"here), got rows {self.rows} x buckets {b}^2 = {self.rows * b * b:,}")
         fa = self.false_alarm
         if isinstance(fa, bool) or not isinstance(fa, numbers.Real) or not math.isfinite(fa) or not 1e-15 <= fa < 0.5:
             raise FingerprintError(f"fingerprint false_alarm must be a probability in [1e-15, 0.5), got {fa!r}")

@@ -42,6 +42,14 @@ def _compute_dtype(dt: torch.dtype) -> torch.dtype:
     return torch.float64
 
 
+def _pair_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The dtype two sides are compared in: the wider's, complex if either is (a float64 golden
+    against a complex64 run must not drop the imaginary part)."""
+    if a.is_complex or b.is_complex:
+        return torch.complex128 if {a, b} & {torch.float64, torch.complex128} else torch.complex64
+    return _compute_dtype(a if a.itemsize >= b.itemsize else b)
+
+
 def compare_tensors(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float) -> TensorStats:
     """Compare two same-shape tensors. ``golden`` may live on another device than ``live``.
 
@@ -72,7 +80,7 @@ def compare_tensors(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol:
         st.golden_value = _item(g[0])
         st.live_value = _item(lv[0])
         return st
-    cdt = _compute_dtype(g.dtype if g.dtype.itemsize >= lv.dtype.itemsize else lv.dtype)
+    cdt = _pair_dtype(g.dtype, lv.dtype)
     worst_d = -1.0
     max_abs = 0.0
     max_rel = 0.0

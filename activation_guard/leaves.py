@@ -14,12 +14,13 @@ path, whatever their keys' types. Path components (documented in docs/format.md)
   collide; that is refused with an error naming them, never merged.
 
 Values: tensors (sparse, quantized and nested ones reduced to what they hold, a wrapper subclass
-such as ``TwoTensor`` to the tensors its ``__tensor_flatten__`` names), numpy arrays and
+such as ``TwoTensor`` to the tensors its ``__tensor_flatten__`` names and its metadata, under
+``#ctx``), numpy arrays and
 numpy scalars (stored by value with their dtype, like tensors), Python numbers (0-d tensors),
-strings, ``None``, and by their ``repr`` torch dtypes, devices, layouts, memory formats and
-enum members (``bytes`` by hex, or SHA-256 beyond 4 KiB). A container reached a second time (a
-repeated reference, or a cycle such as ``d["self"] = d``) becomes a ``ref`` leaf naming the path
-of its first occurrence and is never walked again. Anything else (a KV-cache object, a
+strings, ``None``, and by their ``repr`` torch dtypes, devices, layouts and memory formats (enum
+members by class and name, ``bytes`` by hex, or SHA-256 beyond 4 KiB). A container reached a
+second time (a repeated reference, or a cycle such as ``d["self"] = d``) becomes a ``ref`` leaf
+naming the path of its first occurrence and is never walked again. Anything else (a KV-cache object, a
 generator) is an ``object`` leaf recorded by type name only; reports count those, so "OK" never
 hides a value that was not compared.
 """
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from .fingerprint import Fingerprint
 
 MAX_DEPTH = 32
+SUBCLASS_CTX = "#ctx"  # a wrapper subclass's metadata: no str key encodes to it (``#`` is encoded)
 MAX_BYTES_INLINE = 4096  # a longer bytes value is stored as its SHA-256
 # values compared by their repr (stored as ``str`` leaves with the type's name): a layer returning
 # ``torch.float16`` where it returned ``torch.float32`` has changed
@@ -106,6 +108,15 @@ def encode_str_key(key: str) -> str:
     return out
 
 
+def old_empty_key_path(path: str) -> str:
+    """``path`` as version-2 writers before the ``#str:''`` component wrote it: an empty component
+    for each ``""`` key, dropped where nothing precedes it (``#str:''/x`` was ``x``)."""
+    out = ""
+    for comp in path.split("/"):
+        out = _join(out, "" if comp == EMPTY_KEY else comp)
+    return out
+
+
 def encode_key(key: Any) -> str:
     """The path component of a mapping key (see the module docstring)."""
     if isinstance(key, str):
@@ -152,7 +163,9 @@ class _Walker:
             self.numpy(obj, path, legacy)
             return
         if isinstance(obj, _BY_REPR):
-            self.leaf(path, legacy, "str", type_name=type(obj).__name__, value=repr(obj))
+            # an enum member by class and name: its value's repr may hold a memory address
+            value = f"{type(obj).__qualname__}.{obj.name}" if isinstance(obj, enum.Enum) else repr(obj)
+            self.leaf(path, legacy, "str", type_name=type(obj).__name__, value=value)
             return
         if isinstance(obj, (bytes, bytearray)):
             value = obj.hex() if len(obj) <= MAX_BYTES_INLINE else "sha256:" + hashlib.sha256(obj).hexdigest()
@@ -245,10 +258,15 @@ class _Walker:
                     f"a {type(t).__name__} (a tensor subclass with its own __torch_dispatch__ and no "
                     "__tensor_flatten__) cannot be read as values; exclude the layer (exclude=[...]) or "
                     "return plain tensors")
-            # a wrapper subclass (TwoTensor, a float8 training tensor): the tensors it holds, by name
-            for attr in inner()[0]:
+            # a wrapper subclass (TwoTensor, a float8 training tensor): the tensors it holds, by name,
+            # and its metadata (a scale, a block size: the values depend on it) under ``#ctx``
+            attrs, ctx = inner()
+            for attr in attrs:
                 k = encode_str_key(attr)
                 self.walk(getattr(t, attr), _join(path, k), None if legacy is None else _join(legacy, k), depth + 1)
+            if ctx is not None:
+                self.walk(ctx, _join(path, SUBCLASS_CTX), None if legacy is None else _join(legacy, SUBCLASS_CTX),
+                          depth + 1)
             return
         if t.device.type == "meta":
             self.leaf(path, legacy, "object", type_name=f"meta Tensor{list(t.shape)}")

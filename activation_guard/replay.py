@@ -41,7 +41,7 @@ from .capture import Frame, HookState
 from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, skeleton
 from .dtypes import dtype_name
 from .judges import Judge, LeafContext, StrictJudge
-from .leaves import flatten, flatten_inputs, rebuild_inputs
+from .leaves import clone_inputs, flatten, flatten_inputs, rebuild_inputs
 from .ownfloor import OwnFloorJudge, judge_input
 from .results import LayerResult, LeafResult, Origin
 from .selection import display_name
@@ -395,9 +395,11 @@ class Replayer:
         parent = frame.parent
         if parent is not None and isinstance(parent.data, CallStart):
             end = None
-            if stub and frame.rng is not None and not torch.equal(torch.get_rng_state(), frame.rng[0]):
-                cuda = torch.cuda.get_rng_state() if frame.rng[1] is not None else None
-                end = (torch.get_rng_state(), cuda)  # it drew random numbers: where it left the stream
+            if stub and (frame.rng is not None or parent.rng is not None):
+                # where it left the random stream (an eval-mode child may hold a training Dropout;
+                # a GPU one moves only the CUDA generator): its stub puts the stream there
+                cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+                end = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
             parent.data.children.append(ChildCall(frame.module, frame.name, entry,
                                                   skeleton(output) if stub else None, end))
 
@@ -411,12 +413,18 @@ class Replayer:
 def call_as_captured(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``module(*args, **kwargs)`` as the capture saw the call. The capture records a call's inputs
     after the module's own forward pre-hooks ran and its output before its own forward hooks run
-    (capture.py), so the pre-hooks run (a pruning mask, an offload hook may be needed), then a last
-    pre-hook hands the forward the given (recorded) inputs again, undoing any change they made to
-    them; the output is taken before the module's forward hooks rewrite it. Only the outermost
+    (capture.py), so the pre-hooks run (a pruning mask, an offload hook may be needed) on copies of
+    the given (recorded) inputs, then a last pre-hook hands the forward the given inputs themselves;
+    the output is taken before the module's forward hooks rewrite it. Only the outermost
     call is steered: a module that calls itself keeps its inner calls' own arguments."""
     outputs: list[Any] = []
     entered = [False]
+    if any(not getattr(h, "_ag_capture", False) for h in module._forward_pre_hooks.values()) or \
+            torch.nn.modules.module._global_forward_pre_hooks:
+        # the pre-hooks get copies: one that changes its input in place must not change the recorded ones
+        call_args, call_kwargs = clone_inputs(args), clone_inputs(kwargs)
+    else:
+        call_args, call_kwargs = args, kwargs
 
     def pre(mod: torch.nn.Module, a: Any, kw: Any) -> Any:
         if entered[0]:
@@ -430,7 +438,7 @@ def call_as_captured(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dic
     h_pre = module.register_forward_pre_hook(pre, with_kwargs=True)
     h_post = module.register_forward_hook(post, with_kwargs=True, prepend=True)
     try:
-        module(*args, **kwargs)
+        module(*call_args, **call_kwargs)
     finally:
         h_pre.remove()
         h_post.remove()
@@ -470,8 +478,8 @@ def _how(layer: LayerResult) -> str:
 
 
 def _numbers(layer: LayerResult) -> str:
-    if layer.max_abs_diff is None:
-        return layer.status
+    if layer.max_abs_diff is None or (not layer.max_abs_diff and layer.detail):
+        return layer.detail or layer.status  # no number to give (a string, a type, a structure changed)
     return f"max abs diff {layer.max_abs_diff:.3g}" + (f", rtol={layer.rtol:g}, atol={layer.atol:g}"
                                                       if layer.rtol is not None and layer.atol is not None else "")
 

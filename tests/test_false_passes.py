@@ -276,3 +276,89 @@ def test_a_wrapper_tensor_subclass_is_compared_by_the_tensors_it_holds(tmp_path:
     leaves = flatten(TwoTensor(X, X * 2))
     assert [leaf.path for leaf in leaves] == ["a", "b"]
     assert not _passes(tmp_path, lambda x, k: TwoTensor(x, x * k), 2.0, 3.0)
+
+
+# ----------------------------------------------------------------------------- second review of the fixes
+
+
+class Act(enum.Enum):
+    RELU = (torch.relu,)  # a value whose repr holds a memory address
+    TANH = (torch.tanh,)
+
+
+def test_an_enum_is_compared_by_class_and_name_not_by_an_address_in_its_repr(tmp_path: Path) -> None:
+    leaf = flatten(Act.RELU)[0]
+    assert (leaf.kind, leaf.value, leaf.type_name) == ("str", "Act.RELU", "Act")
+    assert not _passes(tmp_path, lambda x, k: (x, k), Act.RELU, Act.TANH)
+
+
+def test_a_float64_golden_against_a_complex_run_keeps_the_imaginary_part() -> None:
+    g = torch.tensor([1.0], dtype=torch.float64)
+    assert compare_tensors(g, torch.tensor([1 + 5j], dtype=torch.complex64), 1e-5, 1e-8).mismatched == 1
+    assert compare_tensors(torch.tensor([1 + 5j], dtype=torch.complex64), g, 1e-5, 1e-8).mismatched == 1
+
+
+class Scaled(torch.Tensor):
+    """A wrapper subclass whose values are ``data_ * scale``: the scale lives in its metadata."""
+
+    @staticmethod
+    def __new__(cls, d: torch.Tensor, s: float) -> Scaled:
+        return torch.Tensor._make_wrapper_subclass(cls, d.shape, dtype=d.dtype)  # type: ignore[attr-defined]
+
+    def __init__(self, d: torch.Tensor, s: float) -> None:
+        self.data_ = d
+        self.scale = s
+
+    def __tensor_flatten__(self) -> tuple[list[str], dict[str, float]]:
+        return ["data_"], {"scale": self.scale}
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: dict[str, float], *_: Any) -> Scaled:
+        return Scaled(inner["data_"], ctx["scale"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        unwrap = torch.utils._pytree.tree_map_only(Scaled, lambda x: x.data_ * x.scale, args)
+        return func(*unwrap, **(kwargs or {}))
+
+
+def test_a_wrapper_subclass_s_metadata_is_compared(tmp_path: Path) -> None:
+    assert [leaf.path for leaf in flatten(Scaled(X, 1.0))] == ["data_", "#ctx/scale"]
+    assert not _passes(tmp_path, lambda x, k: Scaled(x, k), 1.0, 100.0)
+
+
+def test_a_dtype_argument_is_a_change_of_precision_not_of_inputs() -> None:
+    from activation_guard import env
+    a = env.input_fingerprint((torch.ones(2),), {"dtype": torch.float32})
+    b = env.input_fingerprint((torch.ones(2, dtype=torch.bfloat16),), {"dtype": torch.bfloat16})
+    assert not env.inputs_replaced(a, b)
+    assert "input kwargs/dtype: a different dtype" in env.describe_input_change(a, b)
+    c = env.input_fingerprint((torch.zeros(2),), {"dtype": torch.float32})
+    assert env.inputs_replaced(a, c)  # other values in the same dtype are other inputs
+
+
+def test_a_golden_from_before_the_empty_key_encoding_still_compares(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import activation_guard.leaves as leaves_mod
+    old_encode = leaves_mod.encode_str_key
+
+    def before(key: str) -> str:  # how earlier version-2 writers encoded keys: "" stayed ""
+        return "" if key == "" else old_encode(key)
+
+    def make(x: torch.Tensor, k: float) -> Any:
+        return {"n": {"": {"k": x}}, "m": {"": x * k}}
+
+    def top(x: torch.Tensor, k: float) -> Any:  # a top-level "" key had no path component at all
+        return {"": x * k}
+
+    p, q = tmp_path / "old.h5", tmp_path / "old_top.h5"
+    with monkeypatch.context() as m:
+        m.setattr(leaves_mod, "encode_str_key", before)
+        ag.record(Returns(make, 1.0), (X,), path=p)
+        ag.record(Returns(top, 1.0), (X,), path=q)
+    assert ag.compare(Returns(make, 1.0), (X,), path=p).ok
+    bad = ag.compare(Returns(make, 2.0), (X,), path=p)
+    assert not bad.ok and bad.first_divergence is not None and bad.first_divergence.status == "diverged"
+    ambiguous = ag.compare(Returns(top, 1.0), (X,), path=q)  # the old path "" is also a bare tensor's
+    assert not ambiguous.ok and ambiguous.first_divergence is not None
+    assert ambiguous.first_divergence.status == "structure"

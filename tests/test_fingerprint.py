@@ -478,7 +478,7 @@ def test_default_false_alarm_bound_is_exact_and_tight() -> None:
     assert 1.85 < c < 1.95
 
 
-@pytest.mark.parametrize("rows,buckets,alpha", [(1, 2048, 1e-3), (3, 256, 1e-6), (7, 64, 1e-9), (9, 128, 1e-6)])
+@pytest.mark.parametrize("rows,buckets,alpha", [(1, 4096, 1e-3), (3, 256, 1e-6), (7, 64, 1e-9), (9, 128, 1e-6)])
 def test_custom_parameters_meet_their_bound(rows: int, buckets: int, alpha: float) -> None:
     p = FingerprintParams(rows=rows, buckets=buckets, false_alarm=alpha)
     assert binomial_tail(rows, row_false_alarm(p.multiplier, buckets)) <= Fraction(alpha)
@@ -489,8 +489,8 @@ def test_custom_parameters_meet_their_bound(rows: int, buckets: int, alpha: floa
     ({"rows": 4}, "odd"), ({"rows": 0}, "rows"), ({"buckets": 100}, "power of two"), ({"buckets": 8}, "buckets"),
     ({"seed": -1}, "seed"), ({"seed": 2**64}, "seed"), ({"seed": True}, "seed"), ({"samples": -1}, "samples"),
     ({"false_alarm": 0.0}, "false_alarm"), ({"false_alarm": math.nan}, "false_alarm"),
-    ({"false_alarm": 0.7}, "false_alarm"), ({"samples": 1.5}, "samples"), ({"buckets": 4096}, "buckets"),
-    ({"rows": 31, "buckets": 2048}, "workspace"), ({"rows": 9, "buckets": 1024}, "128 MiB"),
+    ({"false_alarm": 0.7}, "false_alarm"), ({"samples": 1.5}, "samples"), ({"buckets": 8192}, "buckets"),
+    ({"rows": 31, "buckets": 4096}, "workspace"), ({"rows": 17, "buckets": 1024}, "256 MiB"),
 ])
 def test_bad_parameters_are_refused(kwargs: dict, needle: str) -> None:
     with pytest.raises(FingerprintError, match=needle):

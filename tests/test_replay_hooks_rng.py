@@ -136,3 +136,52 @@ def test_compare_models_gives_both_models_the_same_random_stream() -> None:
     torch.manual_seed(3)
     bad = ag.compare_models(ref, cand, X)
     assert not bad.ok and bad.first_divergence is not None and bad.first_divergence.name == "1"
+
+
+class Blk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.lin(x))
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blk = Blk()
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blk(x)
+        return self.out(h * torch.rand_like(h))
+
+
+def test_an_eval_child_holding_a_training_dropout_still_moves_the_stream(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Outer().train()
+    model.blk.eval()
+    model.blk.drop.train()
+    p = tmp_path / "g.h5"
+    torch.manual_seed(1)
+    ag.record(model, X, path=p)
+    torch.manual_seed(1)
+    report = ag.compare(model, X, path=p, replay="all")
+    assert report.ok, str(report)
+
+
+def test_a_pre_hook_changing_its_input_in_place_runs_once_per_replay(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval()
+    model[2].register_forward_pre_hook(lambda mod, a: a[0].mul_(2))
+    p = tmp_path / "g.h5"
+    ag.record(model, X, path=p)
+    for replay in ("first", "all"):
+        report = ag.compare(model, X, path=p, replay=replay)
+        assert report.ok, (replay, str(report))
+    with torch.no_grad():
+        model[2].bias.add_(0.1)
+    bad = ag.compare(model, X, path=p, replay="all")
+    assert not bad.ok and bad.origin is not None and bad.origin.name == "2", str(bad)
