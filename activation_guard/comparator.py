@@ -26,7 +26,16 @@ from .dist_capture import attribute, shard_verdict
 from .dtypes import BY_NAME, dtype_name, numpy_view, tensor_bytes, tensor_from_bytes
 from .fingerprint_rule import FingerprintJudge
 from .judges import Judge, LeafContext, dtype_change_allowed
-from .leaves import EMPTY_KEY, Leaf, LeafTransform, UnsupportedTensorError, flatten, is_plain_tensor, old_empty_key_path
+from .leaves import (
+    EMPTY_KEY,
+    FIELDS,
+    Leaf,
+    LeafTransform,
+    UnsupportedTensorError,
+    flatten,
+    is_plain_tensor,
+    old_empty_key_path,
+)
 from .rename import apply_rename, renamed_patterns
 from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
 from .results import LayerResult, LeafResult, Origin
@@ -118,11 +127,11 @@ class Comparator:
     def _on_output(self, frame: Frame, output: Any) -> None:
         tname = type(frame.module).__name__
         if self.transform is not None:  # every call, whatever the golden holds (same order on every rank)
-            leaves = flatten(output)
+            leaves = flatten(output, fields=True)
             self.transform(frame.name, leaves)
             res, entry = self._judge_call(frame.name, frame.call, tname, lambda: leaves)
         else:
-            res, entry = self._judge_call(frame.name, frame.call, tname, lambda: flatten(output),
+            res, entry = self._judge_call(frame.name, frame.call, tname, lambda: flatten(output, fields=True),
                                           single=output if is_plain_tensor(output) else None)
         if res is None:
             return
@@ -225,15 +234,16 @@ class Comparator:
         for g in entry.leaves:
             lv = live.get(g.path)
             if lv is None:
-                results.append(LeafResult(g.path, "structure",
-                                          f"{_out(g.path)} ({_kind(g)}) is missing from the live output"))
+                if not _is_fields(g.path):  # a named tuple's field names: compared where both sides have them
+                    results.append(LeafResult(g.path, "structure",
+                                              f"{_out(g.path)} ({_kind(g)}) is missing from the live output"))
                 continue
             res = self._compare_leaf(g, lv, name, entry, judge)
             if lv.dist is not None:  # issue 16 (distributed): name the rank holding the worst element
                 attribute(res, lv.dist)
             results.append(res)
         for leaf in leaves:
-            if leaf.path not in gpaths:
+            if leaf.path not in gpaths and not _is_fields(leaf.path):  # (older goldens have no field names)
                 results.append(LeafResult(leaf.path, "structure",
                                           f"{_out(leaf.path)} ({leaf.type_name}) is new in the live output"))
         return results
@@ -352,6 +362,10 @@ class Comparator:
             order[len(results)] = (at, c.position)
             results.append(lr)
         return results, order
+
+
+def _is_fields(path: str) -> bool:
+    return path == FIELDS or path.endswith("/" + FIELDS)
 
 
 def _with_old_empty_keys(live: dict[str, Leaf], gpaths: set[str]) -> dict[str, Leaf]:

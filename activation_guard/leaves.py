@@ -6,6 +6,7 @@ path, whatever their keys' types. Path components (documented in docs/format.md)
 * a sequence index is its decimal digits: ``0``, ``12``;
 * a ``str`` key (or dataclass field) is the key with ``%``, ``/`` and ``#`` percent-encoded, and a
   leading digit encoded too (``"0"`` is ``%30``), so no string key can look like an index;
+* a named tuple's field names (layer outputs only) are a ``str`` leaf ``#fields`` beside its items;
 * the empty ``str`` key is ``#str:''`` (an empty component would vanish at the top level, where
   ``{"": {"x": a}}`` and ``{"x": a}`` would share the path ``x``);
 * an ``int`` key is ``#`` and its digits (``#1``, ``#-3``): ``{1: a, "1": b}`` gives ``#1`` and ``%31``;
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from .fingerprint import Fingerprint
 
 MAX_DEPTH = 32
+FIELDS = "#fields"  # a named tuple's field names (no key encodes to it: ``#`` is encoded in str keys)
 SUBCLASS_CTX = "#ctx"  # a wrapper subclass's metadata: no str key encodes to it (``#`` is encoded)
 MAX_BYTES_INLINE = 4096  # a longer bytes value is stored as its SHA-256
 # values compared by their repr (stored as ``str`` leaves with the type's name): a layer returning
@@ -137,11 +139,12 @@ def _join(prefix: str, key: str) -> str:
 class _Walker:
     """One flatten: the leaves so far, and the containers seen (by identity) with their paths."""
 
-    __slots__ = ("out", "seen")
+    __slots__ = ("fields", "out", "seen")
 
-    def __init__(self) -> None:
+    def __init__(self, fields: bool = False) -> None:
         self.out: list[Leaf] = []
         self.seen: dict[int, str] = {}
+        self.fields = fields
 
     def leaf(self, path: str, legacy: str | None, kind: str, **kw: Any) -> None:
         self.out.append(Leaf(path, kind, legacy_path=legacy if legacy != path else None, **kw))
@@ -194,6 +197,12 @@ class _Walker:
             for i, v in enumerate(obj):
                 k = str(i)
                 self.walk(v, _join(path, k), None if legacy is None else _join(legacy, k), depth + 1)
+            names_of = getattr(obj, "_fields", None) if self.fields and isinstance(obj, tuple) else None
+            if isinstance(names_of, tuple):
+                # a named tuple's field names: which value ``out.logits`` is (values keep their indices)
+                names = ",".join(str(f) for f in names_of)
+                self.leaf(_join(path, FIELDS), None if legacy is None else _join(legacy, FIELDS), "str",
+                          type_name="namedtuple", value=names)
         else:
             for f in dataclasses.fields(obj):
                 k = encode_str_key(f.name)
@@ -307,15 +316,17 @@ def flatten_inputs(args: Any, kwargs: Any) -> list[Leaf]:
     return flatten({"args": list(args), "kwargs": kwargs})
 
 
-def flatten(obj: Any, prefix: str = "") -> list[Leaf]:
+def flatten(obj: Any, prefix: str = "", *, fields: bool = False) -> list[Leaf]:
     """Flatten an output into leaves with injective slash-separated paths (module docstring).
 
     Tuples/lists are addressed by index, mappings (including Hugging Face ``ModelOutput``) and
-    dataclasses by key/field name. A bare tensor output has the empty path.
+    dataclasses by key/field name. A bare tensor output has the empty path. ``fields``: a named
+    tuple also gets a ``str`` leaf ``#fields`` holding its field names (layer outputs, as stored
+    and compared; compared only where both sides have it, see the comparator).
     """
     if is_plain_tensor(obj):
         return [Leaf(prefix, "tensor", tensor=obj)]
-    w = _Walker()
+    w = _Walker(fields)
     w.walk(obj, prefix, prefix, 0)
     if len(w.out) > 1 and len({leaf.path for leaf in w.out}) != len(w.out):
         # the encoding is injective, so this is a bug here: refuse rather than compare one of two values

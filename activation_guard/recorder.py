@@ -169,7 +169,7 @@ class Recorder:
         name, call = frame.name, frame.call
         self._calls_started[name] = call + 1
         try:
-            leaves = flatten(output)
+            leaves = flatten(output, fields=True)
             if self.transform is not None:  # issue 16 (distributed)
                 self.transform(name, leaves)
             stored = leaves if self.fingerprinter is None else self.fingerprinter(name, leaves)  # on their device

@@ -204,7 +204,7 @@ class Replayer:
                             rewind=rewind)
         except Exception as e:  # a replay never breaks the comparison: the origin says why
             return self._not_replayed(f"re-running it on the golden's inputs raised {type(e).__name__}: {e}")
-        leaves: list[LeafResult] = compare(entry, flatten(out), frame.name, judge)
+        leaves: list[LeafResult] = compare(entry, flatten(out, fields=True), frame.name, judge)
         between = None
         if hooks is not None:
             first = self._child_inputs(frame, entry, hooks, ref_hooks)

@@ -5,6 +5,7 @@ Each test failed (passed a changed model) before its fix.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 from pathlib import Path
@@ -362,3 +363,30 @@ def test_a_golden_from_before_the_empty_key_encoding_still_compares(tmp_path: Pa
     ambiguous = ag.compare(Returns(top, 1.0), (X,), path=q)  # the old path "" is also a bare tensor's
     assert not ambiguous.ok and ambiguous.first_divergence is not None
     assert ambiguous.first_divergence.status == "structure"
+
+
+# ----------------------------------------------------------------------------- named tuples
+
+
+Pair = collections.namedtuple("Pair", ["logits", "loss"])
+Swapped = collections.namedtuple("Swapped", ["loss", "logits"])
+
+
+def test_a_named_tuples_field_names_are_compared(tmp_path: Path) -> None:
+    """Values keep their indices while the names swap: ``out.logits`` is now the old ``loss``."""
+    leaves = {leaf.path: leaf for leaf in flatten(Pair(X, X), fields=True)}
+    assert leaves["#fields"].value == "logits,loss" and leaves["#fields"].kind == "str"
+    assert not _passes(tmp_path, lambda x, k: k(x, x * 2), Pair, Swapped)
+
+
+def test_field_names_are_compared_only_where_both_sides_have_them(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import activation_guard.leaves as leaves_mod
+    import activation_guard.recorder as recorder_mod
+    p = tmp_path / "old.h5"
+    with monkeypatch.context() as m:  # a golden from before field names were stored
+        m.setattr(recorder_mod, "flatten", lambda out, fields=False: leaves_mod.flatten(out))
+        ag.record(Returns(lambda x, k: k(x, x * 2), Pair), (X,), path=p)
+    assert ag.compare(Returns(lambda x, k: k(x, x * 2), Pair), (X,), path=p).ok
+    assert not ag.compare(Returns(lambda x, k: k(x, x * 3), Pair), (X,), path=p).ok
+    assert _passes(tmp_path, lambda x, k: k((x, x * 2)) if k is tuple else k(x, x * 2), Pair, tuple)
