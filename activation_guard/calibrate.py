@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .devices import stats_device, to_device
@@ -108,8 +109,8 @@ class CalibratedJudge:
         self.judged += 1
         return calibrated_verdict(ctx, golden, live, gf, lf)
 
-    def identical(self, ctx: LeafContext, live: torch.Tensor) -> LeafResult:
-        res = self.strict.identical(ctx, live)
+    def identical(self, ctx: LeafContext, live: torch.Tensor, view: np.ndarray | None = None) -> LeafResult:
+        res = self.strict.identical(ctx, live, view)
         if ctx.golden_dtype not in CALIBRATED_DTYPES:
             return res
         rule = self.strict.tolerance(ctx).rule

@@ -262,7 +262,7 @@ class Comparator:
         ctx = LeafContext(name, entry.name, entry.call, g.path, g.dtype, g.dtype)
         if self.reader.packed_bytes(g, lambda: ctx.label).data != live:
             return None
-        return judge.identical(ctx, t)
+        return judge.identical(ctx, t, arr)
 
     def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
         t = lv.tensor

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from .calibrate import CalibratedJudge, calibrated_verdict
@@ -51,8 +52,8 @@ class OwnFloorJudge:
                                 f"golden inputs; golden floor: recorded)")
         return res
 
-    def identical(self, ctx: LeafContext, live: torch.Tensor) -> LeafResult:
-        return self.calibrated.identical(ctx, live)
+    def identical(self, ctx: LeafContext, live: torch.Tensor, view: np.ndarray | None = None) -> LeafResult:
+        return self.calibrated.identical(ctx, live, view)
 
     def notes(self) -> list[str]:
         return []
