@@ -275,8 +275,9 @@ class Comparator:
             if self.fingerprints is None:
                 self.fingerprints = FingerprintJudge.for_judge(self.judge)
             return self.fingerprints.compare_leaf(self.reader, g, lv, name, entry, self.spec.allow_dtype_change)
-        if g.kind == "object" and lv.kind == "str" and g.type_name == lv.type_name and lv.type_name != "str":
-            # a golden from before dtypes, devices, enums and bytes were stored by value
+        if {g.kind, lv.kind} == {"object", "str"} and g.type_name == lv.type_name and lv.type_name != "str":
+            # a golden (or, in diff, a second recording) from before dtypes, devices, enums and bytes
+            # were stored by value
             return LeafResult(p, "match", f"{g.type_name} object: compared by type only (re-record to compare "
                                           "its value)", type_name=lv.type_name, type_only=True)
         if g.kind != lv.kind:

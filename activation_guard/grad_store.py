@@ -24,7 +24,7 @@ from .errors import ActivationGuardError, GoldenFormatError, UncalibratedGoldenE
 from .floors import CALIBRATED_DTYPES, FloorTable, NoiseFloor
 from .grad_loss import META_KEY
 from .gradients import Event
-from .leaves import Leaf
+from .leaves import Leaf, UnsupportedTensorError, wrapper_type
 from .store import GoldenWriter
 
 CALIBRATION_KEY = "calibration"  # under meta[META_KEY]: the gradients' noise floors
@@ -66,6 +66,10 @@ class _Recent:
         self.nbytes = 0
 
     def find(self, t: torch.Tensor) -> tuple[tuple[Any, ...], bytes, dict[str, Any] | None]:
+        if wrapper_type(t) is not None:
+            raise UnsupportedTensorError(f"a gradient is a {type(t).__name__} (a wrapper tensor subclass, e.g. of a "
+                                         f"parameter of that type): it cannot be stored as values; compare the "
+                                         f"forward only")
         raw = tensor_bytes(t).tobytes()
         key = (dtype_name(t), tuple(t.shape), zlib.crc32(raw) if raw else 0)
         hit = self.items.get(key)

@@ -53,7 +53,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from .capture import Frame
 from .grad_loss import LossRule
-from .leaves import flatten, flatten_inputs
+from .leaves import UnsupportedTensorError, flatten, flatten_inputs, wrapper_type
 
 GRAD_KINDS = ("output", "input", "param")
 _NO_SEQ = 1 << 63  # nodes without a sequence number (AccumulateGrad) report 2**64 - 1
@@ -148,6 +148,12 @@ class GradCapture:
         if type(output) is torch.Tensor:
             outs = [("", output)] if _wants(output) else []
         else:
+            sub = wrapper_type(output)
+            if sub is not None:
+                raise UnsupportedTensorError(
+                    f"layer {name or '<root>'!r} call {call} returns a {sub} (a wrapper tensor subclass): its "
+                    f"gradients cannot be read as values; compare the forward only, or exclude the layer "
+                    f"(exclude=[...])")
             with torch.no_grad():
                 outs = [(leaf.path, leaf.tensor) for leaf in flatten(output)
                         if leaf.tensor is not None and _wants(leaf.tensor)]

@@ -73,6 +73,7 @@ class LeafInfo:
     value: str | None = None  # str leaves, or the type name of an object leaf
     stats: LeafStats | None = None
     section: str = "forward"  # gradients (issue 14): "grad-output", "grad-input" or "param-grad"
+    py: str | None = None  # a str leaf's stored type when not str (dtype, device, an enum, bytes, int)
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -83,6 +84,8 @@ class LeafInfo:
         }
         if self.section != "forward":
             d["section"] = self.section
+        if self.py is not None:
+            d["py"] = self.py
         return d
 
     @property
@@ -192,6 +195,8 @@ def _leaf_info(reader: GoldenReader, c: CallEntry, leaf: LeafEntry, with_stats: 
             info.stats = tensor_stats(t)
     elif leaf.kind == "str":
         info.value = leaf.value
+        if leaf.type_name not in ("", "str"):
+            info.py = leaf.type_name
     elif leaf.kind == "object":
         info.value = leaf.type_name
     return info
@@ -315,7 +320,7 @@ def _row(x: LeafInfo) -> list[str]:
     s = x.stats
     if x.kind not in ("tensor", "fingerprint"):
         shown = x.value if x.kind == "str" else (x.value or x.kind)
-        return [str(x.position + 1), x.layer or "<root>", str(x.call), x.type_name, x.shown_path, x.kind,
+        return [str(x.position + 1), x.layer or "<root>", str(x.call), x.type_name, x.shown_path, x.py or x.kind,
                 "-", repr(shown)[:40] if x.kind == "str" else str(shown), "", "", "", ""]
     dtype = (x.dtype or "?") + (" (fp)" if x.kind == "fingerprint" else "")
     return [str(x.position + 1), x.layer or "<root>", str(x.call), x.type_name, x.shown_path, dtype,
@@ -406,6 +411,6 @@ def textconv_lines(path: str | os.PathLike[str]) -> Iterator[str]:
                 yield (f"{head} {what}{x.dtype} {shape_str(x.shape)} sha256:{s.sha256[:16]} "
                        f"min={num(s.min)} max={num(s.max)} mean={num(s.mean)} std={num(s.std)} nonfinite={s.nonfinite}")
             elif x.kind == "str":
-                yield f"{head} str {x.value!r}"
+                yield f"{head} {x.py or 'str'} {x.value!r}"
             else:
                 yield f"{head} {x.kind} {x.value or ''}".rstrip()

@@ -32,6 +32,7 @@ import copy
 import dataclasses
 import enum
 import hashlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 
 MAX_DEPTH = 32
 FIELDS = "#fields"  # a named tuple's field names (no key encodes to it: ``#`` is encoded in str keys)
+SUBCLASS_TYPE = "#type"  # a wrapper subclass's class
 SUBCLASS_CTX = "#ctx"  # a wrapper subclass's metadata: no str key encodes to it (``#`` is encoded)
 MAX_BYTES_INLINE = 4096  # a longer bytes value is stored as its SHA-256
 # values compared by their repr (stored as ``str`` leaves with the type's name): a layer returning
@@ -119,13 +121,29 @@ def old_empty_key_path(path: str) -> str:
     return out
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def enum_text(member: enum.Enum) -> str:
+    """An enum member as stored: class, name and value. ``repr`` would not do: a member's value
+    may be an object whose ``repr`` holds a memory address (never equal in another process); and a
+    member without a name (a combined or out-of-range flag) is told apart by its value."""
+    value = member.value
+    shown = repr(value) if isinstance(value, _PLAIN_VALUES) else f"<{type(value).__qualname__}>"
+    return f"{type(member).__qualname__}.{member.name}={shown}"
+
+
 def encode_key(key: Any) -> str:
     """The path component of a mapping key (see the module docstring)."""
     if isinstance(key, str):
         return encode_str_key(key)
     if isinstance(key, int) and not isinstance(key, bool):
         return f"#{key}"
-    return f"#{type(key).__name__}:" + repr(key).replace("%", "%25").replace("/", "%2F")
+    text = repr(key)
+    if isinstance(key, enum.Enum) and _ADDRESS.search(text):  # an address never matches another process's
+        text = enum_text(key)
+    return f"#{type(key).__name__}:" + text.replace("%", "%25").replace("/", "%2F")
 
 
 def _legacy_key(key: Any) -> str:
@@ -166,8 +184,7 @@ class _Walker:
             self.numpy(obj, path, legacy)
             return
         if isinstance(obj, _BY_REPR):
-            # an enum member by class and name: its value's repr may hold a memory address
-            value = f"{type(obj).__qualname__}.{obj.name}" if isinstance(obj, enum.Enum) else repr(obj)
+            value = enum_text(obj) if isinstance(obj, enum.Enum) else repr(obj)
             self.leaf(path, legacy, "str", type_name=type(obj).__name__, value=value)
             return
         if isinstance(obj, (bytes, bytearray)):
@@ -262,13 +279,20 @@ class _Walker:
         if type(t) not in _PLAIN_TYPES and _own_dispatch(type(t)) and not type(t).__module__.startswith(
                 "torch.distributed"):  # DTensors are turned into local values by dist_capture
             inner = getattr(t, "__tensor_flatten__", None)
-            if inner is None or depth >= MAX_DEPTH:
+            if inner is None:
                 raise UnsupportedTensorError(
                     f"a {type(t).__name__} (a tensor subclass with its own __torch_dispatch__ and no "
                     "__tensor_flatten__) cannot be read as values; exclude the layer (exclude=[...]) or "
                     "return plain tensors")
-            # a wrapper subclass (TwoTensor, a float8 training tensor): the tensors it holds, by name,
-            # and its metadata (a scale, a block size: the values depend on it) under ``#ctx``
+            if depth >= MAX_DEPTH:
+                raise UnsupportedTensorError(
+                    f"a {type(t).__name__} nested more than {MAX_DEPTH} levels deep (does its "
+                    "__tensor_flatten__ context hold itself?); exclude the layer (exclude=[...])")
+            # a wrapper subclass (TwoTensor, a float8 training tensor): its class under ``#type``, the
+            # tensors it holds by name, and its metadata (a scale, a block size: the values depend on
+            # it) under ``#ctx``
+            self.leaf(_join(path, SUBCLASS_TYPE), None if legacy is None else _join(legacy, SUBCLASS_TYPE), "str",
+                      type_name="type", value=type(t).__qualname__)
             attrs, ctx = inner()
             for attr in attrs:
                 k = encode_str_key(attr)
@@ -291,6 +315,22 @@ _STRIDED = torch.strided
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # a tensor inside vmap/grad: no storage of its own
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 _NO_DISPATCH = getattr(torch.Tensor.__torch_dispatch__, "__func__", torch.Tensor.__torch_dispatch__)
+
+
+def _is_wrapper(t: torch.Tensor) -> bool:
+    """A wrapper tensor subclass the walker flattens into its inner tensors (not a DTensor)."""
+    cls = type(t)
+    return (cls not in _PLAIN_TYPES and _own_dispatch(cls) and hasattr(cls, "__tensor_flatten__")
+            and not cls.__module__.startswith("torch.distributed"))
+
+
+def wrapper_type(obj: Any) -> str | None:
+    """The class name of the first wrapper tensor subclass in ``obj`` (gradients cannot be read
+    through one: its inner tensors are not what autograd differentiates), or None."""
+    for x in torch.utils._pytree.tree_leaves(obj):
+        if isinstance(x, torch.Tensor) and _is_wrapper(x):
+            return type(x).__name__
+    return None
 
 
 def _own_dispatch(cls: type) -> bool:
@@ -390,7 +430,17 @@ class _Rebuilder:
     def walk(self, o: Any, path: str, depth: int) -> Any:
         values, seen = self.values, self.seen
         if isinstance(o, torch.Tensor):
-            return values.get(path, o)
+            if path in values or not _is_wrapper(o) or depth >= MAX_DEPTH:
+                return values.get(path, o)
+            # a wrapper subclass was flattened into its inner tensors: rebuilt around the given ones
+            attrs, ctx = o.__tensor_flatten__()  # type: ignore[attr-defined]
+            inner = {a: self.walk(getattr(o, a), _join(path, encode_str_key(a)), depth + 1) for a in attrs}
+            if all(inner[a] is getattr(o, a) for a in attrs):
+                return o
+            try:
+                return type(o).__tensor_unflatten__(inner, ctx, o.size(), o.stride())  # type: ignore[attr-defined]
+            except Exception:  # cannot be rebuilt: the live value stays (the replay then differs, never passes)
+                return o
         if isinstance(o, np.ndarray):
             return values[path].numpy() if path in values else o
         if isinstance(o, (bool, int, float, complex, np.generic)):  # a number: stored as a 0-d tensor

@@ -290,7 +290,9 @@ class Report:
         focus = next((leaf for leaf in fd.leaves if leaf.path == fd.path and leaf.status == fd.status), None)
         if focus is not None and focus.estimate:
             out += estimate_lines(focus)
-        elif fd.status in ("diverged", "nonfinite", "match") or fd.mismatched:
+        elif not (focus is not None and focus.dtype is None and not focus.numel) and (
+                fd.status in ("diverged", "nonfinite", "match") or fd.mismatched):
+            # (a string, dtype, enum or bytes value that changed has no numbers: its "what" line says it)
             pct = 100.0 * fd.mismatched / fd.numel if fd.numel else 0.0
             out.append(f"  mismatched    : {fd.mismatched} / {fd.numel} elements ({pct:.3g}%)")
             if fd.nonfinite_new:

@@ -275,7 +275,8 @@ def test_a_layer_inside_vmap_is_refused_by_name_and_can_be_excluded(tmp_path: Pa
 def test_a_wrapper_tensor_subclass_is_compared_by_the_tensors_it_holds(tmp_path: Path) -> None:
     from torch.testing._internal.two_tensor import TwoTensor
     leaves = flatten(TwoTensor(X, X * 2))
-    assert [leaf.path for leaf in leaves] == ["a", "b"]
+    assert [leaf.path for leaf in leaves] == ["#type", "a", "b"]
+    assert leaves[0].value == "TwoTensor"
     assert not _passes(tmp_path, lambda x, k: TwoTensor(x, x * k), 2.0, 3.0)
 
 
@@ -287,10 +288,35 @@ class Act(enum.Enum):
     TANH = (torch.tanh,)
 
 
-def test_an_enum_is_compared_by_class_and_name_not_by_an_address_in_its_repr(tmp_path: Path) -> None:
+class Mode(enum.Enum):
+    X = 1
+
+
+class Mode2(enum.Enum):
+    X = 2
+
+
+Mode2.__qualname__ = "Mode"  # the same class name and member name, another value
+
+
+class Bits(enum.Flag, boundary=enum.KEEP):
+    A = 1
+    B = 2
+
+
+def test_an_enum_is_compared_by_class_name_and_value_not_by_an_address_in_its_repr(tmp_path: Path) -> None:
     leaf = flatten(Act.RELU)[0]
-    assert (leaf.kind, leaf.value, leaf.type_name) == ("str", "Act.RELU", "Act")
+    assert (leaf.kind, leaf.value, leaf.type_name) == ("str", "Act.RELU=<tuple>", "Act")
+    assert "0x" not in leaf.value
     assert not _passes(tmp_path, lambda x, k: (x, k), Act.RELU, Act.TANH)
+    assert not _passes(tmp_path, lambda x, k: (x, k), Mode.X, Mode2.X)  # a member's value changed
+    assert not _passes(tmp_path, lambda x, k: (x, k), Bits(0), Bits(8))  # members without a name
+
+
+def test_an_enum_key_whose_repr_holds_an_address_gets_a_stable_path() -> None:
+    path = flatten({Act.RELU: X})[0].path
+    assert path == "#Act:Act.RELU=<tuple>", path
+    assert flatten({Mode.X: X})[0].path == "#Mode:<Mode.X: 1>"  # keys with a stable repr keep their path
 
 
 def test_a_float64_golden_against_a_complex_run_keeps_the_imaginary_part() -> None:
@@ -324,7 +350,7 @@ class Scaled(torch.Tensor):
 
 
 def test_a_wrapper_subclass_s_metadata_is_compared(tmp_path: Path) -> None:
-    assert [leaf.path for leaf in flatten(Scaled(X, 1.0))] == ["data_", "#ctx/scale"]
+    assert [leaf.path for leaf in flatten(Scaled(X, 1.0))] == ["#type", "data_", "#ctx/scale"]
     assert not _passes(tmp_path, lambda x, k: Scaled(x, k), 1.0, 100.0)
 
 
@@ -390,3 +416,79 @@ def test_field_names_are_compared_only_where_both_sides_have_them(tmp_path: Path
     assert ag.compare(Returns(lambda x, k: k(x, x * 2), Pair), (X,), path=p).ok
     assert not ag.compare(Returns(lambda x, k: k(x, x * 3), Pair), (X,), path=p).ok
     assert _passes(tmp_path, lambda x, k: k((x, x * 2)) if k is tuple else k(x, x * 2), Pair, tuple)
+
+
+# ----------------------------------------------------------------------------- third review: leaf consumers
+
+
+def test_a_wrapper_subclass_is_not_a_dict_of_its_inner_tensors(tmp_path: Path) -> None:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def make(x: torch.Tensor, k: bool) -> Any:
+        return TwoTensor(x, x * 2) if k else {"a": x, "b": x * 2}
+    assert not _passes(tmp_path, make, True, False)
+
+
+class Wrapped(nn.Module):
+    """Layers that take and return a TwoTensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 4)
+        self.l3 = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.testing._internal.two_tensor import TwoTensor
+        return self.l3(self.l2(self.l1(TwoTensor(x, x * 2))))
+
+
+def test_replay_all_rebuilds_a_wrapper_subclass_from_the_golden(tmp_path: Path) -> None:
+    """Layers after a changed one were judged diverged by their own error: the replay ran them on
+    the live TwoTensor, since the golden holds its inner tensors, not the wrapper itself."""
+    torch.manual_seed(0)
+    model = Wrapped().eval()
+    x = torch.randn(2, 4)
+    p = tmp_path / "w.h5"
+    ag.record(model, x, path=p)
+    with torch.no_grad():
+        model.l1.weight.mul_(1.5)
+    report = ag.compare(model, x, path=p, replay="all")
+    by_name = {layer.name: layer.status for layer in report.layers}
+    assert by_name["l1"] == "diverged" and by_name["l2"] == "match" and by_name["l3"] == "match", by_name
+
+
+def test_gradients_through_a_wrapper_subclass_are_refused_by_name(tmp_path: Path) -> None:
+    from activation_guard.errors import ActivationGuardError
+    torch.manual_seed(0)
+    with pytest.raises(ActivationGuardError, match=r"layer 'l1' call 0 returns a TwoTensor .*forward only"):
+        ag.record(Wrapped().train(), torch.randn(2, 4), path=tmp_path / "g.h5", backward=True)
+    assert not (tmp_path / "g.h5").exists()
+
+
+def test_a_changed_string_value_reports_no_numbers(tmp_path: Path) -> None:
+    p = tmp_path / "s.h5"
+    ag.record(Returns(lambda x, k: (x, k), "a"), (X,), path=p)
+    text = str(ag.compare(Returns(lambda x, k: (x, k), "b"), (X,), path=p))
+    assert "what          : output 1 'a' -> 'b'" in text
+    assert "mismatched    :" not in text and "max abs diff  :" not in text, text
+
+
+def test_inspect_and_textconv_show_the_stored_type_of_a_str_leaf(tmp_path: Path) -> None:
+    from activation_guard.inspection import textconv_lines
+    p = tmp_path / "t.h5"
+    ag.record(Returns(lambda x, k: (x, k, "torch.float32"), torch.float32), (X,), path=p)
+    lines = list(textconv_lines(p))
+    assert any("dtype 'torch.float32'" in line for line in lines), lines
+    assert any("str 'torch.float32'" in line for line in lines), lines
+
+
+def test_diff_of_a_new_golden_against_an_older_recording_compares_by_type(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import activation_guard.leaves as leaves_mod
+    new, old = tmp_path / "new.h5", tmp_path / "old.h5"
+    ag.record(Returns(lambda x, k: (x, k), torch.float32), (X,), path=new)
+    with monkeypatch.context() as m:
+        m.setattr(leaves_mod, "_BY_REPR", ())
+        ag.record(Returns(lambda x, k: (x, k), torch.float32), (X,), path=old)
+    assert ag.diff_recordings(new, old).ok and ag.diff_recordings(old, new).ok
