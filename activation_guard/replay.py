@@ -116,6 +116,12 @@ class Replayer:
             return ArgsChanged(f"the golden's call had the tensor argument(s) {', '.join(gone)}, which the live call "
                                f"does not pass")
         for lv in live:
+            if lv.kind == "str":  # a dtype, device, enum or string argument: the replay passes the live one
+                given = golden.get(lv.path)
+                if given is not None and given.kind == "str" and (given.value, given.type_name) != (
+                        lv.value, lv.type_name):
+                    return ArgsChanged(f"its argument {lv.path} was {given.value!r}, is now {lv.value!r}")
+                continue
             if lv.kind != "tensor" or lv.tensor is None:
                 continue
             given = golden.get(lv.path)

@@ -185,3 +185,37 @@ def test_a_pre_hook_changing_its_input_in_place_runs_once_per_replay(tmp_path: P
         model[2].bias.add_(0.1)
     bad = ag.compare(model, X, path=p, replay="all")
     assert not bad.ok and bad.origin is not None and bad.origin.name == "2", str(bad)
+
+
+class Caster(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        return self.lin(x).to(dt).float()
+
+
+class CastParent(nn.Module):
+    def __init__(self, dt: torch.dtype) -> None:
+        super().__init__()
+        self.child = Caster()
+        self.dt = dt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.child(x, self.dt)
+
+
+def test_a_changed_dtype_argument_is_blamed_on_the_caller(tmp_path: Path) -> None:
+    """The replay ran the unchanged child on the live dtype argument and blamed the child."""
+    torch.manual_seed(0)
+    model = CastParent(torch.float32).eval()
+    p = tmp_path / "g.h5"
+    ag.record(model, X, path=p)
+    model.dt = torch.bfloat16
+    report = ag.compare(model, X, path=p, replay="first")
+    assert not report.ok and report.origin is not None
+    assert report.origin.name == "" and "args/1 was 'torch.float32', is now 'torch.bfloat16'" in (
+        report.origin.detail or ""), str(report)
+    every = ag.compare(model, X, path=p, replay="all")  # the child is not judged by a replay on the live dtype
+    assert not every.ok and "not replayed: its argument args/1 was 'torch.float32'" in str(every), str(every)
