@@ -91,18 +91,22 @@ def _first_x(report: Report, fd: LayerResult, n: int) -> float:
 
 
 def render_png(report: Report, *, title: str | None = None, dpi: int = 110) -> bytes:
-    """The error-by-layer plot of ``report`` as PNG bytes. Every text is drawn as given: matplotlib
-    would read ``$...$`` in a layer or file name as a formula (and raise on one it cannot parse)."""
-    _matplotlib()
-    import matplotlib
+    """The error-by-layer plot of ``report`` as PNG bytes. Every text from a layer or file name is
+    drawn as given (:func:`_lit`); the axis keeps matplotlib's math rendering for its ticks."""
+    return _render_png(report, title=title, dpi=dpi)
 
-    with matplotlib.rc_context({"text.parse_math": False}):
-        return _render_png(report, title=title, dpi=dpi)
+
+def _lit(text: str) -> str:
+    """``text`` drawn literally: matplotlib reads ``$...$`` as a formula (and raises on one it
+    cannot parse), and an escaped dollar is drawn as a dollar. (Switching math off for the whole
+    figure, as once done, also drew the log axis's ticks as ``$\\mathdefault{10^{-4}}$``.)"""
+    return text.replace("$", r"\$")
 
 
 def _tick(name: str, limit: int = 60) -> str:
-    """A tick label short enough to leave room for the plot (the full names are in the tables)."""
-    return name if len(name) <= limit else name[: limit - 1] + "\u2026"
+    """A tick label short enough to leave room for the plot (the full names are in the tables),
+    drawn literally."""
+    return _lit(name if len(name) <= limit else name[: limit - 1] + "\u2026")
 
 
 def _render_png(report: Report, *, title: str | None, dpi: int) -> bytes:
@@ -176,7 +180,7 @@ def _render_png(report: Report, *, title: str | None, dpi: int) -> bytes:
         fx = _first_x(report, fd, n)
         left = fx <= max(n, 1) * 0.6
         ax.axvline(fx, color=c_bad, ls="-.", lw=1.2)
-        ax.annotate(f"first divergence: {_tick(fd.label)} ({why(fd)})", xy=(fx, 0.91),
+        ax.annotate(f"first divergence: {_tick(fd.label)} ({_lit(why(fd))})", xy=(fx, 0.91),
                     xycoords=("data", "axes fraction"), xytext=(6 if left else -6, 0), textcoords="offset points",
                     ha="left" if left else "right", va="top", fontsize=9, color=c_bad,
                     bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": c_bad, "alpha": 0.9})

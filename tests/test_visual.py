@@ -273,4 +273,20 @@ def test_layer_and_file_names_are_drawn_as_text_not_formulas(tmp_path, name):
     assert matplotlib.image.imread(io.BytesIO(png)).shape[2] in (3, 4)
     page = visual.html_page(report)
     assert "data:image/png;base64," in page
-    assert visual._tick(name) == (name if len(name) <= 60 else name[:59] + "\u2026")
+    assert visual._tick(name).replace(r"\$", "$") == (name if len(name) <= 60 else name[:59] + "\u2026")
+
+
+def test_the_log_axis_keeps_its_math_ticks(monkeypatch):
+    """Math rendering was once switched off for the whole figure to draw "$" in names literally;
+    the log axis's ticks then read "$\\mathdefault{10^{-4}}$". Names are escaped instead."""
+    seen = []
+    real = visual._render_png
+
+    def spy(report, **kw):
+        seen.append(matplotlib.rcParams["text.parse_math"])
+        return real(report, **kw)
+
+    monkeypatch.setattr(visual, "_render_png", spy)
+    visual.render_png(Report(path="g.h5", layers=[]))
+    assert seen == [True]
+    assert visual._lit("a$b") == r"a\$b"
