@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .leaves import flatten, flatten_inputs, rebuild
+from .leaves import UnsupportedTensorError, flatten, flatten_inputs, rebuild
 from .selection import display_name
 from .store import CallEntry, GoldenReader, LeafEntry
 
@@ -205,7 +205,11 @@ class ChildHooks:
                 del mod.forward
 
     def stubbed(self, modules: Mapping[str, torch.nn.Module]) -> set[int]:
-        """The ids of the modules that will not run during the replay (every call has a skeleton)."""
+        """The ids of the modules that will not run during the replay (every call has a skeleton).
+        None while a global forward hook is registered: it runs after a stub too and would rewrite
+        the golden output a second time (the capture read it after that hook)."""
+        if torch.nn.modules.module._global_forward_hooks:
+            return set()
         return {id(mod) for name, mod in modules.items() if name in self.queues and "forward" not in mod.__dict__
                 and all(self.calls[i].skeleton is not None for i in self.queues[name])}
 
@@ -232,7 +236,12 @@ class ChildHooks:
             return None  # another structure: this call keeps its own output
         self.substituted += 1
         # a copy each time: the parent may change what it gets in place
-        return rebuild(output, {p: golden[p].to(device=t.device, dtype=t.dtype, copy=True) for p, t in live.items()})
+        try:
+            return rebuild(output, {p: golden[p].to(device=t.device, dtype=t.dtype, copy=True)
+                                    for p, t in live.items()})
+        except UnsupportedTensorError:  # a wrapper subclass that cannot be rebuilt: it keeps its own output
+            self.substituted -= 1
+            return None
 
     def _stub(self, name: str, mod: torch.nn.Module, widen: bool, *args: Any, **kwargs: Any) -> Any:
         i = self._next(name, args, kwargs)

@@ -130,8 +130,28 @@ def enum_text(member: enum.Enum) -> str:
     may be an object whose ``repr`` holds a memory address (never equal in another process); and a
     member without a name (a combined or out-of-range flag) is told apart by its value."""
     value = member.value
-    shown = repr(value) if isinstance(value, _PLAIN_VALUES) else f"<{type(value).__qualname__}>"
+    shown = _stable_repr(value, 0)
+    if shown is None:
+        shown = f"<{type(value).__qualname__}>"
     return f"{type(member).__qualname__}.{member.name}={shown}"
+
+
+def _stable_repr(v: Any, depth: int) -> str | None:
+    """``repr(v)`` where it is the same in every process (plain values, and tuples, lists and sets
+    of them, sets sorted: their order follows the string hash seed), else None."""
+    if isinstance(v, _PLAIN_VALUES):
+        return repr(v)
+    if depth > 4 or not isinstance(v, (tuple, list, set, frozenset)):
+        return None
+    parts = [_stable_repr(x, depth + 1) for x in v]
+    if any(p is None for p in parts):
+        return None
+    texts = [p for p in parts if p is not None]
+    if isinstance(v, (set, frozenset)):
+        return f"{type(v).__name__}({{{', '.join(sorted(texts))}}})"
+    if isinstance(v, tuple):
+        return f"({', '.join(texts)}{',' if len(texts) == 1 else ''})"
+    return f"[{', '.join(texts)}]"
 
 
 def encode_key(key: Any) -> str:
@@ -141,8 +161,8 @@ def encode_key(key: Any) -> str:
     if isinstance(key, int) and not isinstance(key, bool):
         return f"#{key}"
     text = repr(key)
-    if isinstance(key, enum.Enum) and _ADDRESS.search(text):  # an address never matches another process's
-        text = enum_text(key)
+    if isinstance(key, enum.Enum) and (_ADDRESS.search(text) or isinstance(key.value, (set, frozenset))):
+        text = enum_text(key)  # an address, or a set's order, is not the same in another process
     return f"#{type(key).__name__}:" + text.replace("%", "%25").replace("/", "%2F")
 
 
@@ -327,9 +347,11 @@ def _is_wrapper(t: torch.Tensor) -> bool:
 def wrapper_type(obj: Any) -> str | None:
     """The class name of the first wrapper tensor subclass in ``obj`` (gradients cannot be read
     through one: its inner tensors are not what autograd differentiates), or None."""
-    for x in torch.utils._pytree.tree_leaves(obj):
-        if isinstance(x, torch.Tensor) and _is_wrapper(x):
-            return type(x).__name__
+    if isinstance(obj, torch.Tensor) and not _is_wrapper(obj):
+        return None
+    for leaf in flatten(obj):  # finds them inside dataclasses and mappings too
+        if leaf.type_name == "type" and leaf.path.rsplit("/", 1)[-1] == SUBCLASS_TYPE:
+            return leaf.value
     return None
 
 
@@ -378,8 +400,8 @@ def flatten(obj: Any, prefix: str = "", *, fields: bool = False) -> list[Leaf]:
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], depth: int = 0) -> Any:
     """``obj`` with every tensor replaced by ``fn(tensor)`` and numpy arrays copied; lists, tuples,
-    named tuples and mappings are rebuilt (a mapping whose type cannot be rebuilt from a dict becomes
-    one), other objects are shared. Model inputs go through this before a run that may change them."""
+    named tuples, mappings and dataclasses are rebuilt (a mapping whose type cannot be rebuilt from
+    a dict becomes one), other objects are shared. Model inputs go through this before a run that may change them."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if depth > MAX_DEPTH:
@@ -397,6 +419,13 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], depth: int = 0) -> 
             return ctor(items)
         except Exception:
             return items
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        # a dataclass argument: its tensors copied too (a pre-hook that changes one in place)
+        try:
+            return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn, depth + 1)
+                                               for f in dataclasses.fields(obj) if f.init})
+        except Exception:  # a dataclass that cannot be rebuilt this way is shared, as before
+            return obj
     return obj
 
 
@@ -439,8 +468,9 @@ class _Rebuilder:
                 return o
             try:
                 return type(o).__tensor_unflatten__(inner, ctx, o.size(), o.stride())  # type: ignore[attr-defined]
-            except Exception:  # cannot be rebuilt: the live value stays (the replay then differs, never passes)
-                return o
+            except Exception as e:
+                raise UnsupportedTensorError(f"a {type(o).__name__} cannot be rebuilt from the golden's tensors "
+                                             f"({type(e).__name__}: {e})") from None
         if isinstance(o, np.ndarray):
             return values[path].numpy() if path in values else o
         if isinstance(o, (bool, int, float, complex, np.generic)):  # a number: stored as a 0-d tensor

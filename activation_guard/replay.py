@@ -41,7 +41,7 @@ from .capture import Frame, HookState
 from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, skeleton
 from .dtypes import dtype_name
 from .judges import Judge, LeafContext, StrictJudge
-from .leaves import clone_inputs, flatten, flatten_inputs, rebuild_inputs
+from .leaves import UnsupportedTensorError, clone_inputs, flatten, flatten_inputs, rebuild_inputs
 from .ownfloor import OwnFloorJudge, judge_input
 from .results import LayerResult, LeafResult, Origin
 from .selection import display_name
@@ -115,13 +115,19 @@ class Replayer:
         if gone:
             return ArgsChanged(f"the golden's call had the tensor argument(s) {', '.join(gone)}, which the live call "
                                f"does not pass")
+        live_by_path = {lv.path: lv for lv in live}
+        for p, e in golden.items():
+            # a dtype, device or enum argument: the replay passes the live one, so a change of it is
+            # the caller's (plain strings are not judged: a request id or a path may differ every run)
+            if e.kind == "str" and e.type_name not in ("", "str", "int"):
+                lv_ = live_by_path.get(p)
+                now = None if lv_ is None else (lv_.value if lv_.kind == "str" else lv_.type_name)
+                if lv_ is None or (lv_.kind, lv_.type_name, lv_.value) != ("str", e.type_name, e.value):
+                    return ArgsChanged(f"its argument {p} was {_short(e.value)}, is now "
+                                       f"{'absent' if lv_ is None else _short(now)}")
         for lv in live:
-            if lv.kind == "str":  # a dtype, device, enum or string argument: the replay passes the live one
-                given = golden.get(lv.path)
-                if given is not None and given.kind == "str" and (given.value, given.type_name) != (
-                        lv.value, lv.type_name):
-                    return ArgsChanged(f"its argument {lv.path} was {given.value!r}, is now {lv.value!r}")
-                continue
+            if lv.kind == "str" and lv.type_name not in ("", "str", "int") and lv.path not in golden:
+                return ArgsChanged(f"its argument {lv.path} ({_short(lv.value)}) is not in the golden's call")
             if lv.kind != "tensor" or lv.tensor is None:
                 continue
             given = golden.get(lv.path)
@@ -197,13 +203,16 @@ class Replayer:
         outputs = GoldenOutputs(self.cache, children)
         judge: Judge = self.strict
         ref_hooks: ChildHooks | None = None
-        if self.calibrated is not None and self.reference is not None:
-            # first, on its own copies: the live replay may change its inputs or append to a cache
-            rargs, rkwargs = rebuild_inputs(frame.args, frame.kwargs, golden, objects=start.objects)
-            refs, ref_hooks = self._reference_outputs(frame, rargs, rkwargs, children, outputs, rewind)
-            judge = OwnFloorJudge(self.calibrated, refs)
-        # the live replay is the snapshot's last use: it gets the objects themselves, not copies
-        args, kwargs = rebuild_inputs(frame.args, frame.kwargs, golden, objects=start.objects, copy_objects=False)
+        try:
+            if self.calibrated is not None and self.reference is not None:
+                # first, on its own copies: the live replay may change its inputs or append to a cache
+                rargs, rkwargs = rebuild_inputs(frame.args, frame.kwargs, golden, objects=start.objects)
+                refs, ref_hooks = self._reference_outputs(frame, rargs, rkwargs, children, outputs, rewind)
+                judge = OwnFloorJudge(self.calibrated, refs)
+            # the live replay is the snapshot's last use: it gets the objects themselves, not copies
+            args, kwargs = rebuild_inputs(frame.args, frame.kwargs, golden, objects=start.objects, copy_objects=False)
+        except UnsupportedTensorError as e:  # a wrapper subclass input that cannot be rebuilt
+            return self._not_replayed(f"its inputs cannot be rebuilt from the golden: {e}")
         hooks = ChildHooks(children, outputs) if children else None
         try:
             out = self._run(frame.module, frame, args, kwargs, hooks, {c.name: c.module for c in children},
@@ -481,6 +490,11 @@ def _how(layer: LayerResult) -> str:
     """How a replay's inputs differ: a changed structure in words, else the numbers."""
     moved = next((leaf.detail for leaf in layer.leaves if leaf.status in ("structure", "shape")), None)
     return moved or _numbers(layer)
+
+
+def _short(text: str | None, limit: int = 60) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 1] + "\u2026"
 
 
 def _numbers(layer: LayerResult) -> str:

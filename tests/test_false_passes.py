@@ -492,3 +492,49 @@ def test_diff_of_a_new_golden_against_an_older_recording_compares_by_type(tmp_pa
         m.setattr(leaves_mod, "_BY_REPR", ())
         ag.record(Returns(lambda x, k: (x, k), torch.float32), (X,), path=old)
     assert ag.diff_recordings(new, old).ok and ag.diff_recordings(old, new).ok
+
+
+class Planet(enum.Enum):
+    EARTH = (1, 2)
+
+
+class Planet2(enum.Enum):
+    EARTH = (1, 9)
+
+
+Planet2.__qualname__ = "Planet"
+
+
+class Tags(enum.Enum):
+    X = frozenset({"alpha", "beta", "gamma"})
+
+
+def test_an_enum_whose_value_is_a_tuple_is_compared_by_that_value(tmp_path: Path) -> None:
+    assert flatten(Planet.EARTH)[0].value == "Planet.EARTH=(1, 2)"
+    assert not _passes(tmp_path, lambda x, k: (x, k), Planet.EARTH, Planet2.EARTH)
+
+
+def test_an_enum_key_holding_a_set_gets_a_path_independent_of_the_hash_seed() -> None:
+    assert flatten({Tags.X: X})[0].path == "#Tags:Tags.X=frozenset({'alpha', 'beta', 'gamma'})"
+
+
+@dataclasses.dataclass
+class Holder:
+    y: torch.Tensor
+
+
+class HoldsWrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Holder:
+        from torch.testing._internal.two_tensor import TwoTensor
+        y = self.l1(x)
+        return Holder(TwoTensor(y, y * 2))  # only the model's own output holds the wrapper
+
+
+def test_gradients_through_a_wrapper_inside_a_dataclass_are_refused_by_name(tmp_path: Path) -> None:
+    from activation_guard.errors import ActivationGuardError
+    with pytest.raises(ActivationGuardError, match=r"layer '<root>' call 0 returns a TwoTensor"):
+        ag.record(HoldsWrapped().train(), torch.randn(2, 4), path=tmp_path / "g.h5", backward=True)

@@ -7,6 +7,7 @@ is not re-run still moves the random stream as the live call did.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -219,3 +220,101 @@ def test_a_changed_dtype_argument_is_blamed_on_the_caller(tmp_path: Path) -> Non
         report.origin.detail or ""), str(report)
     every = ag.compare(model, X, path=p, replay="all")  # the child is not judged by a replay on the live dtype
     assert not every.ok and "not replayed: its argument args/1 was 'torch.float32'" in str(every), str(every)
+
+
+class Tagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bump = 0.0
+
+    def forward(self, x: torch.Tensor, request_id: str = "") -> torch.Tensor:
+        return self.lin(x) + self.bump
+
+
+class TagParent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = Tagged()
+        self.n = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n += 1
+        return self.c(x, request_id=f"request-{self.n}")  # another string on every run
+
+
+def test_a_string_argument_that_differs_every_run_does_not_move_the_blame(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TagParent().eval()
+    p = tmp_path / "g.h5"
+    ag.record(model, X, path=p)
+    assert ag.compare(model, X, path=p, replay="all").ok
+    model.c.bump = 1.0
+    report = ag.compare(model, X, path=p, replay="first")
+    assert report.origin is not None and report.origin.name == "c", str(report)  # its own code
+
+
+class DtypeCaller(nn.Module):
+    def __init__(self, passes: bool) -> None:
+        super().__init__()
+        self.child = Caster()
+        self.passes = passes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.child(x, torch.float32) if self.passes else self.child(x, dt=torch.float32)
+
+
+@dataclasses.dataclass
+class Box:
+    x: torch.Tensor
+
+
+class Unbox(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, box: Box) -> torch.Tensor:
+        return self.lin(box.x)
+
+
+class Boxer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.u = Unbox()
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.u(Box(x.clone())))
+
+
+def test_a_pre_hook_changing_a_dataclass_argument_in_place_runs_once(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Boxer().eval()
+    def double(mod: nn.Module, a: tuple[Any, ...]) -> None:
+        a[0].x.mul_(2)  # in place, returns nothing: the call gets the changed dataclass
+
+    model.u.register_forward_pre_hook(double)
+    p = tmp_path / "g.h5"
+    ag.record(model, X, path=p)
+    report = ag.compare(model, X, path=p, replay="all")
+    assert report.ok, str(report)
+
+
+def test_a_global_forward_hook_is_not_applied_twice_in_a_replay(tmp_path: Path) -> None:
+    from torch.nn.modules.module import register_module_forward_hook
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), nn.Linear(8, 4)).eval()
+    handle = register_module_forward_hook(lambda mod, a, out: out + 1 if isinstance(mod, nn.Linear) else None)
+    try:
+        p = tmp_path / "g.h5"
+        ag.record(model, X, path=p)
+        report = ag.compare(model, X, path=p, replay="all")
+        assert report.ok, str(report)
+        with torch.no_grad():
+            model[1].bias.add_(0.5)
+        bad = ag.compare(model, X, path=p, replay="all")
+        assert not bad.ok and bad.origin is not None and bad.origin.name == "1", str(bad)
+    finally:
+        handle.remove()
