@@ -63,7 +63,8 @@ class FingerprintJudge:
     def __init__(self, strict: StrictJudge, calibrated: CalibratedJudge | None = None):
         self.strict = strict
         self.calibrated = calibrated
-        self.judged = 0
+        self._judged: set[tuple[str, int, str]] = set()  # (layer, call, path): a replay judges one again
+        self._failed: set[tuple[str, int, str, str]] = set()
         self.failed_by: dict[str, int] = {}  # check -> outputs it failed
         self.false_alarm: float | None = None
 
@@ -165,10 +166,12 @@ class FingerprintJudge:
 
     def _result(self, ctx: LeafContext, golden: Fingerprint, v: FingerprintVerdict, form: str, rtol: float,
                 atol: float, source: str) -> LeafResult:
-        self.judged += 1
+        where = (ctx.name, ctx.call, ctx.path)
+        self._judged.add(where)
         self.false_alarm = v.false_alarm if math.isfinite(v.false_alarm) else self.false_alarm
         status = STATUS[v.status]
-        if status != "match" and v.check:
+        if status != "match" and v.check and (*where, v.check) not in self._failed:
+            self._failed.add((*where, v.check))
             self.failed_by[v.check] = self.failed_by.get(v.check, 0) + 1
         shape = golden.shape
         res = LeafResult(
@@ -195,6 +198,11 @@ class FingerprintJudge:
         return res
 
     # ------------------------------------------------------------------ report
+    @property
+    def judged(self) -> int:
+        """Outputs compared by fingerprint, each once (a replay compares a call's output again)."""
+        return len(self._judged)
+
     def notes(self) -> list[str]:
         if not self.judged:
             return []

@@ -599,3 +599,29 @@ def test_inspect_never_shows_a_std_lost_to_rounding_as_zero() -> None:
     spread = torch.randn(100_000, generator=gen, dtype=torch.float64)
     assert fingerprint_stats(compute_fingerprint(spread)).std == pytest.approx(float(spread.std(unbiased=False)))
     assert fingerprint_stats(compute_fingerprint(torch.full((1000,), 3.0))).std == 0.0
+
+
+class _Blk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 256)
+        self.b = nn.Linear(256, 256)
+        self.act = torch.relu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.act(self.a(x)))
+
+
+def test_the_fingerprint_note_counts_each_output_once_with_replays(tmp_path: Path) -> None:
+    """A replay compares the replayed call's output again: the note once counted it twice."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Blk()).eval()
+    x = torch.randn(16, 64)
+    p = tmp_path / "fp.h5"
+    ag.record(model, x, path=p, fingerprint=["0"])  # only the block's own output is fingerprinted
+    bad = copy.deepcopy(model)
+    bad[0].act = torch.tanh  # the block's own code changed: its replay judges its output again
+    report = ag.compare(bad, x, path=p, replay="all")
+    assert not report.ok and report.origin is not None and report.origin.name == "0", str(report)
+    notes = [n for n in report.notes if "compared by fingerprint" in n]
+    assert notes and notes[0].startswith("1 outputs were compared by fingerprint"), report.notes
