@@ -462,9 +462,11 @@ class _Rebuilder:
             if path in values or not _is_wrapper(o) or depth >= MAX_DEPTH:
                 return values.get(path, o)
             # a wrapper subclass was flattened into its inner tensors: rebuilt around the given ones
-            attrs, ctx = o.__tensor_flatten__()  # type: ignore[attr-defined]
+            attrs, live_ctx = o.__tensor_flatten__()  # type: ignore[attr-defined]
             inner = {a: self.walk(getattr(o, a), _join(path, encode_str_key(a)), depth + 1) for a in attrs}
-            if all(inner[a] is getattr(o, a) for a in attrs):
+            # its metadata too: numbers in it (a scale) are the golden's
+            ctx = None if live_ctx is None else self.walk(live_ctx, _join(path, SUBCLASS_CTX), depth + 1)
+            if all(inner[a] is getattr(o, a) for a in attrs) and ctx is live_ctx:
                 return o
             try:
                 return type(o).__tensor_unflatten__(inner, ctx, o.size(), o.stride())  # type: ignore[attr-defined]

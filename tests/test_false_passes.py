@@ -538,3 +538,26 @@ def test_gradients_through_a_wrapper_inside_a_dataclass_are_refused_by_name(tmp_
     from activation_guard.errors import ActivationGuardError
     with pytest.raises(ActivationGuardError, match=r"layer '<root>' call 0 returns a TwoTensor"):
         ag.record(HoldsWrapped().train(), torch.randn(2, 4), path=tmp_path / "g.h5", backward=True)
+
+
+class ScaledParent(nn.Module):
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(Scaled(x, self.k))
+
+
+def test_a_replay_rebuilds_a_wrapper_with_the_golden_metadata(tmp_path: Path) -> None:
+    """The scale in a wrapper's metadata changed in the caller: the layer consuming it was re-run
+    with the live scale and blamed for its own computation."""
+    torch.manual_seed(0)
+    model = ScaledParent(1.0).eval()
+    x = torch.randn(2, 4)
+    p = tmp_path / "s.h5"
+    ag.record(model, x, path=p)
+    model.k = 2.0
+    report = ag.compare(model, x, path=p, replay="first")
+    assert not report.ok and report.origin is not None and report.origin.name == "", str(report)
