@@ -312,6 +312,13 @@ class Replayer:
         tname = type(frame.module).__name__
         own = self.own(frame, entry, compare)
         if own.layer is None and own.args_changed:  # its caller passes other arguments: the caller's code
+            if inputs_changed and frame.parent is not None:
+                # ... unless the model was called with other inputs, which may be what was passed on
+                root = self._root(frame)
+                return Origin(root.name, 0, "inputs", type_name=type(root.module).__name__, detail=(
+                    f"the model's inputs differ from the recording, and the arguments the first diverging layer, "
+                    f"{display_name(frame.name)!r}, gets changed too ({own.reason}): the inputs may be what was "
+                    f"passed on; check them first"))
             return self._args_origin(frame, str(own.reason))
         if own.layer is None:
             return Origin(frame.name, frame.call, "unknown", detail=f"not replayed: {own.reason}", type_name=tname)

@@ -318,3 +318,23 @@ def test_a_global_forward_hook_is_not_applied_twice_in_a_replay(tmp_path: Path) 
         assert not bad.ok and bad.origin is not None and bad.origin.name == "1", str(bad)
     finally:
         handle.remove()
+
+
+class PassesDtype(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = Caster()
+
+    def forward(self, x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        return self.child(x, dt)
+
+
+def test_an_argument_passed_on_from_the_models_own_inputs_points_at_the_inputs(tmp_path: Path) -> None:
+    """The model was called with another dtype, which it passed on: the root's code was blamed."""
+    torch.manual_seed(0)
+    model = PassesDtype().eval()
+    p = tmp_path / "g.h5"
+    ag.record(model, (X, torch.float32), path=p)
+    report = ag.compare(model, (X, torch.bfloat16), path=p, replay="first")
+    assert not report.ok and report.origin is not None and report.origin.kind == "inputs", str(report)
+    assert "args/1 was 'torch.float32'" in (report.origin.detail or "")
