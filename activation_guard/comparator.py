@@ -210,7 +210,8 @@ class Comparator:
         first = next((r for r in self.results if not r.ok), None)
         if first is not None and self.inputs_replaced:
             root = next((r for r in self.results if r.name == ""), None)
-            return inputs_origin("", "" if root is None else root.type_name, first.name, first.own_max_abs_diff)
+            return inputs_origin("", "" if root is None else root.type_name, first.name, first.own_max_abs_diff,
+                                 replayed=first.own_max_abs_diff is not None)
         return None
 
     def _compare_call(self, entry: CallEntry, leaves: list[Leaf], name: str,

@@ -467,9 +467,13 @@ def call_as_captured(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dic
     return outputs[-1]  # the outermost call returns last
 
 
-def inputs_origin(root: str, root_type: str, first: str, own_error: float | None) -> Origin:
+def inputs_origin(root: str, root_type: str, first: str, own_error: float | None, *, replayed: bool = True) -> Origin:
     """The model's inputs differ from the recording, and the first diverging call ``first`` gives
-    the golden's output on the golden's inputs."""
+    the golden's output on the golden's inputs (``replayed``), or was not re-run at all."""
+    if not replayed:  # its arguments changed, or it could not be re-run
+        return Origin(root, 0, "inputs", None, type_name=root_type, detail=(
+            f"the model's inputs differ from the recording; the first diverging layer, {display_name(first)!r}, "
+            f"was not re-run on the golden's inputs, so the inputs are the first change known"))
     return Origin(root, 0, "inputs", own_error, type_name=root_type, detail=(
         f"the model's inputs differ from the recording: the first diverging layer, {display_name(first)!r}, "
         f"gives the golden's output when re-run on the golden's inputs"))

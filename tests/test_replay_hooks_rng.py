@@ -338,3 +338,28 @@ def test_an_argument_passed_on_from_the_models_own_inputs_points_at_the_inputs(t
     report = ag.compare(model, (X, torch.bfloat16), path=p, replay="first")
     assert not report.ok and report.origin is not None and report.origin.kind == "inputs", str(report)
     assert "args/1 was 'torch.float32'" in (report.origin.detail or "")
+
+
+class CastOnly(nn.Module):
+    def forward(self, x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        return (x * 1.5).to(dt).float()
+
+
+class CastFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cast = CastOnly()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+        return self.lin(self.cast(x, dt))
+
+
+def test_an_inputs_origin_does_not_claim_a_replay_that_did_not_happen(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = CastFirst().eval()
+    p = tmp_path / "g.h5"
+    ag.record(model, (X, torch.float32), path=p)
+    report = ag.compare(model, (X * 2, torch.bfloat16), path=p, replay="all")
+    assert not report.ok and report.origin is not None and report.origin.kind == "inputs", str(report)
+    assert "was not re-run on the golden's inputs" in (report.origin.detail or ""), report.origin.detail
