@@ -332,8 +332,10 @@ class _Walker:
 
 
 _STRIDED = torch.strided
-_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # a tensor inside vmap/grad: no storage of its own
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+# a tensor inside vmap/grad (no storage of its own); both names guarded: torch>=2.1 is supported
+_wrapped: Callable[[torch.Tensor], bool] = getattr(getattr(torch._C, "_functorch", None),
+                                                   "is_functorch_wrapped_tensor", lambda t: False)
+_PLAIN_TYPES = tuple(c for c in (torch.Tensor, torch.nn.Parameter, getattr(torch.nn, "Buffer", None)) if c is not None)
 _NO_DISPATCH = getattr(torch.Tensor.__torch_dispatch__, "__func__", torch.Tensor.__torch_dispatch__)
 
 
