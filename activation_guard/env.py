@@ -18,7 +18,7 @@ import torch
 
 from . import dtypes
 from ._version import __version__
-from .leaves import flatten
+from .leaves import flatten, stored_by_repr
 
 
 def _safe(fn: Any, default: Any = None) -> Any:
@@ -132,7 +132,7 @@ def input_fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dic
         elif leaf.kind == "str":
             digest = hashlib.sha256((leaf.value or "").encode()).hexdigest()
             e: dict[str, Any] = {"path": leaf.path, "kind": "str", "sha256": digest}
-            if leaf.type_name not in ("str", "int"):  # a dtype, device, enum or bytes, stored by value
+            if stored_by_repr(leaf.type_name):  # a dtype, device, enum or bytes, stored by value
                 e["type"] = leaf.type_name
             out.append(e)
         else:

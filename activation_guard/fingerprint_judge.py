@@ -30,7 +30,7 @@ import torch
 
 from . import dtypes
 from .fingerprint import Fingerprint, FingerprintError, compute_fingerprint, fingerprintable_dtype
-from .kernel import element_rule
+from .kernel import element_rule, pair_dtype
 
 STATUSES = ("ok", "diverged", "nonfinite", "shape", "dtype")
 U = 2.0**-53  # float64 unit roundoff
@@ -344,16 +344,9 @@ def _sketch_phrase(v: FingerprintVerdict, rms: bool) -> str:
     return f"estimated ||diff||_2 {v.estimate:.2e}, bound {v.bound:.2e} (sketch)"
 
 
-def _compute_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    """The comparator's arithmetic: float64 if either side is float64, else float32 (complex alike)."""
-    if a.is_complex or b.is_complex:
-        return torch.complex128 if torch.complex128 in (a, b) else torch.complex64
-    return torch.float64 if torch.float64 in (a, b) else torch.float32
-
-
 def _sample_mismatches(g: torch.Tensor, lv: torch.Tensor, rtol: float, atol: float) -> list[int]:
     """Indices of samples failing the comparator's element rule (same NaN/Inf at the same place ok)."""
-    ok = element_rule(g, lv, _compute_dtype(g.dtype, lv.dtype), rtol, atol)[-1]
+    ok = element_rule(g, lv, pair_dtype(g.dtype, lv.dtype), rtol, atol)[-1]
     return [int(i) for i in torch.nonzero(~ok).view(-1)]
 
 

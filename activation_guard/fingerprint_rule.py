@@ -25,6 +25,7 @@ cost little next to fingerprinting the live tensor.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 
@@ -64,8 +65,7 @@ class FingerprintJudge:
         self.strict = strict
         self.calibrated = calibrated
         self._judged: set[tuple[str, int, str]] = set()  # (layer, call, path): a replay judges one again
-        self._failed: set[tuple[str, int, str, str]] = set()
-        self.failed_by: dict[str, int] = {}  # check -> outputs it failed
+        self._failed: set[tuple[str, int, str, str]] = set()  # (layer, call, path, the check that failed)
         self.false_alarm: float | None = None
 
     @classmethod
@@ -170,9 +170,8 @@ class FingerprintJudge:
         self._judged.add(where)
         self.false_alarm = v.false_alarm if math.isfinite(v.false_alarm) else self.false_alarm
         status = STATUS[v.status]
-        if status != "match" and v.check and (*where, v.check) not in self._failed:
+        if status != "match" and v.check:
             self._failed.add((*where, v.check))
-            self.failed_by[v.check] = self.failed_by.get(v.check, 0) + 1
         shape = golden.shape
         res = LeafResult(
             ctx.path, status, dtype=ctx.golden_dtype, live_dtype=ctx.live_dtype, shape=shape, live_shape=shape,
@@ -202,6 +201,11 @@ class FingerprintJudge:
     def judged(self) -> int:
         """Outputs compared by fingerprint, each once (a replay compares a call's output again)."""
         return len(self._judged)
+
+    @property
+    def failed_by(self) -> dict[str, int]:
+        """Check -> outputs it failed (each output once)."""
+        return dict(Counter(check for *_, check in self._failed))
 
     def notes(self) -> list[str]:
         if not self.judged:

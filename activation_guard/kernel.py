@@ -42,9 +42,10 @@ def _compute_dtype(dt: torch.dtype) -> torch.dtype:
     return torch.float64
 
 
-def _pair_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+def pair_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     """The dtype two sides are compared in: the wider's, complex if either is (a float64 golden
-    against a complex64 run must not drop the imaginary part)."""
+    against a complex64 run must not drop the imaginary part). The fingerprint's sampled check
+    uses it too, so both evaluate the element rule in one precision."""
     if a.is_complex or b.is_complex:
         return torch.complex128 if {a, b} & {torch.float64, torch.complex128} else torch.complex64
     return _compute_dtype(a if a.itemsize >= b.itemsize else b)
@@ -80,7 +81,7 @@ def compare_tensors(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol:
         st.golden_value = _item(g[0])
         st.live_value = _item(lv[0])
         return st
-    cdt = _pair_dtype(g.dtype, lv.dtype)
+    cdt = pair_dtype(g.dtype, lv.dtype)
     worst_d = -1.0
     max_abs = 0.0
     max_rel = 0.0

@@ -125,6 +125,12 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
 
 
+def stored_by_repr(type_name: str) -> bool:
+    """A ``str`` leaf of this Python type holds a value written as text (a dtype, device, enum,
+    bytes, a named tuple's fields, a subclass's class), not a string or an int beyond int64."""
+    return type_name not in ("", "str", "int")
+
+
 def enum_text(member: enum.Enum) -> str:
     """An enum member as stored: class, name and value. ``repr`` would not do: a member's value
     may be an object whose ``repr`` holds a memory address (never equal in another process); and a

@@ -41,7 +41,7 @@ from .capture import Frame, HookState
 from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, skeleton
 from .dtypes import dtype_name
 from .judges import Judge, LeafContext, StrictJudge
-from .leaves import UnsupportedTensorError, clone_inputs, flatten, flatten_inputs, rebuild_inputs
+from .leaves import UnsupportedTensorError, clone_inputs, flatten, flatten_inputs, rebuild_inputs, stored_by_repr
 from .ownfloor import OwnFloorJudge, judge_input
 from .results import LayerResult, LeafResult, Origin
 from .selection import display_name
@@ -119,14 +119,14 @@ class Replayer:
         for p, e in golden.items():
             # a dtype, device or enum argument: the replay passes the live one, so a change of it is
             # the caller's (plain strings are not judged: a request id or a path may differ every run)
-            if e.kind == "str" and e.type_name not in ("", "str", "int"):
+            if e.kind == "str" and stored_by_repr(e.type_name):
                 lv_ = live_by_path.get(p)
                 now = None if lv_ is None else (lv_.value if lv_.kind == "str" else lv_.type_name)
                 if lv_ is None or (lv_.kind, lv_.type_name, lv_.value) != ("str", e.type_name, e.value):
                     return ArgsChanged(f"its argument {p} was {_short(e.value)}, is now "
                                        f"{'absent' if lv_ is None else _short(now)}")
         for lv in live:
-            if lv.kind == "str" and lv.type_name not in ("", "str", "int") and lv.path not in golden:
+            if lv.kind == "str" and stored_by_repr(lv.type_name) and lv.path not in golden:
                 return ArgsChanged(f"its argument {lv.path} ({_short(lv.value)}) is not in the golden's call")
             if lv.kind != "tensor" or lv.tensor is None:
                 continue
@@ -315,10 +315,9 @@ class Replayer:
             if inputs_changed and frame.parent is not None:
                 # ... unless the model was called with other inputs, which may be what was passed on
                 root = self._root(frame)
-                return Origin(root.name, 0, "inputs", type_name=type(root.module).__name__, detail=(
-                    f"the model's inputs differ from the recording, and the arguments the first diverging layer, "
-                    f"{display_name(frame.name)!r}, gets changed too ({own.reason}): the inputs may be what was "
-                    f"passed on; check them first"))
+                return inputs_origin(root.name, type(root.module).__name__, frame.name, None, replayed=False,
+                                     why=f"its arguments changed too ({own.reason}): the inputs may be what was "
+                                         f"passed on; check them first")
             return self._args_origin(frame, str(own.reason))
         if own.layer is None:
             return Origin(frame.name, frame.call, "unknown", detail=f"not replayed: {own.reason}", type_name=tname)
@@ -467,13 +466,14 @@ def call_as_captured(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dic
     return outputs[-1]  # the outermost call returns last
 
 
-def inputs_origin(root: str, root_type: str, first: str, own_error: float | None, *, replayed: bool = True) -> Origin:
+def inputs_origin(root: str, root_type: str, first: str, own_error: float | None, *, replayed: bool = True,
+                  why: str = "so the inputs are the first change known") -> Origin:
     """The model's inputs differ from the recording, and the first diverging call ``first`` gives
-    the golden's output on the golden's inputs (``replayed``), or was not re-run at all."""
+    the golden's output on the golden's inputs (``replayed``), or was not re-run at all (``why``)."""
     if not replayed:  # its arguments changed, or it could not be re-run
         return Origin(root, 0, "inputs", None, type_name=root_type, detail=(
             f"the model's inputs differ from the recording; the first diverging layer, {display_name(first)!r}, "
-            f"was not re-run on the golden's inputs, so the inputs are the first change known"))
+            f"was not re-run on the golden's inputs, {why}"))
     return Origin(root, 0, "inputs", own_error, type_name=root_type, detail=(
         f"the model's inputs differ from the recording: the first diverging layer, {display_name(first)!r}, "
         f"gives the golden's output when re-run on the golden's inputs"))
