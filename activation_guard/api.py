@@ -30,7 +30,7 @@ from .fingerprint import FingerprintParams
 from .fingerprint_leaves import Fingerprinter, meta_entry
 from .gcpause import with_frozen_gc
 from .judges import Judge, StrictJudge
-from .leaves import clone_inputs
+from .rebuild import clone_inputs
 from .recorder import Recorder
 from .replay import Replayer
 from .report import Report

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from .leaves import UnsupportedTensorError, flatten, flatten_inputs, rebuild
+from .leaves import UnsupportedTensorError, flatten, flatten_inputs
+from .rebuild import rebuild
 from .selection import display_name
 from .store import CallEntry, GoldenReader, LeafEntry
 

@@ -26,16 +26,8 @@ from .dist_capture import attribute, shard_verdict
 from .dtypes import BY_NAME, dtype_name, numpy_view, tensor_bytes, tensor_from_bytes
 from .fingerprint_rule import FingerprintJudge
 from .judges import Judge, LeafContext, dtype_change_allowed
-from .leaves import (
-    EMPTY_KEY,
-    FIELDS,
-    Leaf,
-    LeafTransform,
-    UnsupportedTensorError,
-    flatten,
-    is_plain_tensor,
-    old_empty_key_path,
-)
+from .leaf_paths import EMPTY_KEY, is_fields, match_old_empty_keys
+from .leaves import Leaf, LeafTransform, UnsupportedTensorError, flatten, is_plain_tensor
 from .rename import apply_rename, renamed_patterns
 from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
 from .results import LayerResult, LeafResult, Origin
@@ -231,11 +223,11 @@ class Comparator:
         results: list[LeafResult] = []
         gpaths = {g.path for g in entry.leaves}
         if self.reader.version == 2 and any(EMPTY_KEY in p for p in live):
-            live = _with_old_empty_keys(live, gpaths)
+            live = match_old_empty_keys(live, gpaths)
         for g in entry.leaves:
             lv = live.get(g.path)
             if lv is None:
-                if not _is_fields(g.path):  # a named tuple's field names: compared where both sides have them
+                if not is_fields(g.path):  # a named tuple's field names: compared where both sides have them
                     results.append(LeafResult(g.path, "structure",
                                               f"{_out(g.path)} ({_kind(g)}) is missing from the live output"))
                 continue
@@ -244,7 +236,7 @@ class Comparator:
                 attribute(res, lv.dist)
             results.append(res)
         for leaf in leaves:
-            if leaf.path not in gpaths and not _is_fields(leaf.path):  # (older goldens have no field names)
+            if leaf.path not in gpaths and not is_fields(leaf.path):  # (older goldens have no field names)
                 results.append(LeafResult(leaf.path, "structure",
                                           f"{_out(leaf.path)} ({leaf.type_name}) is new in the live output"))
         return results
@@ -364,33 +356,6 @@ class Comparator:
             order[len(results)] = (at, c.position)
             results.append(lr)
         return results, order
-
-
-def _is_fields(path: str) -> bool:
-    return path == FIELDS or path.endswith("/" + FIELDS)
-
-
-def _with_old_empty_keys(live: dict[str, Leaf], gpaths: set[str]) -> dict[str, Leaf]:
-    """Live leaves under ``""`` keys named as earlier version-2 writers named them (an empty
-    component), where the golden has that path and no other live leaf does: so an older golden
-    still compares. Only a path with an empty component is taken, one no current writer makes; a
-    top-level ``""`` key was dropped from the path altogether (``{"": t}`` was ``t``'s path), which
-    is the ambiguity the new encoding fixed: such a golden fails as changed and is re-recorded."""
-    old = {p: q for p in live if EMPTY_KEY in p and p not in gpaths
-           for q in (old_empty_key_path(p),) if q and "" in q.split("/")}
-    counts: dict[str, int] = {}
-    for p in live:
-        q = old.get(p, p)
-        counts[q] = counts.get(q, 0) + 1
-    out: dict[str, Leaf] = {}
-    for p, leaf in live.items():
-        was = old.get(p)
-        if was is not None and was in gpaths and counts[was] == 1:
-            leaf.path = was
-            out[was] = leaf
-        else:
-            out[p] = leaf
-    return out
 
 
 def _out(path: str) -> str:

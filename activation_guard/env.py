@@ -18,7 +18,8 @@ import torch
 
 from . import dtypes
 from ._version import __version__
-from .leaves import flatten, stored_by_repr
+from .leaf_paths import stored_by_repr
+from .leaves import flatten
 
 
 def _safe(fn: Any, default: Any = None) -> Any:

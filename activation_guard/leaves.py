@@ -14,25 +14,24 @@ path, whatever their keys' types. Path components (documented in docs/format.md)
   (``#tuple:(1, 2)``, ``#Color:<Color.RED: 1>``). Two keys of one type with one ``repr`` would
   collide; that is refused with an error naming them, never merged.
 
-Values: tensors (sparse, quantized and nested ones reduced to what they hold, a wrapper subclass
-such as ``TwoTensor`` to the tensors its ``__tensor_flatten__`` names and its metadata, under
-``#ctx``), numpy arrays and
-numpy scalars (stored by value with their dtype, like tensors), Python numbers (0-d tensors),
-strings, ``None``, and by their ``repr`` torch dtypes, devices, layouts and memory formats (enum
-members by class and name, ``bytes`` by hex, or SHA-256 beyond 4 KiB). A container reached a
-second time (a repeated reference, or a cycle such as ``d["self"] = d``) becomes a ``ref`` leaf
-naming the path of its first occurrence and is never walked again. Anything else (a KV-cache object, a
-generator) is an ``object`` leaf recorded by type name only; reports count those, so "OK" never
-hides a value that was not compared.
+Values: tensors (sparse, quantized and nested ones reduced to what they hold; a wrapper subclass
+such as ``TwoTensor`` to its class under ``#type``, the tensors its ``__tensor_flatten__`` names
+and its metadata under ``#ctx``), numpy arrays and numpy scalars (stored by value with their
+dtype, like tensors), Python numbers (0-d tensors), strings, ``None``, and as text torch dtypes,
+devices, layouts and memory formats (their ``repr``), enum members (class, name and value) and
+``bytes`` (hex, or SHA-256 beyond 4 KiB). A container reached a second time (a repeated
+reference, or a cycle such as ``d["self"] = d``) becomes a ``ref`` leaf naming the path of its
+first occurrence and is never walked again. Anything else (a KV-cache object, a generator) is an
+``object`` leaf recorded by type name only; reports count those, so "OK" never hides a value that
+was not compared. Path components are spelled by :mod:`.leaf_paths`; the way back (values into
+structures) is :mod:`.rebuild`.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import enum
 import hashlib
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -41,14 +40,21 @@ import numpy as np
 import torch
 
 from .errors import ActivationGuardError
+from .leaf_paths import (
+    FIELDS,
+    SUBCLASS_CTX,
+    SUBCLASS_TYPE,
+    encode_key,
+    encode_str_key,
+    enum_text,
+    join_path,
+    legacy_key,
+)
 
 if TYPE_CHECKING:
     from .fingerprint import Fingerprint
 
 MAX_DEPTH = 32
-FIELDS = "#fields"  # a named tuple's field names (no key encodes to it: ``#`` is encoded in str keys)
-SUBCLASS_TYPE = "#type"  # a wrapper subclass's class
-SUBCLASS_CTX = "#ctx"  # a wrapper subclass's metadata: no str key encodes to it (``#`` is encoded)
 MAX_BYTES_INLINE = 4096  # a longer bytes value is stored as its SHA-256
 # values compared by their repr (stored as ``str`` leaves with the type's name): a layer returning
 # ``torch.float16`` where it returned ``torch.float32`` has changed
@@ -96,88 +102,9 @@ class PathCollisionError(ValueError):
     """Two keys of one mapping encode to one path (same type, same repr)."""
 
 
-def _pct(ch: str) -> str:
-    return "".join(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
-
-
-EMPTY_KEY = "#str:''"  # the empty string key: an empty component would vanish at the top level
-
-
-def encode_str_key(key: str) -> str:
-    if not key:
-        return EMPTY_KEY
-    out = key.replace("%", "%25").replace("/", "%2F").replace("#", "%23")
-    if out[:1].isdigit():
-        out = _pct(out[0]) + out[1:]
-    return out
-
-
-def old_empty_key_path(path: str) -> str:
-    """``path`` as version-2 writers before the ``#str:''`` component wrote it: an empty component
-    for each ``""`` key, dropped where nothing precedes it (``#str:''/x`` was ``x``)."""
-    out = ""
-    for comp in path.split("/"):
-        out = _join(out, "" if comp == EMPTY_KEY else comp)
-    return out
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-_PLAIN_VALUES = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
-
-
-def stored_by_repr(type_name: str) -> bool:
-    """A ``str`` leaf of this Python type holds a value written as text (a dtype, device, enum,
-    bytes, a named tuple's fields, a subclass's class), not a string or an int beyond int64."""
-    return type_name not in ("", "str", "int")
-
-
-def enum_text(member: enum.Enum) -> str:
-    """An enum member as stored: class, name and value. ``repr`` would not do: a member's value
-    may be an object whose ``repr`` holds a memory address (never equal in another process); and a
-    member without a name (a combined or out-of-range flag) is told apart by its value."""
-    value = member.value
-    shown = _stable_repr(value, 0)
-    if shown is None:
-        shown = f"<{type(value).__qualname__}>"
-    return f"{type(member).__qualname__}.{member.name}={shown}"
-
-
-def _stable_repr(v: Any, depth: int) -> str | None:
-    """``repr(v)`` where it is the same in every process (plain values, and tuples, lists and sets
-    of them, sets sorted: their order follows the string hash seed), else None."""
-    if isinstance(v, _PLAIN_VALUES):
-        return repr(v)
-    if depth > 4 or not isinstance(v, (tuple, list, set, frozenset)):
-        return None
-    parts = [_stable_repr(x, depth + 1) for x in v]
-    if any(p is None for p in parts):
-        return None
-    texts = [p for p in parts if p is not None]
-    if isinstance(v, (set, frozenset)):
-        return f"{type(v).__name__}({{{', '.join(sorted(texts))}}})"
-    if isinstance(v, tuple):
-        return f"({', '.join(texts)}{',' if len(texts) == 1 else ''})"
-    return f"[{', '.join(texts)}]"
-
-
-def encode_key(key: Any) -> str:
-    """The path component of a mapping key (see the module docstring)."""
-    if isinstance(key, str):
-        return encode_str_key(key)
-    if isinstance(key, int) and not isinstance(key, bool):
-        return f"#{key}"
-    text = repr(key)
-    if isinstance(key, enum.Enum) and (_ADDRESS.search(text) or isinstance(key.value, (set, frozenset))):
-        text = enum_text(key)  # an address, or a set's order, is not the same in another process
-    return f"#{type(key).__name__}:" + text.replace("%", "%25").replace("/", "%2F")
-
-
-def _legacy_key(key: Any) -> str:
-    return str(key).replace("%", "%25").replace("/", "%2F")
-
-
-def _join(prefix: str, key: str) -> str:
-    return f"{prefix}/{key}" if prefix else key
+def _under(path: str, legacy: str | None, comp: str) -> tuple[str, str | None]:
+    """A child's path and its format-1 path, for a component both formats spell alike."""
+    return join_path(path, comp), None if legacy is None else join_path(legacy, comp)
 
 
 class _Walker:
@@ -239,18 +166,17 @@ class _Walker:
         elif is_seq:
             for i, v in enumerate(obj):
                 k = str(i)
-                self.walk(v, _join(path, k), None if legacy is None else _join(legacy, k), depth + 1)
+                self.walk(v, *_under(path, legacy, k), depth + 1)
             names_of = getattr(obj, "_fields", None) if self.fields and isinstance(obj, tuple) else None
             if isinstance(names_of, tuple):
                 # a named tuple's field names: which value ``out.logits`` is (values keep their indices)
                 names = ",".join(str(f) for f in names_of)
-                self.leaf(_join(path, FIELDS), None if legacy is None else _join(legacy, FIELDS), "str",
-                          type_name="namedtuple", value=names)
+                self.leaf(*_under(path, legacy, FIELDS), "str", type_name="namedtuple", value=names)
         else:
             for f in dataclasses.fields(obj):
                 k = encode_str_key(f.name)
-                lk = None if legacy is None else _join(legacy, _legacy_key(f.name))
-                self.walk(getattr(obj, f.name, None), _join(path, k), lk, depth + 1)
+                lk = None if legacy is None else join_path(legacy, legacy_key(f.name))
+                self.walk(getattr(obj, f.name, None), join_path(path, k), lk, depth + 1)
 
     def mapping(self, obj: Mapping[Any, Any], path: str, legacy: str | None, depth: int) -> None:
         used: dict[str, Any] = {}
@@ -261,7 +187,7 @@ class _Walker:
                     f"output keys {used[comp]!r} and {k!r} ({type(k).__name__}) at {path or 'the top level'!r} "
                     f"both encode to the path component {comp!r}; use keys whose repr differs")
             used[comp] = k
-            self.walk(v, _join(path, comp), None if legacy is None else _join(legacy, _legacy_key(k)), depth + 1)
+            self.walk(v, join_path(path, comp), None if legacy is None else join_path(legacy, legacy_key(k)), depth + 1)
 
     def number(self, obj: bool | int | float | complex, path: str, legacy: str | None) -> None:
         if isinstance(obj, bool):
@@ -317,15 +243,12 @@ class _Walker:
             # a wrapper subclass (TwoTensor, a float8 training tensor): its class under ``#type``, the
             # tensors it holds by name, and its metadata (a scale, a block size: the values depend on
             # it) under ``#ctx``
-            self.leaf(_join(path, SUBCLASS_TYPE), None if legacy is None else _join(legacy, SUBCLASS_TYPE), "str",
-                      type_name="type", value=type(t).__qualname__)
+            self.leaf(*_under(path, legacy, SUBCLASS_TYPE), "str", type_name="type", value=type(t).__qualname__)
             attrs, ctx = inner()
             for attr in attrs:
-                k = encode_str_key(attr)
-                self.walk(getattr(t, attr), _join(path, k), None if legacy is None else _join(legacy, k), depth + 1)
+                self.walk(getattr(t, attr), *_under(path, legacy, encode_str_key(attr)), depth + 1)
             if ctx is not None:
-                self.walk(ctx, _join(path, SUBCLASS_CTX), None if legacy is None else _join(legacy, SUBCLASS_CTX),
-                          depth + 1)
+                self.walk(ctx, *_under(path, legacy, SUBCLASS_CTX), depth + 1)
             return
         if t.device.type == "meta":
             self.leaf(path, legacy, "object", type_name=f"meta Tensor{list(t.shape)}")
@@ -345,7 +268,7 @@ _PLAIN_TYPES = tuple(c for c in (torch.Tensor, torch.nn.Parameter, getattr(torch
 _NO_DISPATCH = getattr(torch.Tensor.__torch_dispatch__, "__func__", torch.Tensor.__torch_dispatch__)
 
 
-def _is_wrapper(t: torch.Tensor) -> bool:
+def is_wrapper(t: torch.Tensor) -> bool:
     """A wrapper tensor subclass the walker flattens into its inner tensors (not a DTensor)."""
     cls = type(t)
     return (cls not in _PLAIN_TYPES and _own_dispatch(cls) and hasattr(cls, "__tensor_flatten__")
@@ -355,7 +278,7 @@ def _is_wrapper(t: torch.Tensor) -> bool:
 def wrapper_type(obj: Any) -> str | None:
     """The class name of the first wrapper tensor subclass in ``obj`` (gradients cannot be read
     through one: its inner tensors are not what autograd differentiates), or None."""
-    if isinstance(obj, torch.Tensor) and not _is_wrapper(obj):
+    if isinstance(obj, torch.Tensor) and not is_wrapper(obj):
         return None
     for leaf in flatten(obj):  # finds them inside dataclasses and mappings too
         if leaf.type_name == "type" and leaf.path.rsplit("/", 1)[-1] == SUBCLASS_TYPE:
@@ -404,140 +327,3 @@ def flatten(obj: Any, prefix: str = "", *, fields: bool = False) -> list[Leaf]:
         dup = next(p for i, p in enumerate(paths) if p in paths[:i])
         raise PathCollisionError(f"two values in one output share the path {dup!r}; please report this")
     return w.out
-
-
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], depth: int = 0) -> Any:
-    """``obj`` with every tensor replaced by ``fn(tensor)`` and numpy arrays copied; lists, tuples,
-    named tuples, mappings and dataclasses are rebuilt (a mapping whose type cannot be rebuilt from
-    a dict becomes one), other objects are shared. Model inputs go through this before a run that may change them."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if depth > MAX_DEPTH:
-        return obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(v, fn, depth + 1) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn, depth + 1) for v in obj)
-    if isinstance(obj, np.ndarray):
-        return obj.copy()
-    if isinstance(obj, Mapping):
-        items = {k: map_tensors(v, fn, depth + 1) for k, v in obj.items()}
-        ctor: Any = type(obj)
-        try:
-            return ctor(items)
-        except Exception:
-            return items
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        # a dataclass argument: its tensors copied too (a pre-hook that changes one in place)
-        try:
-            return dataclasses.replace(obj, **{f.name: map_tensors(getattr(obj, f.name), fn, depth + 1)
-                                               for f in dataclasses.fields(obj) if f.init})
-        except Exception:  # a dataclass that cannot be rebuilt this way is shared, as before
-            return obj
-    return obj
-
-
-def clone_inputs(obj: Any) -> Any:
-    """A copy of model inputs whose tensors are cloned, so a forward that modifies its inputs in
-    place cannot change what another run sees."""
-    return map_tensors(obj, lambda t: t.detach().clone())
-
-
-def rebuild(obj: Any, values: Mapping[str, torch.Tensor], prefix: str = "", *,
-            objects: Mapping[int, Any] | None = None, copy_objects: bool = True) -> Any:
-    """``obj`` with each tensor (or number: flattened as a 0-d tensor) whose :func:`flatten` path is
-    in ``values`` replaced by that value: the same structure (containers rebuilt, repeated and cyclic
-    references kept), other data. How replay hands a layer the golden's inputs in the shape of the live call's own
-    arguments. ``objects``: opaque objects (a KV cache) are replaced by a fresh copy of the one
-    given for them (by ``id``), so a replay sees them as they were and cannot mutate the live one;
-    ``copy_objects=False`` hands over the given ones themselves (their last use)."""
-    return _Rebuilder(values, objects, copy_objects).walk(obj, prefix, 0)
-
-
-class _Rebuilder:
-    # a class, not a recursive closure: a closure that calls itself is a reference cycle, which
-    # would keep the golden tensors alive until the cyclic collector runs
-    def __init__(self, values: Mapping[str, torch.Tensor], objects: Mapping[int, Any] | None,
-                 copy_objects: bool = True):
-        self.values = values
-        self.objects = objects
-        self.copy_objects = copy_objects
-        self.seen: dict[int, Any] = {}
-
-    def walk(self, o: Any, path: str, depth: int) -> Any:
-        values, seen = self.values, self.seen
-        if isinstance(o, torch.Tensor):
-            if path in values or not _is_wrapper(o) or depth >= MAX_DEPTH:
-                return values.get(path, o)
-            # a wrapper subclass was flattened into its inner tensors: rebuilt around the given ones
-            attrs, live_ctx = o.__tensor_flatten__()  # type: ignore[attr-defined]
-            inner = {a: self.walk(getattr(o, a), _join(path, encode_str_key(a)), depth + 1) for a in attrs}
-            # its metadata too: numbers in it (a scale) are the golden's
-            ctx = None if live_ctx is None else self.walk(live_ctx, _join(path, SUBCLASS_CTX), depth + 1)
-            if all(inner[a] is getattr(o, a) for a in attrs) and ctx is live_ctx:
-                return o
-            try:
-                return type(o).__tensor_unflatten__(inner, ctx, o.size(), o.stride())  # type: ignore[attr-defined]
-            except Exception as e:
-                raise UnsupportedTensorError(f"a {type(o).__name__} cannot be rebuilt from the golden's tensors "
-                                             f"({type(e).__name__}: {e})") from None
-        if isinstance(o, np.ndarray):
-            return values[path].numpy() if path in values else o
-        if isinstance(o, (bool, int, float, complex, np.generic)):  # a number: stored as a 0-d tensor
-            v = values.get(path)
-            return o if v is None else type(o)(v.item())
-        if o is None or isinstance(o, (str, bytes)):
-            return o
-        if id(o) in seen:
-            return seen[id(o)]
-        is_map = isinstance(o, Mapping)
-        is_seq = isinstance(o, (tuple, list))
-        is_dc = dataclasses.is_dataclass(o) and not isinstance(o, type)
-        if depth >= MAX_DEPTH or not (is_map or is_seq or is_dc):
-            if self.objects is not None and id(o) in self.objects:
-                given = self.objects[id(o)]
-                return _private(given) if self.copy_objects else given
-            return o
-        if type(o) is dict:  # registered before its items: a cycle through it comes back to it
-            new: Any = {}
-            seen[id(o)] = new
-            for k, v in o.items():
-                new[k] = self.walk(v, _join(path, encode_key(k)), depth + 1)
-            return new
-        if type(o) is list:
-            new = []
-            seen[id(o)] = new
-            new.extend(self.walk(v, _join(path, str(i)), depth + 1) for i, v in enumerate(o))
-            return new
-        seen[id(o)] = o  # other containers are rebuilt after their items (a cycle meets the original)
-        if is_map:
-            items = {k: self.walk(v, _join(path, encode_key(k)), depth + 1) for k, v in o.items()}
-            ctor: Any = type(o)
-            try:
-                new = ctor(items)
-            except Exception:
-                new = items
-        elif is_seq:
-            parts = [self.walk(v, _join(path, str(i)), depth + 1) for i, v in enumerate(o)]
-            new = type(o)(*parts) if isinstance(o, tuple) and hasattr(o, "_fields") else type(o)(parts)
-        else:
-            changes = {f.name: self.walk(getattr(o, f.name, None), _join(path, encode_str_key(f.name)), depth + 1)
-                       for f in dataclasses.fields(o) if f.init}
-            new = dataclasses.replace(o, **changes)
-        seen[id(o)] = new
-        return new
-
-
-def _private(o: Any) -> Any:
-    try:
-        return copy.deepcopy(o)
-    except Exception:  # an object that cannot be copied is shared (the replay may change it)
-        return o
-
-
-def rebuild_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any], values: Mapping[str, torch.Tensor],
-                   *, objects: Mapping[int, Any] | None = None,
-                   copy_objects: bool = True) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A call's arguments with the tensors at :func:`flatten_inputs` paths replaced."""
-    new = rebuild({"args": list(args), "kwargs": kwargs}, values, objects=objects, copy_objects=copy_objects)
-    return tuple(new["args"]), dict(new["kwargs"])

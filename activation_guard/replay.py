@@ -41,8 +41,10 @@ from .capture import Frame, HookState
 from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, skeleton
 from .dtypes import dtype_name
 from .judges import Judge, LeafContext, StrictJudge
-from .leaves import UnsupportedTensorError, clone_inputs, flatten, flatten_inputs, rebuild_inputs, stored_by_repr
+from .leaf_paths import stored_by_repr
+from .leaves import UnsupportedTensorError, flatten, flatten_inputs
 from .ownfloor import OwnFloorJudge, judge_input
+from .rebuild import clone_inputs, rebuild_inputs
 from .results import LayerResult, LeafResult, Origin
 from .selection import display_name
 from .shadow import float32_random, to_reference

@@ -28,8 +28,9 @@ from .floors import CALIBRATED_DTYPES, FloorTable, NoiseFloor, diff_stats
 from .grad_loss import LossRule
 from .grad_store import GradRecorder
 from .gradients import GradCapture
-from .leaves import Leaf, clone_inputs, flatten, map_tensors
+from .leaves import Leaf, flatten
 from .numerics import full_fp32_precision
+from .rebuild import clone_inputs, map_tensors
 from .store import GoldenReader, GoldenWriter
 
 # --------------------------------------------------------------------------- shadow forward

@@ -366,8 +366,8 @@ def test_a_dtype_argument_is_a_change_of_precision_not_of_inputs() -> None:
 
 def test_a_golden_from_before_the_empty_key_encoding_still_compares(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    import activation_guard.leaves as leaves_mod
-    old_encode = leaves_mod.encode_str_key
+    import activation_guard.leaf_paths as paths_mod
+    old_encode = paths_mod.encode_str_key
 
     def before(key: str) -> str:  # how earlier version-2 writers encoded keys: "" stayed ""
         return "" if key == "" else old_encode(key)
@@ -380,7 +380,7 @@ def test_a_golden_from_before_the_empty_key_encoding_still_compares(tmp_path: Pa
 
     p, q = tmp_path / "old.h5", tmp_path / "old_top.h5"
     with monkeypatch.context() as m:
-        m.setattr(leaves_mod, "encode_str_key", before)
+        m.setattr(paths_mod, "encode_str_key", before)  # mapping keys are encoded there
         ag.record(Returns(make, 1.0), (X,), path=p)
         ag.record(Returns(top, 1.0), (X,), path=q)
     assert ag.compare(Returns(make, 1.0), (X,), path=p).ok
