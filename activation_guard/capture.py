@@ -171,12 +171,24 @@ def _snapshot(output: Any) -> Any:
     return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), output)
 
 
-def _rng_state(module: torch.nn.Module) -> tuple[torch.Tensor, Any] | None:
-    """The generators a training-mode module may draw from, as they are when it starts."""
-    if not module.training:
-        return None
+RngState = tuple[torch.Tensor, Any]  # the CPU generator's state, and the current CUDA device's (or None)
+
+
+def rng_state() -> RngState:
+    """The generators a module may draw from (CPU, and the current CUDA device once initialized)."""
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state: RngState) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
+def _rng_state(module: torch.nn.Module) -> RngState | None:
+    """The generators a training-mode module may draw from, as they are when it starts."""
+    return rng_state() if module.training else None
 
 
 @contextmanager

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .capture import RngState, set_rng_state
 from .leaves import UnsupportedTensorError, flatten, flatten_inputs
 from .rebuild import rebuild
 from .selection import display_name
@@ -113,7 +114,7 @@ class ChildCall:
     skeleton: Skeleton | None = None
     # the RNG state the live call left (a training-mode child that drew random numbers): a stub
     # that does not run sets it, so the parent's later draws are the live run's
-    rng_end: tuple[torch.Tensor, Any] | None = None
+    rng_end: RngState | None = None
 
 
 class GoldenCache:
@@ -263,9 +264,7 @@ class ChildHooks:
         self.substituted += 1
         end = self.calls[i].rng_end
         if end is not None:
-            torch.set_rng_state(end[0])
-            if end[1] is not None:
-                torch.cuda.set_rng_state(end[1])
+            set_rng_state(end)
         return rebuild(sk.output, {p: golden[p].to(device=dev, dtype=_wide(dt) if widen else dt, copy=True)
                                    for p, (_, dt, dev) in sk.meta.items()})
 

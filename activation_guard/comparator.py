@@ -107,14 +107,13 @@ class Comparator:
             try:
                 remember_start(frame)  # in-place changes to its inputs, copies of objects it may mutate
             except UnsupportedTensorError as e:
-                raise UnsupportedTensorError(f"layer {frame.name or '<root>'!r}: an input is {e}") from None
+                raise e.in_layer(frame.name, None, "an input") from None
 
     def on_output(self, frame: Frame, output: Any) -> None:
         try:
             self._on_output(frame, output)
         except UnsupportedTensorError as e:
-            raise UnsupportedTensorError(f"layer {frame.name or '<root>'!r} call {frame.call}: an output is {e}") \
-                from None
+            raise e.in_layer(frame.name, frame.call, "an output") from None
 
     def _on_output(self, frame: Frame, output: Any) -> None:
         tname = type(frame.module).__name__

@@ -294,6 +294,11 @@ def _own_dispatch(cls: type) -> bool:
 class UnsupportedTensorError(ActivationGuardError, TypeError):
     """A tensor whose values a hook cannot read (inside torch.vmap, an opaque dispatch subclass)."""
 
+    def in_layer(self, name: str, call: int | None, what: str) -> UnsupportedTensorError:
+        """The same error, naming the layer call and which of its values (``an input``) it is."""
+        where = f"layer {name or '<root>'!r}" + ("" if call is None else f" call {call}")
+        return UnsupportedTensorError(f"{where}: {what} is {self}")
+
 
 def is_plain_tensor(t: Any) -> bool:
     """A plain strided tensor on a real device: its own leaf, as is (the common case, decided

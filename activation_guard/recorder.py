@@ -85,7 +85,7 @@ class Recorder:
         try:
             leaves = flatten_inputs(frame.args, frame.kwargs)
         except UnsupportedTensorError as e:
-            raise UnsupportedTensorError(f"layer {frame.name or '<root>'!r} call {call}: an input is {e}") from None
+            raise e.in_layer(frame.name, call, "an input") from None
         if self.transform is not None:  # issue 16 (distributed)
             self.transform(frame.name, leaves)
         running: list[tuple[int, int]] = []  # (leaf index, frame id) of references to a running call's inputs
@@ -179,7 +179,7 @@ class Recorder:
             if self.shadow is not None:
                 self.shadow.measure(name, call, leaves, self.floors)
         except UnsupportedTensorError as e:
-            raise UnsupportedTensorError(f"layer {name or '<root>'!r} call {call}: an output is {e}") from None
+            raise e.in_layer(name, call, "an output") from None
         except ActivationGuardError:
             raise
         except Exception as e:

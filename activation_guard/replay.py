@@ -37,7 +37,7 @@ import torch
 
 from .calibrate import CalibratedJudge
 from .callstart import CallStart, modified_in_place, start_values
-from .capture import Frame, HookState
+from .capture import Frame, HookState, rng_state, set_rng_state
 from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, skeleton
 from .dtypes import dtype_name
 from .judges import Judge, LeafContext, StrictJudge
@@ -167,9 +167,7 @@ class Replayer:
             with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(self.grad), \
                     (hooks.installed(modules or {}, widen=widen) if hooks is not None else contextlib.nullcontext()):
                 if frame.rng is not None:
-                    torch.set_rng_state(frame.rng[0])
-                    if frame.rng[1] is not None:
-                        torch.cuda.set_rng_state(frame.rng[1])
+                    set_rng_state(frame.rng)
                 return call_as_captured(module, args, kwargs)
         finally:
             self.state.replaying = False
@@ -421,8 +419,7 @@ class Replayer:
             if stub and (frame.rng is not None or parent.rng is not None):
                 # where it left the random stream (an eval-mode child may hold a training Dropout;
                 # a GPU one moves only the CUDA generator): its stub puts the stream there
-                cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-                end = (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)
+                end = rng_state()
             parent.data.children.append(ChildCall(frame.module, frame.name, entry,
                                                   skeleton(output) if stub else None, end))
 
