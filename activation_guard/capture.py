@@ -222,60 +222,62 @@ def hooked(
     wanted_by = Selector(include, exclude, [n for n, _ in layers])
     stack = state.stack
 
-    def make_hooks(name: str, wanted: bool) -> tuple[Callable[..., None], Callable[..., None]]:
-        def pre(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
-            if state.replaying:
-                return
-            if not staged and threading.get_ident() != owner:  # numbered by thread timing: refused
-                if wanted:
-                    state.foreign_threads[name] = state.foreign_threads.get(name, 0) + 1
-                return
-            if staged and wanted and on_enter is not None:
-                args, kwargs = _snapshot((args, kwargs))
-            frame = Frame(name, mod, args, kwargs, stack[-1] if stack else None)
-            if state.want_rng and wanted and not staged:
-                # never inside a compiled region: dynamo cannot trace get_rng_state, and a graph
-                # break at every module would compare another graph than the one that runs
-                frame.rng = _rng_state(mod)
-            stack.append(frame)
-            if wanted and on_enter is not None and not staged:
-                on_enter(frame)
+    # one pre and one post function for every module (the layer found by the module's id): a
+    # closure pair per module cost ~1 us per module and check to build, on models of many layers
+    info: dict[int, tuple[str, bool]] = {id(mod): (name, wanted_by(name)) for name, mod in layers}
 
-        def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if state.replaying or (not staged and threading.get_ident() != owner):
-                return
+    def pre(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if state.replaying:
+            return
+        name, wanted = info[id(mod)]
+        if not staged and threading.get_ident() != owner:  # numbered by thread timing: refused
+            if wanted:
+                state.foreign_threads[name] = state.foreign_threads.get(name, 0) + 1
+            return
+        if staged and wanted and on_enter is not None:
+            args, kwargs = _snapshot((args, kwargs))
+        frame = Frame(name, mod, args, kwargs, stack[-1] if stack else None)
+        if state.want_rng and wanted and not staged:
+            # never inside a compiled region: dynamo cannot trace get_rng_state, and a graph
+            # break at every module would compare another graph than the one that runs
+            frame.rng = _rng_state(mod)
+        stack.append(frame)
+        if wanted and on_enter is not None and not staged:
+            on_enter(frame)
+
+    def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if state.replaying or (not staged and threading.get_ident() != owner):
+            return
+        frame = stack.pop()
+        while frame.module is not mod and stack:
+            # a call that raised, its exception caught by a caller (try a fast path, fall back):
+            # it never returns, so its frame is dropped here, not filed under this call's name
+            if on_abandon is not None:
+                on_abandon(frame)
             frame = stack.pop()
-            while frame.module is not mod and stack:
-                # a call that raised, its exception caught by a caller (try a fast path, fall back):
-                # it never returns, so its frame is dropped here, not filed under this call's name
-                if on_abandon is not None:
-                    on_abandon(frame)
-                frame = stack.pop()
-            k = state.calls.get(name, 0)
-            state.calls[name] = k + 1
-            frame.call = k
-            if frame.parent is not None:
-                frame.parent.last_child = name
-                frame.parent.children += 1
-            if not wanted:
-                return
-            if staged:
-                state.staged.append((frame, _snapshot(output)))
-            else:
-                on_output(frame, output)
+        name, wanted = info[id(mod)]
+        k = state.calls.get(name, 0)
+        state.calls[name] = k + 1
+        frame.call = k
+        if frame.parent is not None:
+            frame.parent.last_child = name
+            frame.parent.children += 1
+        if not wanted:
+            return
+        if staged:
+            state.staged.append((frame, _snapshot(output)))
+        else:
+            on_output(frame, output)
 
-        pre._ag_capture = True  # type: ignore[attr-defined]  # not a user's pre-hook (replay.call_as_captured)
-        return pre, post
+    pre._ag_capture = True  # type: ignore[attr-defined]  # not a user's pre-hook (replay.call_as_captured)
 
     # objects alive now (the model, torch, a golden's parsed index) are not this forward's garbage
     with frozen_gc():
         try:
-            for name, mod in layers:
-                pre, post = make_hooks(name, wanted_by(name))
-                # post: prepend=True (issue 16, distributed), eager and staged alike: the output as the
-                # module returned it, before other forward hooks rewrite it (tensor parallelism's own
-                # hook turns a DTensor into a local shard; docs/distributed.md)
-                handles.append(_install(mod, pre, post))
+            # post: prepend=True (issue 16, distributed), eager and staged alike: the output as the
+            # module returned it, before other forward hooks rewrite it (tensor parallelism's own
+            # hook turns a DTensor into a local shard; docs/distributed.md)
+            handles.append(_install([mod for _, mod in layers], pre, post))
             if staged:
                 _reset_dynamo()  # compile the hooks in (hooks added later are not guarded on)
             yield state
@@ -321,9 +323,10 @@ def _torch_owned(hook: Any) -> bool:
     return str(getattr(fn, "__module__", "") or "").startswith("torch.")
 
 
-def _install(mod: torch.nn.Module, pre: Callable[..., None], post: Callable[..., None]) -> Callable[[], None]:
-    """Add a with-kwargs forward pre-hook and a prepended with-kwargs forward hook to ``mod``;
-    return what removes both.
+def _install(mods: Sequence[torch.nn.Module], pre: Callable[..., None],
+             post: Callable[..., None]) -> Callable[[], None]:
+    """Add a with-kwargs forward pre-hook and a prepended with-kwargs forward hook to each of
+    ``mods``; return what removes them all (also run here if installing fails half-way).
 
     What ``register_forward_pre_hook``/``register_forward_hook`` do, without their two
     ``RemovableHandle`` objects (weak references to four dicts each): those cost ~5 us per module
@@ -331,30 +334,41 @@ def _install(mod: torch.nn.Module, pre: Callable[..., None], post: Callable[...,
     from the same counter, so they never collide with a user's hooks; if a torch version lacks
     these dicts, the public API is used.
     """
-    try:
-        pre_hooks, pre_kw = mod._forward_pre_hooks, mod._forward_pre_hooks_with_kwargs
-        hooks, hooks_kw = mod._forward_hooks, mod._forward_hooks_with_kwargs
-    except AttributeError:
-        a = mod.register_forward_pre_hook(pre, with_kwargs=True)
-        b = mod.register_forward_hook(post, with_kwargs=True, prepend=True)
-        def remove_public() -> None:
-            a.remove()
-            b.remove()
-
-        return remove_public
+    done: list[tuple[Any, Any, Any, Any, int]] = []
+    handles: list[Any] = []
     counter = torch.utils.hooks.RemovableHandle
-    i, j = counter.next_id, counter.next_id + 1
-    counter.next_id += 2
-    pre_hooks[i] = pre
-    pre_kw[i] = True
-    hooks[j] = post
-    hooks_kw[j] = True
-    hooks.move_to_end(j, last=False)  # type: ignore[attr-defined]
 
     def remove() -> None:
-        for d, k in ((pre_hooks, i), (pre_kw, i), (hooks, j), (hooks_kw, j)):
-            d.pop(k, None)
+        for pre_hooks, pre_kw, hooks, hooks_kw, i in done:
+            pre_hooks.pop(i, None)
+            pre_kw.pop(i, None)
+            hooks.pop(i + 1, None)
+            hooks_kw.pop(i + 1, None)
+        done.clear()
+        for h in handles:
+            h.remove()
+        handles.clear()
 
+    try:
+        for mod in mods:
+            try:
+                pre_hooks, pre_kw = mod._forward_pre_hooks, mod._forward_pre_hooks_with_kwargs
+                hooks, hooks_kw = mod._forward_hooks, mod._forward_hooks_with_kwargs
+            except AttributeError:
+                handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(mod.register_forward_hook(post, with_kwargs=True, prepend=True))
+                continue
+            i = counter.next_id
+            counter.next_id = i + 2
+            done.append((pre_hooks, pre_kw, hooks, hooks_kw, i))
+            pre_hooks[i] = pre
+            pre_kw[i] = True
+            hooks[i + 1] = post
+            hooks_kw[i + 1] = True
+            hooks.move_to_end(i + 1, last=False)  # type: ignore[attr-defined]
+    except BaseException:
+        remove()
+        raise
     return remove
 
 
