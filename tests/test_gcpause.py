@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import activation_guard as ag
-from activation_guard.gcpause import frozen_gc
+from activation_guard.gcpause import collector_off, frozen_gc
 
 
 @pytest.fixture
@@ -77,3 +77,43 @@ def test_cycles_made_inside_a_block_are_still_collected(no_freeze: None) -> None
         del a, b
         gc.collect()
         assert ref() is None
+
+
+def test_collector_off_switches_back_on_at_the_outermost_block() -> None:
+    assert gc.isenabled()
+    with collector_off():
+        assert not gc.isenabled()
+        with collector_off():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner block does not switch it on under the outer one
+    assert gc.isenabled()
+
+
+def test_collector_off_leaves_a_callers_disabled_collector_off() -> None:
+    gc.disable()
+    try:
+        with collector_off():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_opening_a_golden_leaves_the_collector_on_even_when_the_index_is_bad(tmp_path: Path) -> None:
+    """The reader parses the index with the collector off: a malformed index must not leave it off."""
+    import h5py
+    import numpy as np
+
+    m, x = model(), torch.randn(3, 4)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p)
+    with h5py.File(p, "r+") as f:  # valid JSON under a valid checksum, but not an index
+        import zlib
+
+        raw = b'{"calls": 7}'
+        del f["index"]
+        f.create_dataset("index", data=np.frombuffer(raw, dtype=np.uint8))
+        f.attrs["index_crc32"] = np.int64(zlib.crc32(raw))
+    with pytest.raises(ag.GoldenFormatError, match="malformed index"):
+        ag.compare(m, x, path=p)
+    assert gc.isenabled()

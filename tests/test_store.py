@@ -298,8 +298,9 @@ def _run_isolated(code: str) -> str:
 
 
 def test_store_is_the_bottom_layer():
-    """The store imports only ``dtypes``, ``errors`` and the fingerprint value type from the
-    package: never capture, the comparator, the API or the pytest layer (or pytest itself)."""
+    """The store imports only ``dtypes``, ``errors``, ``gcpause`` (standard library only) and the
+    fingerprint value type from the package: never capture, the comparator, the API or the pytest
+    layer (or pytest itself)."""
     code = (
         "import sys, activation_guard\n"
         "before = set(sys.modules)\n"
@@ -315,6 +316,7 @@ def test_store_is_the_bottom_layer():
     assert {m for m in added if not m.startswith("activation_guard.store")} == {
         "activation_guard.dtypes",
         "activation_guard.errors",
+        "activation_guard.gcpause",
         "activation_guard.fingerprint",
         "activation_guard.fingerprint_params",
         "activation_guard.sketch",

@@ -24,6 +24,7 @@ import torch
 from .. import dtypes
 from ..errors import GoldenCorruptError, GoldenError, GoldenFormatError, GoldenNotFoundError
 from ..fingerprint import Fingerprint, FingerprintFormatError, FingerprintParams
+from ..gcpause import collector_off
 from . import fingerprints as fpstore
 from .format import (
     FORMAT_NAME,
@@ -163,6 +164,12 @@ class GoldenReader:
                     loc = direct_location(obj)
                     if loc is not None:
                         self._direct[key] = loc
+        with collector_off():  # thousands of acyclic containers (gcpause.collector_off)
+            self._read_index(root)
+        self._open_fingerprints()
+
+    def _read_index(self, root: dict[str, Any]) -> None:
+        p = self.path
         self.meta = self._read_json("meta", root.get("meta"))
         index = self._read_json("index", root.get("index"))
         if not isinstance(self.meta, dict) or not isinstance(index, dict) or not isinstance(index.get("calls"), list):
@@ -182,7 +189,6 @@ class GoldenReader:
                 raise GoldenFormatError(p, f"lists the {c.grad} gradient of layer {c.name!r} call {c.call} twice")
             self.by_grad[(c.grad, c.name, c.call)] = c
         # --- end gradients
-        self._open_fingerprints()
 
     # -- fingerprints
     def _open_fingerprints(self) -> None:
