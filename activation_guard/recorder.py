@@ -23,7 +23,7 @@ import torch
 from .capture import Frame
 from .errors import ActivationGuardError
 from .fingerprint_leaves import Fingerprinter
-from .leaves import Leaf, LeafTransform, UnsupportedTensorError, flatten, flatten_inputs
+from .leaves import Leaf, LeafTransform, UnsupportedTensorError, flatten, flatten_inputs, is_plain_tensor
 from .store import GoldenWriter
 
 
@@ -76,7 +76,7 @@ class Recorder:
 
     # ------------------------------------------------------------------ inputs
     def on_enter(self, frame: Frame) -> None:
-        if not self.inputs:
+        if not self.inputs or self._one_alias(frame):
             return
         # this call's index, known now: calls are numbered as they return, and a module cannot
         # return twice while it runs, except recursively (then its inputs are never aliased)
@@ -116,6 +116,25 @@ class Recorder:
                                    frame=id(frame))
                     mine.append(id(leaf.tensor))
         self._pending[id(frame)] = entries
+
+    def _one_alias(self, frame: Frame) -> bool:
+        """Most calls of a deep model: one positional argument, the tensor a call before stored,
+        unchanged since. Its alias entry is written as the general path would write it, without
+        building leaves (~3 us per layer call). Nothing is remembered for an alias, so nothing
+        refers to this call's inputs and its number needs no settling."""
+        args = frame.args
+        if frame.kwargs or type(args) is not tuple or len(args) != 1 or self.transform is not None:
+            return False
+        t = args[0]
+        s = self._stored.get(id(t))
+        if s is None or s.ref() is not t or s.version is None or s.version != _version(t) or not is_plain_tensor(t):
+            return False
+        entry = self.writer.write_alias({"name": s.name, "call": s.call, "section": s.section, "of": s.path},
+                                        "args/0")
+        if s.frame is not None:  # the input of a call still running: its number is settled when it returns
+            self._refs.setdefault(s.frame, []).append(entry)
+        self._pending[id(frame)] = [entry]
+        return True
 
     def on_abandon(self, frame: Frame) -> None:
         """A call that raised (its caller caught the exception) is never stored: later inputs must

@@ -215,13 +215,19 @@ class GoldenWriter:
             elif leaf.kind == "ref":
                 e = {"kind": "ref", "value": leaf.value, "type": leaf.type_name}
             elif leaf.kind == "alias":
-                e = {"kind": "alias", **(leaf.alias or {})}
+                out.append(self.write_alias(leaf.alias or {}, leaf.path))
+                continue
             else:
                 e = {"kind": leaf.kind, "type": leaf.type_name}
             e["path"] = leaf.path
             out.append(e)
             self.nleaves += 1
         return out
+
+    def write_alias(self, alias: dict[str, Any], path: str) -> dict[str, Any]:
+        """The index entry of an input that is an already stored value (``alias``: where it is)."""
+        self.nleaves += 1
+        return {"kind": "alias", **alias, "path": path}
 
     def add_call(self, name: str, call: int, module_type: str, leaves: Iterable[LeafLike],
                  inputs: list[dict[str, Any]] | None = None) -> None:
