@@ -125,7 +125,7 @@ class Recorder:
         args = frame.args
         if frame.kwargs or type(args) is not tuple or len(args) != 1 or self.transform is not None:
             return False
-        t = args[0]
+        t: Any = args[0]
         s = self._stored.get(id(t))
         if s is None or s.ref() is not t or s.version is None or s.version != _version(t) or not is_plain_tensor(t):
             return False
