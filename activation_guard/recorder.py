@@ -125,9 +125,9 @@ class Recorder:
         args = frame.args
         if frame.kwargs or type(args) is not tuple or len(args) != 1 or self.transform is not None:
             return False
-        t: Any = args[0]
+        t = args[0]
         s = self._stored.get(id(t))
-        if s is None or s.ref() is not t or s.version is None or s.version != _version(t) or not is_plain_tensor(t):
+        if s is None or s.ref() is not t or s.version is None or s.version != _version(args[0]) or not is_plain_tensor(t):
             return False
         entry = self.writer.write_alias({"name": s.name, "call": s.call, "section": s.section, "of": s.path},
                                         "args/0")
