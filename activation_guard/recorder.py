@@ -127,7 +127,8 @@ class Recorder:
             return False
         t = args[0]
         s = self._stored.get(id(t))
-        if s is None or s.ref() is not t or s.version is None or s.version != _version(args[0]) or not is_plain_tensor(t):
+        if (s is None or s.ref() is not t or s.version is None or s.version != _version(args[0])
+                or not is_plain_tensor(t)):
             return False
         entry = self.writer.write_alias({"name": s.name, "call": s.call, "section": s.section, "of": s.path},
                                         "args/0")
