@@ -9,7 +9,6 @@ replay means; this module only takes the snapshot, at every call's start.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,8 +86,10 @@ def _scan(start: CallStart, v: Any, depth: int) -> None:
     # a module-level function, not a closure: a recursive closure is a reference cycle that would
     # keep every call's input tensors alive until the cyclic collector runs (+46 MiB measured)
     if isinstance(v, torch.Tensor):
-        with contextlib.suppress(RuntimeError):  # inference tensors have no version counter
+        try:  # noqa: SIM105  (contextlib.suppress costs ~0.7 us per input of every call)
             start.versions.append((v, v._version))
+        except RuntimeError:  # inference tensors have no version counter
+            pass
     elif isinstance(v, (*_PLAIN, torch.nn.Module)) or depth > 2:
         return
     elif type(v) in (list, tuple, dict):

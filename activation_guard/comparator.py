@@ -250,9 +250,11 @@ class Comparator:
         arr = numpy_view(t)  # its bytes in logical order, as stored
         if (tuple(t.shape) if arr is None else arr.shape) != g.shape or dtype_name(t) != g.dtype:
             return None
-        live: bytes | memoryview = tensor_bytes(t).data if arr is None else arr.tobytes()
+        live = tensor_bytes(t).tobytes() if arr is None else arr.tobytes()
         ctx = LeafContext(name, entry.name, entry.call, g.path, g.dtype, g.dtype)
-        if self.reader.packed_bytes(g, lambda: ctx.label).data != live:
+        # bytes against bytes: comparing a memoryview goes element by element (92 us for 64 KiB,
+        # against 2 us for the copy and a memcmp)
+        if self.reader.packed_bytes(g, lambda: ctx.label).tobytes() != live:
             return None
         return judge.identical(ctx, t, arr)
 
