@@ -79,3 +79,18 @@ def test_quick_benchmark_json_has_consistent_figures(quick_run):
     assert fp["fingerprints"] >= 9 and 0 < fp["fp_bytes"] < fp["full_bytes"]  # 9 outputs (+ inputs, if recorded)
     assert any("fingerprint golden <= 1% of full" in n for n in names)
 
+
+
+def test_ab_script_times_two_checkouts_in_one_process(tmp_path: Path) -> None:
+    """benchmarks/ab.py (side-by-side timing of two checkouts): runs, prints both and the ratio."""
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    cp = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab.py"), str(ROOT), str(ROOT), "--layers", "20",
+                         "--repeat", "2"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+                        check=False)
+    assert cp.returncode == 0, cp.stderr
+    for needle in ("21 layer calls", "record old", "record new", "compare old", "compare new", "record: new / old =",
+                   "compare: new / old ="):
+        assert needle in cp.stdout, cp.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab.py"), str(tmp_path), str(ROOT)],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert bad.returncode != 0 and "is not a checkout of activation_guard" in bad.stderr
