@@ -59,12 +59,14 @@ GRAD_SECTIONS = tuple(f"grad-{k}" for k in GRAD_KINDS)
 _DATASET_NAME = re.compile(r"data/\d{6}")
 
 
-def json_bytes(obj: Any, *, sort_keys: bool = True) -> bytes:
+def json_bytes(obj: Any, *, sort_keys: bool = True, acyclic: bool = False) -> bytes:
     """Canonical JSON (sorted keys, no spaces, no NaN): the same record always gives the same
     bytes, which is what makes re-recording an unchanged model byte-identical. The index, built
     by the writer in one fixed key order, is written unsorted (sorting its thousands of small
-    objects cost ~2.4 us per layer call)."""
-    return json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False).encode()
+    objects cost ~2.4 us per layer call) and ``acyclic``: the writer builds it of fresh dicts and
+    lists, so the encoder's check for reference cycles is skipped (~0.9 us per layer call)."""
+    return json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False,
+                      check_circular=not acyclic).encode()
 
 
 @dataclass
@@ -180,8 +182,11 @@ def _parse_call(p: str, c: Any, position: int) -> CallEntry:
         or not (inputs is None or isinstance(inputs, list))
     ):
         raise GoldenFormatError(p, f"index entry #{position} is malformed")
-    return CallEntry(name, call, tname, [_parse_leaf(p, leaf, name, call) for leaf in leaves], position,
-                     raw_inputs=inputs, source=p)
+    parsed = []
+    for leaf in leaves:  # the common leaf first, checked without building error texts
+        fast = _packed_tensor(leaf) if type(leaf) is dict and leaf.get("kind") == "tensor" else None
+        parsed.append(fast if fast is not None else _parse_leaf(p, leaf, name, call))
+    return CallEntry(name, call, tname, parsed, position, raw_inputs=inputs, source=p)
 
 
 def _parse_leaf(p: str, e: Any, lname: str, call: int, section: str = "outputs") -> LeafEntry:
@@ -245,20 +250,24 @@ def _parse_leaf(p: str, e: Any, lname: str, call: int, section: str = "outputs")
     return entry
 
 
+_ITEMSIZE = {name: info.storage.itemsize for name, info in dtypes.BY_NAME.items()}
+
+
 def _packed_tensor(e: dict[str, Any]) -> LeafEntry | None:
     """A well-formed packed tensor leaf, or None (the full check then names what is wrong)."""
-    path, dt, shape, nbytes, crc, pk, off = (e.get("path"), e.get("dtype"), e.get("shape"), e.get("nbytes"),
-                                             e.get("crc32"), e.get("pack"), e.get("offset"))
-    info = dtypes.BY_NAME.get(dt) if type(dt) is str else None
-    if (info is None or type(path) is not str or type(shape) is not list or len(shape) > 64 or type(nbytes) is not int
+    get = e.get
+    path, dt, shape, nbytes, crc, pk, off = (get("path"), get("dtype"), get("shape"), get("nbytes"), get("crc32"),
+                                             get("pack"), get("offset"))
+    size = _ITEMSIZE.get(dt) if type(dt) is str else None
+    if (size is None or type(path) is not str or type(shape) is not list or len(shape) > 64 or type(nbytes) is not int
             or type(crc) is not int or type(pk) is not int or type(off) is not int or pk < 0 or off < 0):
         return None
-    n = 1
+    n = size
     for d in shape:
         if type(d) is not int or d < 0:
             return None
         n *= d
-    if nbytes != n * info.storage.itemsize:
+    if nbytes != n:
         return None
     py = e.get("py", "Tensor")
     return LeafEntry(path, "tensor", dt, tuple(shape), nbytes, crc, pk, off,

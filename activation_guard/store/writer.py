@@ -259,7 +259,7 @@ class GoldenWriter:
             index: dict[str, Any] = {"calls": self.calls}
             if self.backward:  # goldens without gradients keep their bytes
                 index["backward"] = self.backward
-            ib = json_bytes(index, sort_keys=False)
+            ib = json_bytes(index, sort_keys=False, acyclic=True)
             mb = json_bytes(meta)
             self.f.create_dataset("index", data=np.frombuffer(ib, dtype=np.uint8), track_times=False)
             self.f.create_dataset("meta", data=np.frombuffer(mb, dtype=np.uint8), track_times=False)
