@@ -21,12 +21,13 @@ values at the call's start and get their live values back, and objects passed as
 are deep-copied before the module can mutate them (:mod:`activation_guard.callstart` takes those
 snapshots).
 
-About 530 lines, over the ~400 we aim for: running a replay (as the capture saw the call, user
-hooks included: :func:`call_as_captured`), judging the arguments and the inputs a parent's code
-hands its children, and turning both into an origin are one sequence of decisions over the same
-call; the snapshot taken at each call's start, the children standing in during a replay, and
-rebuilding arguments around golden tensors live in their own modules. The next split to make is
-the argument checks of ``_golden_inputs`` into their own module.
+About 480 lines, over the ~400 we aim for: running a replay (as the capture saw the call, user
+hooks included: :func:`call_as_captured`), judging the inputs a parent's code hands its children,
+and turning both into an origin are one sequence of decisions over the same call. The snapshot
+taken at each call's start (:mod:`.callstart`), the children standing in during a replay
+(:mod:`.children`), rebuilding arguments around golden tensors (:mod:`.rebuild`) and which golden
+tensors a call gets, or why its arguments do not line up (:mod:`.replay_args`), live in their own
+modules.
 """
 
 from __future__ import annotations
@@ -44,19 +45,16 @@ from .capture import Frame, HookState, rng_state, set_rng_state
 from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, skeleton
 from .dtypes import dtype_name
 from .judges import Judge, LeafContext, StrictJudge
-from .leaf_paths import stored_by_repr
 from .leaves import UnsupportedTensorError, flatten, flatten_inputs
 from .ownfloor import OwnFloorJudge, judge_input
 from .rebuild import clone_inputs, rebuild_inputs
+from .replay_args import ArgsChanged, golden_inputs
 from .results import LayerResult, LeafResult, Origin
 from .selection import display_name
 from .shadow import float32_random, to_reference
 from .store import CallEntry, GoldenReader
 
-PYTHON_NUMBERS = frozenset({"bool", "int", "float", "complex"})
 REPLAYABLE = frozenset({"diverged", "nonfinite", "shape", "dtype", "structure"})
-NO_INPUTS = ("the golden has no recorded inputs (recorded with inputs=False, or before inputs were recorded): "
-             "re-record it to replay layers and attribute divergences")
 
 
 @dataclass
@@ -73,11 +71,6 @@ class OwnResult:
     def args_changed(self) -> bool:
         """Not replayed because the call's arguments differ in structure (its caller's doing)."""
         return isinstance(self.reason, ArgsChanged)
-
-
-class ArgsChanged(str):
-    """Why a call cannot be replayed on the golden's inputs: its arguments differ in structure from
-    the golden's (a tensor argument dropped, added or retyped), which is its caller's doing."""
 
 
 class Replayer:
@@ -108,49 +101,6 @@ class Replayer:
                 "would explain this")
 
     # ------------------------------------------------------------------ running
-    def _golden_inputs(self, frame: Frame, entry: CallEntry) -> dict[str, torch.Tensor] | str:
-        """Golden tensors by input path, placed like the live ones, or why that is impossible."""
-        if entry.inputs is None:
-            return NO_INPUTS
-        golden = {e.path: e for e in entry.inputs}
-        out: dict[str, torch.Tensor] = {}
-        live = flatten_inputs(frame.args, frame.kwargs)
-        paths = {lv.path for lv in live}
-        gone = [p for p, e in golden.items() if p not in paths and e.kind in ("tensor", "alias", "fingerprint")]
-        if gone:
-            return ArgsChanged(f"the golden's call had the tensor argument(s) {', '.join(gone)}, which the live call "
-                               f"does not pass")
-        live_by_path = {lv.path: lv for lv in live}
-        for p, e in golden.items():
-            # a dtype, device or enum argument: the replay passes the live one, so a change of it is
-            # the caller's (plain strings are not judged: a request id or a path may differ every run)
-            if e.kind == "str" and stored_by_repr(e.type_name):
-                lv_ = live_by_path.get(p)
-                now = None if lv_ is None else (lv_.value if lv_.kind == "str" else lv_.type_name)
-                if lv_ is None or (lv_.kind, lv_.type_name, lv_.value) != ("str", e.type_name, e.value):
-                    return ArgsChanged(f"its argument {p} was {_short(e.value)}, is now "
-                                       f"{'absent' if lv_ is None else _short(now)}")
-        for lv in live:
-            if lv.kind == "str" and stored_by_repr(lv.type_name) and lv.path not in golden:
-                return ArgsChanged(f"its argument {lv.path} ({_short(lv.value)}) is not in the golden's call")
-            if lv.kind != "tensor" or lv.tensor is None:
-                continue
-            given = golden.get(lv.path)
-            g = None if given is None else self.reader.resolve(
-                given, f"layer {display_name(entry.name)!r} call {entry.call} input {lv.path!r}")
-            if g is not None and g.kind == "fingerprint":
-                return f"replay needs full inputs, but its input {lv.path} is stored as a fingerprint"
-            if given is None or g is None or g.kind != "tensor":
-                return ArgsChanged(f"its argument {lv.path} ({lv.type_name}) is not a tensor or number in the "
-                                   f"golden's call")
-            if given.type_name != lv.type_name and PYTHON_NUMBERS.intersection((given.type_name, lv.type_name)):
-                return ArgsChanged(f"its argument {lv.path} was a {given.type_name}, is now a {lv.type_name}")
-            if g.shape != tuple(lv.tensor.shape):
-                return f"its input {lv.path} changed shape {list(g.shape)} -> {list(lv.tensor.shape)}"
-            t = self.cache.load(g, f"layer {display_name(entry.name)!r} call {entry.call} input {lv.path!r}")
-            out[lv.path] = t.to(device=lv.tensor.device, dtype=lv.tensor.dtype, copy=True)  # the module may change it
-        return out
-
     def _run(self, module: torch.nn.Module, frame: Frame, args: tuple[Any, ...], kwargs: dict[str, Any],
              hooks: ChildHooks | None = None, modules: dict[str, torch.nn.Module] | None = None, *,
              widen: bool = False, rewind: Sequence[tuple[str, torch.Tensor]] = ()) -> Any:
@@ -183,7 +133,7 @@ class Replayer:
         (:mod:`activation_guard.children`), and judged against the golden: its output, and the
         inputs its own code gave each child. ``compare(entry, leaves, name, judge)`` is the
         comparator's leaf matching."""
-        golden = self._golden_inputs(frame, entry)
+        golden = golden_inputs(self.reader, self.cache, frame, entry)
         if isinstance(golden, str):
             return self._not_replayed(golden)
         start = frame.data if isinstance(frame.data, CallStart) else CallStart([], {})
@@ -503,11 +453,6 @@ def _how(layer: LayerResult) -> str:
     """How a replay's inputs differ: a changed structure in words, else the numbers."""
     moved = next((leaf.detail for leaf in layer.leaves if leaf.status in ("structure", "shape")), None)
     return moved or _numbers(layer)
-
-
-def _short(text: str | None, limit: int = 60) -> str:
-    shown = repr(text)
-    return shown if len(shown) <= limit else shown[: limit - 1] + "\u2026"
 
 
 def _numbers(layer: LayerResult) -> str:
