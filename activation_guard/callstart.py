@@ -17,9 +17,10 @@ import torch
 
 from .capture import Frame
 from .children import ChildCall
+from .slots import SLOTS
 
 
-@dataclass
+@dataclass(**SLOTS)
 class CallStart:
     """What a call's arguments were when it started, beyond their tensors' values: the tensors'
     in-place versions (did the layer change its inputs?) and copies of opaque objects (a KV cache

@@ -35,6 +35,7 @@ from .capture import RngState, set_rng_state
 from .leaves import UnsupportedTensorError, flatten, flatten_inputs
 from .rebuild import rebuild
 from .selection import display_name
+from .slots import SLOTS
 from .store import CallEntry, GoldenReader, LeafEntry
 
 PLACEHOLDER = torch.empty(0)
@@ -103,7 +104,7 @@ def skeleton(output: Any) -> Skeleton | None:
     return None if opaque.met else Skeleton(out, values.meta)
 
 
-@dataclass
+@dataclass(**SLOTS)
 class ChildCall:
     """A direct child call of a live call, as it returned: its module, name, golden entry and
     (``replay="all"``) the skeleton of its output."""

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .kernel import TensorStats, unravel
+from .slots import SLOTS
 
 # "local_shard" (issue 16, distributed): a rank's piece of a value whose full shape the golden holds
 STATUS_ORDER = ("structure", "shape", "local_shard", "dtype", "missing", "unexpected", "nonfinite", "diverged",
@@ -60,7 +61,7 @@ def _fields_from_dict(cls: Any, d: Any) -> dict[str, Any]:
     return out
 
 
-@dataclass
+@dataclass(**SLOTS)
 class LeafResult:
     """One output leaf of one layer call."""
 
@@ -120,7 +121,7 @@ def worst_status(statuses: list[str]) -> str:
     return "match"
 
 
-@dataclass
+@dataclass(**SLOTS)
 class LayerResult:
     """The verdict for one call of one module.
 

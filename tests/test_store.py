@@ -298,7 +298,7 @@ def _run_isolated(code: str) -> str:
 
 
 def test_store_is_the_bottom_layer():
-    """The store imports only ``dtypes``, ``errors``, ``gcpause`` (standard library only) and the
+    """The store imports only ``dtypes``, ``errors``, ``gcpause`` and ``slots`` (standard library only) and the
     fingerprint value type from the package: never capture, the comparator, the API or the pytest
     layer (or pytest itself)."""
     code = (
@@ -317,6 +317,7 @@ def test_store_is_the_bottom_layer():
         "activation_guard.dtypes",
         "activation_guard.errors",
         "activation_guard.gcpause",
+        "activation_guard.slots",
         "activation_guard.fingerprint",
         "activation_guard.fingerprint_params",
         "activation_guard.sketch",

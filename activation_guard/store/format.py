@@ -30,6 +30,7 @@ from typing import Any
 
 from .. import dtypes
 from ..errors import GoldenFormatError
+from ..slots import SLOTS
 
 FORMAT_NAME = "activation_guard.golden"
 FORMAT_VERSION = 2
@@ -69,7 +70,7 @@ def json_bytes(obj: Any, *, sort_keys: bool = True, acyclic: bool = False) -> by
                       check_circular=not acyclic).encode()
 
 
-@dataclass
+@dataclass(**SLOTS)
 class LeafEntry:
     """One leaf of a recorded layer call, as the index describes it (no values)."""
 
@@ -100,7 +101,7 @@ class LeafEntry:
         return self.kind == "fingerprint"
 
 
-@dataclass
+@dataclass(**SLOTS)
 class CallEntry:
     """One recorded layer call and its leaves, in the golden's execution order."""
 
