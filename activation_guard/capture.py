@@ -225,11 +225,33 @@ def hooked(
     # one pre and one post function for every module (the layer found by the module's id): a
     # closure pair per module cost ~1 us per module and check to build, on models of many layers
     info: dict[int, tuple[str, bool]] = {id(mod): (name, wanted_by(name)) for name, mod in layers}
+    installed: dict[int, int] = {}  # the id of each pre-hook of ours -> id of the module it is on
+    hooked_modules = {id(mod): mod for _, mod in layers}
+
+    def copied(mod: torch.nn.Module, hooks: Mapping[int, Any], fn: Any, offset: int) -> tuple[str, bool] | None:
+        """The layer of a module called with our hooks that we did not put them on: a copy of a
+        hooked module. A shallow copy (``copy.copy``, a data-parallel replica) shares the hook
+        dicts of the module it was copied from and runs under its name. A deep copy (a lazily
+        made EMA teacher) got copies of the dicts, ours with them: it is not a module of the
+        model, and whether it carries our hooks depends on when it was made, so it drops them
+        here and is not a layer (the golden and the live run see the same layers)."""
+        for k, v in list(hooks.items()):
+            if v is fn:
+                src = installed.get(k - offset, 0)
+                orig = hooked_modules.get(src)
+                if orig is not None and hooks is (orig._forward_pre_hooks if offset == 0 else orig._forward_hooks):
+                    return info[src]
+                _drop(mod, pre, post)
+                return None
+        return None
 
     def pre(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if state.replaying:
             return
-        name, wanted = info[id(mod)]
+        known = info.get(id(mod)) or copied(mod, mod._forward_pre_hooks, pre, 0)
+        if known is None:
+            return
+        name, wanted = known
         if not staged and threading.get_ident() != owner:  # numbered by thread timing: refused
             if wanted:
                 state.foreign_threads[name] = state.foreign_threads.get(name, 0) + 1
@@ -248,6 +270,9 @@ def hooked(
     def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if state.replaying or (not staged and threading.get_ident() != owner):
             return
+        known = info.get(id(mod)) or copied(mod, mod._forward_hooks, post, 1)
+        if known is None:
+            return
         frame = stack.pop()
         while frame.module is not mod and stack:
             # a call that raised, its exception caught by a caller (try a fast path, fall back):
@@ -255,7 +280,7 @@ def hooked(
             if on_abandon is not None:
                 on_abandon(frame)
             frame = stack.pop()
-        name, wanted = info[id(mod)]
+        name, wanted = known
         k = state.calls.get(name, 0)
         state.calls[name] = k + 1
         frame.call = k
@@ -277,7 +302,7 @@ def hooked(
             # post: prepend=True (issue 16, distributed), eager and staged alike: the output as the
             # module returned it, before other forward hooks rewrite it (tensor parallelism's own
             # hook turns a DTensor into a local shard; docs/distributed.md)
-            handles.append(_install([mod for _, mod in layers], pre, post))
+            handles.append(_install([mod for _, mod in layers], pre, post, installed))
             if staged:
                 _reset_dynamo()  # compile the hooks in (hooks added later are not guarded on)
             yield state
@@ -293,6 +318,8 @@ def hooked(
         finally:
             for h in handles:
                 h()
+            installed.clear()  # deep copies that kept our hooks drop them when next called (``copied``)
+            hooked_modules.clear()
             if staged:
                 _reset_dynamo()  # graphs compiled with our hooks must not outlive them
 
@@ -323,10 +350,11 @@ def _torch_owned(hook: Any) -> bool:
     return str(getattr(fn, "__module__", "") or "").startswith("torch.")
 
 
-def _install(mods: Sequence[torch.nn.Module], pre: Callable[..., None],
-             post: Callable[..., None]) -> Callable[[], None]:
+def _install(mods: Sequence[torch.nn.Module], pre: Callable[..., None], post: Callable[..., None],
+             installed: dict[int, int]) -> Callable[[], None]:
     """Add a with-kwargs forward pre-hook and a prepended with-kwargs forward hook to each of
     ``mods``; return what removes them all (also run here if installing fails half-way).
+    ``installed`` gets the id of each pre-hook -> the id of its module (the post-hook's is one more).
 
     What ``register_forward_pre_hook``/``register_forward_hook`` do, without their two
     ``RemovableHandle`` objects (weak references to four dicts each): those cost ~5 us per module
@@ -361,6 +389,7 @@ def _install(mods: Sequence[torch.nn.Module], pre: Callable[..., None],
             i = counter.next_id
             counter.next_id = i + 2
             done.append((pre_hooks, pre_kw, hooks, hooks_kw, i))
+            installed[i] = id(mod)
             pre_hooks[i] = pre
             pre_kw[i] = True
             hooks[i + 1] = post
@@ -370,6 +399,16 @@ def _install(mods: Sequence[torch.nn.Module], pre: Callable[..., None],
         remove()
         raise
     return remove
+
+
+def _drop(mod: torch.nn.Module, pre: Any, post: Any) -> None:
+    """Remove ``pre``/``post`` from a module that got them by being copied from a hooked one.
+    (torch iterates over a snapshot of the hook dicts, so this is safe inside a hook.)"""
+    for hooks in (mod._forward_pre_hooks, mod._forward_hooks):
+        for k in [k for k, v in hooks.items() if v is pre or v is post]:
+            hooks.pop(k, None)
+            mod._forward_pre_hooks_with_kwargs.pop(k, None)
+            mod._forward_hooks_with_kwargs.pop(k, None)
 
 
 def _reset_dynamo() -> None:

@@ -550,3 +550,89 @@ def test_hooks_go_in_before_a_users_own_and_leave_them_as_they_were(tmp_path):
     assert all_hooks_gone(m.blocks)
     user.remove()
     assert not m.head._forward_hooks
+
+
+class _CopiesInForward(nn.Module):
+    """Calls copies of its own layers: a deep copy made once and kept (an EMA teacher, made
+    lazily), and a shallow copy made at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.teacher: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.teacher is None:
+            object.__setattr__(self, "teacher", copy.deepcopy(self.a))  # not registered: not a layer
+        assert self.teacher is not None
+        return self.a(x) - self.teacher(x) + copy.copy(self.b)(x) + self.b(x)
+
+
+def test_copies_of_hooked_layers(tmp_path):
+    """copy.copy shares a module's hook dicts (ours included): the copy runs under the name of the
+    layer it was copied from. copy.deepcopy copies them: a deep copy is not a module of the model
+    and carries our hooks only if it was made during a capture, so it drops them and is not a
+    layer; record and compare then see the same layers whenever the copy was made. (The capture's
+    hooks are one shared pair; these copies used to make it fail on a lookup.)"""
+    m, x = _CopiesInForward().eval(), torch.randn(2, 4)
+    seen = []
+    with hooked(m, lambda f, out: seen.append((f.name, f.call))), torch.no_grad():
+        m(x)
+    assert seen == [("a", 0), ("b", 0), ("b", 1), ("", 0)]
+    teacher = m.teacher
+    assert teacher is not None
+    assert not teacher._forward_hooks and not teacher._forward_pre_hooks
+    assert not teacher._forward_hooks_with_kwargs and not teacher._forward_pre_hooks_with_kwargs
+    assert all_hooks_gone(m)
+    with torch.no_grad():
+        expected = m(x)
+    p = tmp_path / "g.h5"
+    fresh = _CopiesInForward().eval()  # its teacher is made during the record, not before
+    ag.record(fresh, x, path=p)
+    for model in (fresh, m):
+        rep = ag.compare(model, x, path=p)
+        assert rep.ok, rep
+        assert [(r.name, r.call) for r in rep.layers] == seen
+    with torch.no_grad():
+        assert torch.equal(m(x), expected)
+        m.b.weight.add_(1e-3)  # both calls of b, the copy's included, see the change
+    assert ag.compare(m, x, path=p).first_divergence.label == "b[0]"
+
+
+def test_a_deep_copy_made_during_a_capture_runs_plain_afterwards():
+    m = tiny_mlp()
+    copies = []
+    with hooked(m, lambda f, out: copies.append(copy.deepcopy(f.module)) if f.name == "head" else None), \
+            torch.no_grad():
+        m(torch.randn(1, 8))
+    head = copies[0]
+    assert head._forward_hooks  # copied with ours while they were installed
+    with torch.no_grad():
+        head(torch.randn(1, head.in_features))
+    assert not head._forward_hooks and not head._forward_pre_hooks and all_hooks_gone(m)
+
+
+def test_a_shallow_copy_called_from_another_thread_is_refused_by_name():
+    """A data-parallel replica (a shallow copy sharing the hook dicts) run on a worker thread gets
+    the usual error naming the layer, not a lookup failure."""
+    import threading
+
+    class Threaded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: list[torch.Tensor] = []
+            t = threading.Thread(target=lambda: out.append(copy.copy(self.a)(x)))
+            t.start()
+            t.join()
+            return out[0]
+
+    m = Threaded().eval()
+    with pytest.raises(ag.ActivationGuardError, match=r"another thread.*'a' \(1 call"), \
+            hooked(m, lambda f, out: None), torch.no_grad():
+        m(torch.randn(2, 4))
+    assert all_hooks_gone(m)
