@@ -67,7 +67,9 @@ def collector_off() -> Iterator[None]:
     Inside :func:`frozen_gc` the collector sees only the objects made since the freeze, so a
     full collection comes every few thousand allocations, and each rescans everything parsed so
     far: on a golden of 1,500 layer calls that was ~5 us per call of a compare's opening. The
-    collector is switched back on when the outermost block ends, if it was on before."""
+    collector is switched back on when the outermost block ends, if it was on before. Like the
+    freeze, the switch is process-wide: another thread that calls ``gc.disable()`` while a golden
+    is being opened finds the collector on again afterwards (the parse takes milliseconds)."""
     global _off
     with _lock:
         ours = _off > 0 or gc.isenabled()
