@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Two checkouts of activation_guard timed side by side, in one process, on the `deep` workload.
+"""Two checkouts of activation_guard timed side by side, in one process (`deep` or `llama`).
 
 A change worth 2-3 us per layer call (5-10% of the per-call cost) is invisible in separate runs
 on a shared VM: the same code measured 31-47 us per record call in back-to-back processes here.
@@ -9,7 +9,7 @@ one loop, so both see the same load, caches and allocator state. It reports the 
 call above the plain forward, from CPU time of this thread (steadier than wall time when other
 tenants take the CPU) and wall time, as the minimum and the 25th percentile of the repetitions.
 
-    python benchmarks/ab.py OLD_CHECKOUT NEW_CHECKOUT [--layers 1500] [--repeat 30]
+    python benchmarks/ab.py OLD_CHECKOUT NEW_CHECKOUT [--layers 1500] [--repeat 30] [--workload llama]
 
 e.g. ``git worktree add /tmp/old HEAD~1 && python benchmarks/ab.py /tmp/old .``.
 """
@@ -47,22 +47,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("new")
     ap.add_argument("--layers", type=int, default=1500, help="Linear(8, 8) layers of the deep model (default 1500)")
     ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--workload", choices=("deep", "llama"), default="deep",
+                    help="deep (per-call cost) or llama (a tiny transformers Llama: mixed sizes, 58 calls)")
     a = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
     sys.path.insert(0, HERE)
-    from run import deep
+    from run import deep, transformer
 
-    w = deep(False, a.layers)
-    calls = a.layers + 1
+    w = deep(False, a.layers) if a.workload == "deep" else transformer()
     with tempfile.TemporaryDirectory() as d:
         sys.path.insert(0, d)
         pkgs = {"old": _load(a.old, "ag_ab_old", d), "new": _load(a.new, "ag_ab_new", d)}
         ops: dict[str, Callable[[], Any]] = {"forward": w.forward}
         for k, m in pkgs.items():
             golden = os.path.join(d, f"{k}.h5")
-            m.record(w.model, w.args, path=golden)
+            calls = m.record(w.model, w.args, path=golden).layer_calls
             if not m.compare(w.model, w.args, path=golden).ok:
                 raise SystemExit(f"{k}: compare against its own fresh golden failed")
             ops[f"record {k}"] = lambda m=m, k=k: m.record(w.model, w.args, path=os.path.join(d, f"{k}2.h5"))
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 ops[k]()
                 cpu[k].append(time.thread_time() - c)
                 wall[k].append(time.perf_counter() - t)
-    print(f"deep: {a.layers} x Linear 8->8 on 4 rows, {calls} layer calls, {a.repeat} repetitions alternated")
+    print(f"{w.name}: {w.note}, {calls} layer calls, {a.repeat} repetitions alternated")
     print("us per layer call above the forward (CPU time: min / 25th percentile; wall: min / 25th percentile)")
     for op in ("record", "compare"):
         for k in pkgs:
