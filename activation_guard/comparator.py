@@ -333,6 +333,9 @@ class Comparator:
         a wrapper (every call missing) must not take minutes."""
         results = list(self.results)
         order: dict[int, tuple[float, int]] = {}
+        missing = [c for c in self.golden_selected if (c.name, c.call) not in self.seen]
+        if not missing:  # the common case: nothing to place
+            return results, order
         # for "the first live call that the golden ran after golden position p": live calls
         # sorted by golden position, with suffix minima of their live positions
         pairs = sorted((r.golden_position, r.position) for r in results
@@ -342,9 +345,7 @@ class Comparator:
         for i in range(len(pairs) - 1, -1, -1):
             suffix_min[i] = min(float(pairs[i][1]), suffix_min[i + 1])
         made = Counter(r.name for r in results)
-        for c in self.golden_selected:
-            if (c.name, c.call) in self.seen:
-                continue
+        for c in missing:
             later = suffix_min[bisect.bisect_right(gpos, c.position)]
             at = later - 0.5 if math.isfinite(later) else math.inf
             ran = self.golden_calls.get(c.name, 0)
