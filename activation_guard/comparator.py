@@ -75,14 +75,15 @@ class Comparator:
         self.live_to_golden: dict[str, str] = {}
         self.golden_calls: dict[str, int] = {}
         rules = spec.rename
+        live_names = []
         for c in reader.calls:
-            live = apply_rename(c.name, rules)
+            live = apply_rename(c.name, rules) if rules else c.name
+            live_names.append(live)
             prev = self.live_to_golden.get(live)
             if prev is not None and prev != c.name:
                 raise ValueError(f"rename maps golden layers {prev!r} and {c.name!r} both to {live!r}")
             self.live_to_golden[live] = c.name
             self.golden_calls[c.name] = max(self.golden_calls.get(c.name, 0), c.call + 1)
-        live_names = [apply_rename(c.name, rules) for c in reader.calls]
         wanted = Selector(spec.include, spec.exclude, live_names)
         self.golden_selected = [c for c, live in zip(reader.calls, live_names) if wanted(live)]
         self.golden_to_live = {g: live for live, g in self.live_to_golden.items()}
