@@ -228,27 +228,32 @@ def hooked(
     installed: dict[int, int] = {}  # the id of each pre-hook of ours -> id of the module it is on
     hooked_modules = {id(mod): mod for _, mod in layers}
 
-    def copied(mod: torch.nn.Module, hooks: Mapping[int, Any], fn: Any, offset: int) -> tuple[str, bool] | None:
+    # marks our two hooks, so that the functions never name each other: a reference cycle among
+    # them would keep the whole comparator or recorder alive after the capture until a full
+    # collection (the float64 shadow model of a calibrated compare included)
+    token = object()
+
+    def copied(mod: torch.nn.Module, hooks: Mapping[int, Any], offset: int) -> tuple[str, bool] | None:
         """The layer of a module called with our hooks that we did not put them on: a copy of a
         hooked module. A shallow copy (``copy.copy``, a data-parallel replica) shares the hook
         dicts of the module it was copied from and runs under its name. A deep copy (a lazily
         made EMA teacher) got copies of the dicts, ours with them: it is not a module of the
         model, and whether it carries our hooks depends on when it was made, so it drops them
-        here and is not a layer (the golden and the live run see the same layers)."""
+        here and is not a layer."""
         for k, v in list(hooks.items()):
-            if v is fn:
+            if getattr(v, "_ag_token", None) is token:
                 src = installed.get(k - offset, 0)
                 orig = hooked_modules.get(src)
                 if orig is not None and hooks is (orig._forward_pre_hooks if offset == 0 else orig._forward_hooks):
                     return info[src]
-                _drop(mod, pre, post)
+                _drop(mod, token)
                 return None
         return None
 
     def pre(mod: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if state.replaying:
             return
-        known = info.get(id(mod)) or copied(mod, mod._forward_pre_hooks, pre, 0)
+        known = info.get(id(mod)) or copied(mod, mod._forward_pre_hooks, 0)
         if known is None:
             return
         name, wanted = known
@@ -270,7 +275,7 @@ def hooked(
     def post(mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if state.replaying or (not staged and threading.get_ident() != owner):
             return
-        known = info.get(id(mod)) or copied(mod, mod._forward_hooks, post, 1)
+        known = info.get(id(mod)) or copied(mod, mod._forward_hooks, 1)
         if known is None:
             return
         frame = stack.pop()
@@ -295,6 +300,7 @@ def hooked(
             on_output(frame, output)
 
     pre._ag_capture = True  # type: ignore[attr-defined]  # not a user's pre-hook (replay.call_as_captured)
+    pre._ag_token = post._ag_token = token  # type: ignore[attr-defined]
 
     # objects alive now (the model, torch, a golden's parsed index) are not this forward's garbage
     with frozen_gc():
@@ -401,11 +407,11 @@ def _install(mods: Sequence[torch.nn.Module], pre: Callable[..., None], post: Ca
     return remove
 
 
-def _drop(mod: torch.nn.Module, pre: Any, post: Any) -> None:
-    """Remove ``pre``/``post`` from a module that got them by being copied from a hooked one.
-    (torch iterates over a snapshot of the hook dicts, so this is safe inside a hook.)"""
+def _drop(mod: torch.nn.Module, token: object) -> None:
+    """Remove the hooks marked with ``token`` from a module that got them by being copied from a
+    hooked one. (torch iterates over a snapshot of the hook dicts, so this is safe inside a hook.)"""
     for hooks in (mod._forward_pre_hooks, mod._forward_hooks):
-        for k in [k for k, v in hooks.items() if v is pre or v is post]:
+        for k in [k for k, v in hooks.items() if getattr(v, "_ag_token", None) is token]:
             hooks.pop(k, None)
             mod._forward_pre_hooks_with_kwargs.pop(k, None)
             mod._forward_hooks_with_kwargs.pop(k, None)

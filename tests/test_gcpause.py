@@ -117,3 +117,27 @@ def test_opening_a_golden_leaves_the_collector_on_even_when_the_index_is_bad(tmp
     with pytest.raises(ag.GoldenFormatError, match="malformed index"):
         ag.compare(m, x, path=p)
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("options", [{}, {"replay": "all"}, {"tolerance": "calibrated"}])
+def test_a_finished_record_or_compare_is_freed_without_the_collector(tmp_path: Path, options: dict) -> None:
+    """Nothing of a record or compare outlives it in a reference cycle: with the collector frozen
+    around the run, such a cycle (the capture's two hooks once named each other) kept the whole
+    comparator alive until a full collection, with a calibrated compare's float64 model copy."""
+    from activation_guard.comparator import Comparator
+    from activation_guard.recorder import Recorder
+    from activation_guard.store import GoldenReader, GoldenWriter
+
+    m, x = model(), torch.randn(3, 4)
+    p = tmp_path / "g.h5"
+    ours = (Comparator, Recorder, GoldenReader, GoldenWriter)
+    gc.collect()
+    gc.disable()
+    try:
+        ag.record(m, x, path=p, calibrate="tolerance" in options)
+        rep = ag.compare(m, x, path=p, **options)
+        assert rep.ok
+        left = [type(o).__name__ for o in gc.get_objects() if type(o) in ours]
+    finally:
+        gc.enable()
+    assert left == []
