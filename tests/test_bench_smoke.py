@@ -38,7 +38,8 @@ def test_quick_benchmark_prints_every_figure(quick_run):
         "== wide:", "== deep:", "== llama: skipped with --quick",
         "forward", "limit record", "limit compare", "peer record", "peer check",
         "x limit", "x activation_guard's record", "x activation_guard's compare",
-        "per layer call above the forward", "x raw bytes", "compression=gzip", "compression=lzf",
+        "per layer call above the forward", "in CPU time (steadier on a shared machine)", "x raw bytes",
+        "compression=gzip", "compression=lzf",
         "== scaling with layers", "== scaling with bytes", "== peak memory", "above the forward",
         "== fingerprints, wide:", "golden size", "fingerprint kernel alone", "fp / full",
         "== fingerprints, gpt2: skipped with --quick", "record with fingerprints <= 1.3x the plain forward",
@@ -71,6 +72,7 @@ def test_quick_benchmark_json_has_consistent_figures(quick_run):
     assert mem["total_bytes"] > mem["largest_leaf_bytes"] > 0
     names = [t["target"] for t in res["targets"]]
     assert any("fixed cost" in n for n in names)
+    assert sum("per layer call above the forward (issue 15)" in n for n in names) == 2
     assert any("peak above forward" in n for n in names)
     assert sum("linear in" in n for n in names) == 4
     fp = res["fingerprint"]["wide"]
