@@ -225,8 +225,7 @@ def hooked(
     # one pre and one post function for every module (the layer found by the module's id): a
     # closure pair per module cost ~1 us per module and check to build, on models of many layers
     info: dict[int, tuple[str, bool]] = {id(mod): (name, wanted_by(name)) for name, mod in layers}
-    installed: dict[int, int] = {}  # the id of each pre-hook of ours -> id of the module it is on
-    hooked_modules = {id(mod): mod for _, mod in layers}
+    installed: dict[int, torch.nn.Module] = {}  # the id of each pre-hook of ours -> the module it is on
 
     # marks our two hooks, so that the functions never name each other: a reference cycle among
     # them would keep the whole comparator or recorder alive after the capture until a full
@@ -242,10 +241,9 @@ def hooked(
         here and is not a layer."""
         for k, v in list(hooks.items()):
             if getattr(v, "_ag_token", None) is token:
-                src = installed.get(k - offset, 0)
-                orig = hooked_modules.get(src)
+                orig = installed.get(k - offset)
                 if orig is not None and hooks is (orig._forward_pre_hooks if offset == 0 else orig._forward_hooks):
-                    return info[src]
+                    return info[id(orig)]
                 _drop(mod, token)
                 return None
         return None
@@ -325,7 +323,6 @@ def hooked(
             for h in handles:
                 h()
             installed.clear()  # deep copies that kept our hooks drop them when next called (``copied``)
-            hooked_modules.clear()
             if staged:
                 _reset_dynamo()  # graphs compiled with our hooks must not outlive them
 
@@ -357,10 +354,10 @@ def _torch_owned(hook: Any) -> bool:
 
 
 def _install(mods: Sequence[torch.nn.Module], pre: Callable[..., None], post: Callable[..., None],
-             installed: dict[int, int]) -> Callable[[], None]:
+             installed: dict[int, torch.nn.Module]) -> Callable[[], None]:
     """Add a with-kwargs forward pre-hook and a prepended with-kwargs forward hook to each of
     ``mods``; return what removes them all (also run here if installing fails half-way).
-    ``installed`` gets the id of each pre-hook -> the id of its module (the post-hook's is one more).
+    ``installed`` gets the id of each pre-hook -> its module (the post-hook's id is one more).
 
     What ``register_forward_pre_hook``/``register_forward_hook`` do, without their two
     ``RemovableHandle`` objects (weak references to four dicts each): those cost ~5 us per module
@@ -395,7 +392,7 @@ def _install(mods: Sequence[torch.nn.Module], pre: Callable[..., None], post: Ca
             i = counter.next_id
             counter.next_id = i + 2
             done.append((pre_hooks, pre_kw, hooks, hooks_kw, i))
-            installed[i] = id(mod)
+            installed[i] = mod
             pre_hooks[i] = pre
             pre_kw[i] = True
             hooks[i + 1] = post

@@ -77,7 +77,7 @@ class Comparator:
         rules = spec.rename
         live_names = []
         for c in reader.calls:
-            live = apply_rename(c.name, rules) if rules else c.name
+            live = apply_rename(c.name, rules)
             live_names.append(live)
             prev = self.live_to_golden.get(live)
             if prev is not None and prev != c.name:

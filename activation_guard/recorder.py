@@ -126,14 +126,13 @@ class Recorder:
         if frame.kwargs or type(args) is not tuple or len(args) != 1 or self.transform is not None:
             return False
         t = args[0]
-        s = self._stored.get(id(t))
-        if (s is None or s.ref() is not t or s.version is None or s.version != _version(args[0])
-                or not is_plain_tensor(t)):
+        alias = self._alias(t)
+        if alias is None or not is_plain_tensor(t):
             return False
-        entry = self.writer.write_alias({"name": s.name, "call": s.call, "section": s.section, "of": s.path},
-                                        "args/0")
-        if s.frame is not None:  # the input of a call still running: its number is settled when it returns
-            self._refs.setdefault(s.frame, []).append(entry)
+        entry = self.writer.write_alias(alias, "args/0")
+        target = self._stored[id(t)].frame
+        if target is not None:  # the input of a call still running: its number is settled when it returns
+            self._refs.setdefault(target, []).append(entry)
         self._pending[id(frame)] = [entry]
         return True
 

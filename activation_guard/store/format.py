@@ -183,11 +183,8 @@ def _parse_call(p: str, c: Any, position: int) -> CallEntry:
         or not (inputs is None or isinstance(inputs, list))
     ):
         raise GoldenFormatError(p, f"index entry #{position} is malformed")
-    parsed = []
-    for leaf in leaves:  # the common leaf first, checked without building error texts
-        fast = _packed_tensor(leaf) if type(leaf) is dict and leaf.get("kind") == "tensor" else None
-        parsed.append(fast if fast is not None else _parse_leaf(p, leaf, name, call))
-    return CallEntry(name, call, tname, parsed, position, raw_inputs=inputs, source=p)
+    return CallEntry(name, call, tname, [_parse_leaf(p, leaf, name, call) for leaf in leaves], position,
+                     raw_inputs=inputs, source=p)
 
 
 def _parse_leaf(p: str, e: Any, lname: str, call: int, section: str = "outputs") -> LeafEntry:
