@@ -11,8 +11,9 @@ and a compiled region whose inner hooks still did not fire is an error, never an
 Model-level conditions that would make call numbers meaningless are refused with the layer and
 the fix: two modules under one qualified name, and a module called from several threads.
 
-A little over 400 lines: eager and compiled capture share the hook pair and the call stack, and
-the refusals must see the same module walk; splitting them would pass that state between modules.
+About 440 lines: eager and compiled capture share the hook pair and the call stack, and the
+refusals must see the same module walk; splitting them would pass that state between modules.
+How the hooks go into a module's hook dicts (and out of a copy's) is :mod:`.hook_install`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from .errors import ActivationGuardError, UnsupportedModelError
 from .gcpause import frozen_gc
+from .hook_install import drop, install
 from .selection import Selector
 
 ORIG_MOD = "_orig_mod"  # the eager module inside torch.compile's OptimizedModule wrapper
@@ -244,7 +246,7 @@ def hooked(
                 orig = installed.get(k - offset)
                 if orig is not None and hooks is (orig._forward_pre_hooks if offset == 0 else orig._forward_hooks):
                     return info[id(orig)]
-                _drop(mod, token)
+                drop(mod, token)
                 return None
         return None
 
@@ -306,7 +308,7 @@ def hooked(
             # post: prepend=True (issue 16, distributed), eager and staged alike: the output as the
             # module returned it, before other forward hooks rewrite it (tensor parallelism's own
             # hook turns a DTensor into a local shard; docs/distributed.md)
-            handles.append(_install([mod for _, mod in layers], pre, post, installed))
+            handles.append(install([mod for _, mod in layers], pre, post, installed))
             if staged:
                 _reset_dynamo()  # compile the hooks in (hooks added later are not guarded on)
             yield state
@@ -351,67 +353,6 @@ def _torch_owned(hook: Any) -> bool:
     """A hook torch installed itself (tensor parallelism's input/output conversions): not a user's."""
     fn = getattr(hook, "func", hook)  # functools.partial
     return str(getattr(fn, "__module__", "") or "").startswith("torch.")
-
-
-def _install(mods: Sequence[torch.nn.Module], pre: Callable[..., None], post: Callable[..., None],
-             installed: dict[int, torch.nn.Module]) -> Callable[[], None]:
-    """Add a with-kwargs forward pre-hook and a prepended with-kwargs forward hook to each of
-    ``mods``; return what removes them all (also run here if installing fails half-way).
-    ``installed`` gets the id of each pre-hook -> its module (the post-hook's id is one more).
-
-    What ``register_forward_pre_hook``/``register_forward_hook`` do, without their two
-    ``RemovableHandle`` objects (weak references to four dicts each): those cost ~5 us per module
-    and check, a sixth of the whole per-layer budget on models of many small layers. Hook ids come
-    from the same counter, so they never collide with a user's hooks; if a torch version lacks
-    these dicts, the public API is used.
-    """
-    done: list[tuple[Any, Any, Any, Any, int]] = []
-    handles: list[Any] = []
-    counter = torch.utils.hooks.RemovableHandle
-
-    def remove() -> None:
-        for pre_hooks, pre_kw, hooks, hooks_kw, i in done:
-            pre_hooks.pop(i, None)
-            pre_kw.pop(i, None)
-            hooks.pop(i + 1, None)
-            hooks_kw.pop(i + 1, None)
-        done.clear()
-        for h in handles:
-            h.remove()
-        handles.clear()
-
-    try:
-        for mod in mods:
-            try:
-                pre_hooks, pre_kw = mod._forward_pre_hooks, mod._forward_pre_hooks_with_kwargs
-                hooks, hooks_kw = mod._forward_hooks, mod._forward_hooks_with_kwargs
-            except AttributeError:
-                handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-                handles.append(mod.register_forward_hook(post, with_kwargs=True, prepend=True))
-                continue
-            i = counter.next_id
-            counter.next_id = i + 2
-            done.append((pre_hooks, pre_kw, hooks, hooks_kw, i))
-            installed[i] = mod
-            pre_hooks[i] = pre
-            pre_kw[i] = True
-            hooks[i + 1] = post
-            hooks_kw[i + 1] = True
-            hooks.move_to_end(i + 1, last=False)  # type: ignore[attr-defined]
-    except BaseException:
-        remove()
-        raise
-    return remove
-
-
-def _drop(mod: torch.nn.Module, token: object) -> None:
-    """Remove the hooks marked with ``token`` from a module that got them by being copied from a
-    hooked one. (torch iterates over a snapshot of the hook dicts, so this is safe inside a hook.)"""
-    for hooks in (mod._forward_pre_hooks, mod._forward_hooks):
-        for k in [k for k, v in hooks.items() if getattr(v, "_ag_token", None) is token]:
-            hooks.pop(k, None)
-            mod._forward_pre_hooks_with_kwargs.pop(k, None)
-            mod._forward_hooks_with_kwargs.pop(k, None)
 
 
 def _reset_dynamo() -> None:

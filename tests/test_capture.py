@@ -532,7 +532,7 @@ def test_hooked_context_manager_counts_and_removes():
 
 
 def test_hooks_go_in_before_a_users_own_and_leave_them_as_they_were(tmp_path):
-    """Capture inserts its hooks without handles (capture._install); a user's hooks keep their
+    """Capture inserts its hooks without handles (hook_install.install); a user's hooks keep their
     ids and order, ours run first on the output, and nothing of ours is left behind."""
     m = tiny_mlp(depth=1)
     seen: list[str] = []
