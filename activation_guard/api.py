@@ -165,6 +165,7 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
     rule = grad_api.RecordGradients.loss_for(spec, target)  # gradients (issue 14): None without backward
     if dcap is not None:
         distcap.refuse_sharded_backward(model, rule is not None)
+    fingerprinter = Fingerprinter.for_spec(spec)  # its worker thread starts with the first leaf it takes
     writer = GoldenWriter(path, compression=spec.compression)  # a bad path fails before the forward
     try:
         shadow = (calmod.ShadowRun(model, a, kw, inc, exc, envmod.model_device(model, a, kw), grad=spec.grad,
@@ -174,7 +175,6 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
         writer.abort()
         raise
     floors = calmod.FloorTable()
-    fingerprinter = Fingerprinter.for_spec(spec)
     rec = Recorder(writer, inputs=spec.inputs, shadow=shadow, floors=floors, fingerprinter=fingerprinter,
                    transform=None if dcap is None else dcap.convert)
     grads = None if rule is None else grad_api.RecordGradients(rule, writer, shadow, calmod.FloorTable())
@@ -202,6 +202,8 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
             grads.capture.close()
         if shadow is not None:
             shadow.close()
+        if fingerprinter is not None:
+            fingerprinter.close()
     return RecordSummary(
         path=writer.path, layer_calls=len(writer.calls), leaves=writer.nleaves, nbytes=writer.nbytes,
         file_bytes=os.path.getsize(writer.path), names=rec.names, output=out, fingerprints=writer.nfingerprints,

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fingerprint import FingerprintParams, compute_fingerprint, should_fingerprint
+from .fingerprint import FingerprintParams, should_fingerprint
+from .fingerprint_worker import FingerprintWorker, inline_or_queued, wanted
 from .leaves import Leaf
 from .selection import match_any
 from .spec import RecordSpec
@@ -25,9 +26,13 @@ from .store.fingerprints import META_KEY
 class Fingerprinter:
     """Turns a layer call's leaves into the leaves to store, per the spec's ``fingerprint``."""
 
-    def __init__(self, layers: bool | tuple[str, ...], params: FingerprintParams):
+    def __init__(self, layers: bool | tuple[str, ...], params: FingerprintParams, *, worker: bool | None = None):
+        """``worker``: compute CPU fingerprints on a worker thread beside the forward
+        (:mod:`.fingerprint_worker`); ``None``: as :func:`~.fingerprint_worker.wanted` says.
+        Call :meth:`close`."""
         self.layers = layers
         self.params = params
+        self.worker = FingerprintWorker() if (wanted() if worker is None else worker) else None
         self.fingerprinted = 0  # leaves stored as fingerprints
         self.raw_bytes = 0  # the bytes those leaves' values would have taken
         self.matched: set[str] = set()  # globs that named at least one layer
@@ -47,14 +52,15 @@ class Fingerprinter:
         self.matched.update(hit)
         return bool(hit)
 
-    def __call__(self, name: str, leaves: list[Leaf]) -> list[Leaf]:
+    def __call__(self, name: str, leaves: list[Leaf], where: str = "") -> list[Leaf]:
+        """``where``: the call and section, for errors (``"layer 'fc' call 0 output"``)."""
         if not self.wants(name):
             return leaves
         out = []
         for leaf in leaves:
             t = leaf.tensor
             if leaf.kind == "tensor" and t is not None and should_fingerprint(t, self.params):
-                fp = compute_fingerprint(t, self.params)
+                fp = inline_or_queued(self.worker, t, self.params, f"{where or repr(name)} path {leaf.path!r}")
                 self.fingerprinted += 1
                 self.raw_bytes += t.numel() * t.element_size()
                 out.append(Leaf(leaf.path, "fingerprint", type_name=leaf.type_name, legacy_path=leaf.legacy_path,
@@ -62,6 +68,11 @@ class Fingerprinter:
             else:
                 out.append(leaf)
         return out
+
+    def close(self) -> None:
+        """Stop the worker thread, if one was started (the recording is committed or aborted)."""
+        if self.worker is not None:
+            self.worker.close()
 
     def meta(self) -> dict[str, Any]:
         """What was asked, for the golden's meta (the store adds the parameters it used)."""

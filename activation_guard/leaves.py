@@ -53,6 +53,7 @@ from .leaf_paths import (
 
 if TYPE_CHECKING:
     from .fingerprint import Fingerprint
+    from .fingerprint_worker import PendingFingerprint
 
 MAX_DEPTH = 32
 MAX_BYTES_INLINE = 4096  # a longer bytes value is stored as its SHA-256
@@ -86,7 +87,7 @@ class Leaf:
     # ShardLayout), set by dist_capture.RankCapture in a multi-rank run; None everywhere else
     dist: object | None = None
     alias: dict[str, Any] | None = None  # kind "alias": where the identical stored value is
-    fingerprint: Fingerprint | None = None
+    fingerprint: Fingerprint | PendingFingerprint | None = None  # pending: being computed while recording
 
     @property
     def type_only(self) -> bool:

@@ -99,7 +99,7 @@ class Recorder:
                         running.append((i, target))
         where = f"the inputs of layer {frame.name or '<root>'!r} call {call}"
         try:
-            stored = leaves if self.fingerprinter is None else self.fingerprinter(frame.name, leaves)
+            stored = leaves if self.fingerprinter is None else self.fingerprinter(frame.name, leaves, where)
             entries = self.writer.write_leaves(stored, where)
         except ActivationGuardError:
             raise
@@ -191,7 +191,8 @@ class Recorder:
             leaves = flatten(output, fields=True)
             if self.transform is not None:  # issue 16 (distributed)
                 self.transform(name, leaves)
-            stored = leaves if self.fingerprinter is None else self.fingerprinter(name, leaves)  # on their device
+            stored = (leaves if self.fingerprinter is None  # on their device, or on the worker
+                      else self.fingerprinter(name, leaves, f"layer {name or '<root>'!r} call {call} output"))
             self._settle(frame)
             self.writer.add_call(name, call, type(frame.module).__name__, stored,
                                  inputs=self._pending.pop(id(frame), None) if self.inputs else None)

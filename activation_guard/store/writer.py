@@ -47,7 +47,7 @@ class LeafLike(Protocol):
     of a container seen before), ``alias`` (``alias`` names a stored value: layer, call, section,
     path), ``none`` or ``object`` (recorded by ``type_name`` only). ``leaves.Leaf`` has exactly
     these attributes. A ``fingerprint`` leaf also has a ``fingerprint`` attribute (a
-    :class:`Fingerprint`).
+    :class:`Fingerprint`, or a :class:`PendingLike` still being computed).
     """
 
     @property
@@ -62,6 +62,39 @@ class LeafLike(Protocol):
     def value(self) -> str | None: ...
     @property
     def alias(self) -> dict[str, Any] | None: ...
+
+
+class PendingLike(Protocol):
+    """A fingerprint still being computed (``fingerprint_worker.PendingFingerprint``): its size is
+    known now, its bytes when :meth:`result` returns."""
+
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def params(self) -> FingerprintParams: ...
+    def result(self) -> Fingerprint: ...
+
+
+class _Reserved:
+    """A pending fingerprint's place in a pack: filled, and its entry's checksum set, when the
+    pack is written. Packs are written in order, so the file is the one an inline recording makes."""
+
+    __slots__ = ("entry", "nbytes", "pending")
+
+    def __init__(self, pending: PendingLike, entry: dict[str, Any], nbytes: int):
+        self.pending, self.entry, self.nbytes = pending, entry, nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def fill(self) -> bytes:
+        raw = fpstore.encode(self.pending.result())
+        if len(raw) != self.nbytes:  # the layout is a function of dtype, shape and parameters
+            raise ValueError(f"a fingerprint blob has {len(raw)} bytes where {self.nbytes} were reserved")
+        self.entry["crc32"] = zlib.crc32(raw)
+        return raw
 
 
 class GoldenWriter:
@@ -94,7 +127,7 @@ class GoldenWriter:
             ) from e
         self.calls: list[dict[str, Any]] = []
         self.backward: list[dict[str, Any]] = []  # gradients (issue 14), in backward execution order
-        self._pack: list[bytes] = []
+        self._pack: list[bytes | _Reserved] = []
         self._pack_len = 0
         self._pack_id = 0
         self._data_id = 0
@@ -113,7 +146,7 @@ class GoldenWriter:
             return
         if self._packs_group is None:
             self._packs_group = self.f.create_group("packs")
-        buf = np.frombuffer(b"".join(self._pack), dtype=np.uint8)
+        buf = np.frombuffer(b"".join([p.fill() if isinstance(p, _Reserved) else p for p in self._pack]), dtype=np.uint8)
         self._packs_group.create_dataset(f"{self._pack_id:04d}", data=buf, track_times=False)
         self._pack_id += 1
         self._pack = []
@@ -157,7 +190,7 @@ class GoldenWriter:
         self.nbytes += nbytes
         return entry
 
-    def _pack_small(self, entry: dict[str, Any], raw: bytes) -> None:
+    def _pack_small(self, entry: dict[str, Any], raw: bytes | _Reserved) -> None:
         """Append a small leaf's bytes to the current pack; its location goes into ``entry``."""
         nbytes = len(raw)
         if self._pack_len + nbytes > PACK_BYTES:
@@ -167,18 +200,24 @@ class GoldenWriter:
         self._pack.append(raw)
         self._pack_len += nbytes
 
-    def _write_fingerprint(self, fp: Fingerprint) -> dict[str, Any]:
-        """A fingerprint leaf: its blob goes into the packs (see :mod:`.fingerprints`)."""
+    def _write_fingerprint(self, fp: Fingerprint | PendingLike) -> dict[str, Any]:
+        """A fingerprint leaf: its blob goes into the packs (see :mod:`.fingerprints`); a pending
+        one gets its place now and its bytes when the pack is written."""
         if self.fingerprint_params is None:
             self.fingerprint_params = fp.params
         elif fp.params != self.fingerprint_params:
             raise ValueError(f"one golden holds fingerprints of one set of parameters: {fp.params} differs from "
                              f"{self.fingerprint_params}")
-        raw = fpstore.encode(fp)
-        nbytes = len(raw)
-        entry: dict[str, Any] = {"kind": "fingerprint", "dtype": fp.dtype, "shape": list(fp.shape),
-                                 "nbytes": nbytes, "crc32": zlib.crc32(raw)}
-        self._pack_small(entry, raw)
+        head = {"kind": "fingerprint", "dtype": fp.dtype, "shape": list(fp.shape)}
+        if isinstance(fp, Fingerprint):
+            raw = fpstore.encode(fp)
+            nbytes = len(raw)
+            entry: dict[str, Any] = {**head, "nbytes": nbytes, "crc32": zlib.crc32(raw)}
+            self._pack_small(entry, raw)
+        else:
+            nbytes = fpstore.blob_nbytes(fp.dtype, fp.shape, fp.params)
+            entry = {**head, "nbytes": nbytes, "crc32": 0}  # the checksum comes with the bytes
+            self._pack_small(entry, _Reserved(fp, entry, nbytes))
         self.nbytes += nbytes
         self.nfingerprints += 1
         return entry
@@ -203,8 +242,8 @@ class GoldenWriter:
                 if leaf.type_name != "Tensor":
                     e["py"] = leaf.type_name
             elif leaf.kind == "fingerprint":
-                fp = getattr(leaf, "fingerprint", None)
-                if not isinstance(fp, Fingerprint):
+                fp: Fingerprint | PendingLike | None = getattr(leaf, "fingerprint", None)
+                if fp is None or not (isinstance(fp, Fingerprint) or callable(getattr(fp, "result", None))):
                     raise TypeError(f"{where} path {leaf.path!r}: a fingerprint leaf needs a Fingerprint, "
                                     f"got {type(fp).__name__}")
                 e = self._write_fingerprint(fp)

@@ -1,0 +1,296 @@
+"""Fingerprints computed on the worker thread while the forward goes on (fingerprint_worker).
+
+The worker must be invisible in the golden: every recording here is made twice, with the worker
+and inline, and the two files must be byte-identical, on models that modify outputs in place
+after the hook has seen them (the copy is the snapshot), odd layouts and dtypes, non-finite
+values, fingerprinted inputs and inference mode. Then the failure paths: a kernel that fails on
+the worker, a forward that raises, the memory bound, and that no thread outlives a recording.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from models import one_thread
+from torch import nn
+
+import activation_guard as ag
+from activation_guard import fingerprint_leaves, fingerprint_worker
+from activation_guard.errors import ActivationGuardError, OptionError
+from activation_guard.fingerprint import FingerprintParams, compute_fingerprint
+from activation_guard.fingerprint_worker import FingerprintWorker, PendingFingerprint
+from activation_guard.store import GoldenReader
+
+THREAD = "activation_guard-fingerprint"
+
+
+@pytest.fixture(autouse=True)
+def _single_thread() -> Any:
+    with one_thread():
+        yield
+
+
+def _workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == THREAD]
+
+
+class InPlaceAfter(nn.Module):
+    """Outputs changed in place after their hook ran: by an in-place ReLU, and by the parent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.fc = nn.Linear(64, 64)
+        self.act = nn.ReLU(inplace=True)
+        self.fc2 = nn.Linear(64, 64)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.fc(x))  # fc's output is overwritten by the ReLU
+        z = self.fc2(y)
+        z.mul_(3.0).add_(1.0)  # and fc2's by the parent
+        return z
+
+
+class Odd(nn.Module):
+    """Outputs in odd layouts and dtypes: transposed, expanded (stride 0), a slice, complex,
+    half precision, bfloat16, and values with NaN and Inf (the kernel's masked second pass)."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        nonfinite = x.clone()
+        nonfinite[0, :7] = float("nan")
+        nonfinite[1, :3] = float("inf")
+        nonfinite[2, :2] = float("-inf")
+        return {"t": x.t(), "expanded": x[0].expand(64, 64), "slice": x[:, ::2], "complex": torch.polar(x.abs(), x),
+                "half": x.half(), "bf16": x.bfloat16(), "nonfinite": nonfinite, "f64": x.double() * 0.5}
+
+
+class Outer(nn.Module):
+    """A fingerprinted input that is no alias (made in the parent), and a layer called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = InPlaceAfter()
+        self.odd = Odd()
+
+    def forward(self, x: torch.Tensor) -> Any:
+        a = self.inner(x * 0.5)
+        b = self.inner(a.tanh())
+        return self.odd(b), a
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+
+
+def _record_both(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model: nn.Module, args: tuple[Any, ...],
+                 context: Callable[[], Any] = torch.no_grad, submitted: list[int] | None = None,
+                 **kw: Any) -> tuple[bytes, bytes, int]:
+    """The golden recorded with the worker and inline, and how many leaves went to the worker
+    (their sizes in bytes appended to ``submitted``)."""
+    submitted = [] if submitted is None else submitted
+    real = FingerprintWorker.submit
+
+    def spy(self: FingerprintWorker, t: torch.Tensor, *a: Any) -> PendingFingerprint:
+        submitted.append(t.numel() * t.element_size())
+        return real(self, t, *a)
+
+    monkeypatch.setattr(FingerprintWorker, "submit", spy)
+    out = []
+    for worker in (True, False):
+        monkeypatch.setenv(fingerprint_worker.ENV, "on" if worker else "off")
+        path = tmp_path / f"{worker}.h5"
+        with context():
+            ag.record(model, args, path=path, fingerprint=True, **kw)
+        out.append(path.read_bytes())
+    assert ag.compare(model, args, path=tmp_path / "True.h5").ok
+    return out[0], out[1], len(submitted)
+
+
+def test_worker_and_inline_write_the_same_golden(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    worker, inline, n = _record_both(monkeypatch, tmp_path, Outer(), (_x(),))
+    assert n >= 15  # the worker took the fingerprinted outputs and inputs
+    assert worker == inline
+    assert not _workers()
+
+
+def test_copy_is_the_snapshot(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Outputs overwritten after their hook: the golden holds the values the hook saw. A worker
+    reading the live tensor instead of its copy would fingerprint the overwritten values."""
+    model, x = InPlaceAfter(), _x()
+    worker, inline, n = _record_both(monkeypatch, tmp_path, model, (x,))
+    assert n >= 3 and worker == inline
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda m, i, o, k=k: seen.__setitem__(k, o.clone()))
+             for k, m in model.named_children()]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    with GoldenReader(tmp_path / "True.h5") as r:
+        for name in ("fc", "fc2"):
+            stored = r.by_key[(name, 0)].leaves[0]
+            assert stored.kind == "fingerprint"
+            assert r.fingerprint(stored).identical(compute_fingerprint(seen[name]))
+            assert not r.fingerprint(stored).identical(compute_fingerprint(model(x)))
+
+
+def test_inference_mode_and_grad_mode(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for ctx in (torch.inference_mode, torch.enable_grad):
+        worker, inline, n = _record_both(monkeypatch, tmp_path, Outer(), (_x(),), context=ctx)
+        assert n and worker == inline, ctx
+
+
+def test_memory_bound_sends_leaves_inline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Copies waiting may not pass MAX_PENDING: a leaf that would is fingerprinted in the hook."""
+    bound = 64 * 64 * 4 - 1  # below one float32 output
+    monkeypatch.setattr(fingerprint_worker, "MAX_PENDING", bound)
+    sizes: list[int] = []
+    worker, inline, n = _record_both(monkeypatch, tmp_path, Outer(), (_x(),), submitted=sizes)
+    assert worker == inline
+    assert n and max(sizes) <= bound  # the half-size outputs went; no float32 64 x 64 did
+    monkeypatch.setattr(fingerprint_worker, "MAX_PENDING", 3 * 64 * 64 * 4)  # a few at a time
+    worker, inline, n = _record_both(monkeypatch, tmp_path, Outer(), (_x(),))
+    assert worker == inline and n > 0
+
+
+def test_kernel_failure_on_the_worker_names_the_leaf(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = tmp_path / "g.h5"
+    ag.record(Outer(), (_x(),), path=path)
+    before = path.read_bytes()
+    real = fingerprint_worker.compute_fingerprint
+
+    def broken(t: torch.Tensor, params: FingerprintParams) -> Any:
+        if t.dtype == torch.bfloat16:
+            raise RuntimeError("simulated kernel failure")
+        return real(t, params)
+
+    monkeypatch.setattr(fingerprint_worker, "compute_fingerprint", broken)
+    monkeypatch.setenv(fingerprint_worker.ENV, "on")
+    with pytest.raises(ActivationGuardError) as err, torch.no_grad():
+        ag.record(Outer(), (_x(),), path=path, fingerprint=True)
+    msg = str(err.value)
+    assert "layer 'odd' call 0 output path" in msg and "bf16" in msg and "simulated kernel failure" in msg
+    assert path.read_bytes() == before  # the stored golden is untouched
+    assert not _workers()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.h5"]  # no temp file left
+
+
+class Raises(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = InPlaceAfter()
+        self.b = InPlaceAfter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.b(self.a(x))
+        raise ValueError("the model failed after two layers")
+
+
+def test_forward_that_raises_stops_the_worker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(fingerprint_worker.ENV, "on")
+    with pytest.raises(ValueError, match="failed after two layers"), torch.no_grad():
+        ag.record(Raises(), (_x(),), path=tmp_path / "g.h5", fingerprint=True)
+    assert not _workers()
+    assert not list(tmp_path.iterdir())
+
+
+def test_free_core_and_the_switch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(fingerprint_worker.ENV, raising=False)
+    monkeypatch.setattr(fingerprint_worker, "usable_cores", lambda: 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert not fingerprint_worker.free_core()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert fingerprint_worker.free_core()
+    assert fingerprint_leaves.Fingerprinter(True, FingerprintParams()).worker is not None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert fingerprint_leaves.Fingerprinter(True, FingerprintParams()).worker is None
+    for value, want in (("on", True), (" ON ", True), ("1", True), ("off", False), ("0", False), ("auto", False)):
+        monkeypatch.setenv(fingerprint_worker.ENV, value)
+        assert fingerprint_worker.wanted() is want, value
+    monkeypatch.setenv(fingerprint_worker.ENV, "sometimes")
+    with pytest.raises(OptionError, match=r"ACTIVATION_GUARD_FINGERPRINT_WORKER='sometimes'.*expected auto, on or off"):
+        ag.record(InPlaceAfter(), (_x(),), path=tmp_path / "never.h5", fingerprint=True)
+    assert not list(tmp_path.iterdir())  # not even a temporary file
+
+
+def test_only_plain_cpu_tensors_go_to_the_worker() -> None:
+    class Sub(torch.Tensor):
+        pass
+
+    w = FingerprintWorker()
+    t = torch.randn(64, 64)
+    assert w.takes(t)
+    assert not w.takes(t.as_subclass(Sub))  # a subclass's code stays on the caller's thread
+    assert not w.takes(torch.randn(64, 64, device="meta"))
+    w.close()
+
+
+def test_a_waiting_thread_takes_over_queued_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker is stuck on its first job: waiting for the last one, the caller computes the
+    jobs still queued itself, newest first, instead of waiting idle."""
+    started, release = threading.Event(), threading.Event()
+    real = fingerprint_worker.compute_fingerprint
+    by: dict[int, str] = {}
+
+    def spy(t: torch.Tensor, params: FingerprintParams) -> Any:
+        by[t.numel()] = threading.current_thread().name
+        if t.numel() == 1000:
+            started.set()
+            assert release.wait(60)
+        return real(t, params)
+
+    monkeypatch.setattr(fingerprint_worker, "compute_fingerprint", spy)
+    w, p = FingerprintWorker(), FingerprintParams()
+    try:
+        first = w.submit(torch.randn(1000), p, "first")
+        assert started.wait(60)
+        rest = [w.submit(torch.randn(1000 + k), p, f"job {k}") for k in range(1, 4)]
+        assert rest[-1].result().shape == (1003,)
+        assert by[1003] == threading.current_thread().name  # taken over, not waited for
+        assert w.inline >= 1
+        release.set()
+        assert first.result().shape == (1000,)
+        assert [r.result().shape for r in rest] == [(1001,), (1002,), (1003,)]
+        assert by[1000] == THREAD
+    finally:
+        release.set()
+        w.close()
+    assert not _workers()
+
+
+_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+
+
+@settings(max_examples=25, deadline=None)
+@given(dtype=st.sampled_from(_DTYPES), rows=st.integers(1, 40), cols=st.integers(1, 300),
+       transpose=st.booleans(), nonfinite=st.sampled_from([None, "nan", "inf", "-inf"]), seed=st.integers(0, 2**16))
+def test_worker_result_equals_inline_and_ignores_later_writes(dtype: torch.dtype, rows: int, cols: int,
+                                                              transpose: bool, nonfinite: str | None,
+                                                              seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(rows, cols, generator=g, dtype=torch.float64).to(dtype)
+    if nonfinite is not None:
+        t.view(-1)[seed % t.numel()] = float(nonfinite)
+    if transpose:
+        t = t.t()
+    want = compute_fingerprint(t)
+    w = FingerprintWorker()
+    try:
+        with w._cv:  # the worker cannot start the job before the write below
+            pending = w.submit(t, FingerprintParams(), "leaf")
+            t.add_(1.0)  # after the hook: must not reach the fingerprint
+        got = pending.result()
+    finally:
+        w.close()
+    assert got.identical(want)
+    assert (pending.dtype, pending.shape) == (want.dtype, want.shape)
