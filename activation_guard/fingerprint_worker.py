@@ -78,8 +78,11 @@ class _Job:
         assert copy is not None
         try:
             self.future.set_result(compute_fingerprint(copy, self.params))
-        except BaseException as e:  # delivered where the writer fills the fingerprint's place
+        except Exception as e:  # delivered where the writer fills the fingerprint's place
             self.future.set_exception(e)
+        except BaseException as e:  # Ctrl-C while the caller helps: stop now, fail the result too
+            self.future.set_exception(e)
+            raise
 
 
 @dataclass(frozen=True)
