@@ -5,7 +5,10 @@ For each workload: the plain forward, ``record`` and ``compare`` with full golde
 ``fingerprint=True``, interleaved and repeated (medians), plus the fingerprint kernel alone (every
 fingerprinted output of one forward, fingerprinted outside any hook) so the kernel's share of the
 record time is visible. Printed: golden sizes and their ratio, each time as a multiple of the
-plain forward, and fingerprint vs full for record and compare.
+plain forward, and fingerprint vs full for record and compare. A recording with fingerprints is
+timed both ways (``ACTIVATION_GUARD_FINGERPRINT_WORKER``): the kernel inline in the hooks, and on
+the worker thread beside the forward, with the process CPU time of each (the worker's second core
+shows there); the target line uses what ``auto`` picks under the chosen thread count.
 
 Workloads: ``wide`` (benchmarks/run.py's: 48 x (Linear 512->512 + ReLU) on 1024 rows) and a
 GPT-2-small-shaped model (``transformers.GPT2Config()`` defaults: 12 layers, hidden 768, random
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 
 import activation_guard as ag
+from activation_guard import fingerprint_worker
 from activation_guard.fingerprint import FingerprintParams, compute_fingerprint, should_fingerprint
 from activation_guard.leaves import flatten
 
@@ -69,9 +73,26 @@ def _outputs(model: torch.nn.Module, args: tuple[Any, ...]) -> list[torch.Tensor
     return got
 
 
+def _worker(mode: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` with the fingerprint worker switched ``on`` or ``off``."""
+    def run() -> Any:
+        before = os.environ.get(fingerprint_worker.ENV)
+        os.environ[fingerprint_worker.ENV] = mode
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ[fingerprint_worker.ENV]
+            else:
+                os.environ[fingerprint_worker.ENV] = before
+    return run
+
+
 def _interleaved(ops: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
-    """Median wall seconds per op; each repetition rotates the order (records before compares)."""
+    """Median wall seconds per op, and its median process CPU seconds under ``"<op> cpu"``; each
+    repetition rotates the order (records before compares)."""
     times: dict[str, list[float]] = {k: [] for k in ops}
+    cpu: dict[str, list[float]] = {k: [] for k in ops}
     names = list(ops)
     records = [n for n in names if not n.startswith("compare")]
     compares = [n for n in names if n.startswith("compare")]
@@ -79,10 +100,12 @@ def _interleaved(ops: dict[str, Callable[[], Any]], repeat: int) -> dict[str, fl
         for phase in (records, compares):
             k = r % len(phase)
             for name in phase[k:] + phase[:k]:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 ops[name]()
                 times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+                cpu[name].append(time.process_time() - c0)
+    return {**{k: statistics.median(v) for k, v in times.items()},
+            **{f"{k} cpu": statistics.median(v) for k, v in cpu.items()}}
 
 
 def measure(name: str, model: torch.nn.Module, args: tuple[Any, ...], d: str, repeat: int) -> dict[str, Any]:
@@ -108,12 +131,16 @@ def measure(name: str, model: torch.nn.Module, args: tuple[Any, ...], d: str, re
         "forward": forward,
         "kernel": kernel,
         "record full": lambda: ag.record(model, args, path=full),
-        "record fp": lambda: ag.record(model, args, path=fp, fingerprint=True),
+        "record fp inline": _worker("off", lambda: ag.record(model, args, path=fp, fingerprint=True)),
+        "record fp worker": _worker("on", lambda: ag.record(model, args, path=fp, fingerprint=True)),
         "compare full": lambda: ag.compare(model, args, path=full),
         "compare fp": lambda: ag.compare(model, args, path=fp),
     }, repeat)
-    return {**med, "full_bytes": s_full.file_bytes, "fp_bytes": s_fp.file_bytes, "layer_calls": s_fp.layer_calls,
-            "outputs": s_fp.leaves, "fingerprints": s_fp.fingerprints, "raw_bytes": s_full.nbytes,
+    auto = "worker" if fingerprint_worker.wanted() else "inline"
+    med["record fp"] = med[f"record fp {auto}"]
+    return {**med, "auto": auto, "full_bytes": s_full.file_bytes, "fp_bytes": s_fp.file_bytes,
+            "layer_calls": s_fp.layer_calls, "outputs": s_fp.leaves, "fingerprints": s_fp.fingerprints,
+            "raw_bytes": s_full.nbytes,
             "elements": sum(t.numel() for t in leaves)}
 
 
@@ -131,6 +158,11 @@ def report(out: Callable[[str], None], name: str, note: str, r: dict[str, Any],
         a, b = r[f"{op} full"], r[f"{op} fp"]
         out(f"   {op:<16} {a * 1e3:7.1f} ms {b * 1e3:10.1f} ms {b / a:9.2f}x   "
             f"(x forward: full {a / fwd:.2f}x, fingerprints {b / fwd:.2f}x)")
+    inl, wrk, ci, cw = (r[k] * 1e3 for k in ("record fp inline", "record fp worker", "record fp inline cpu",
+                                              "record fp worker cpu"))
+    f = fwd * 1e3
+    out(f"   fp record inline {inl:7.1f} ms = {inl / f:.2f}x forward (CPU {ci:.0f} ms);  on the worker "
+        f"{wrk:.1f} ms = {wrk / f:.2f}x (CPU {cw:.0f} ms);  auto: {r['auto']}")
     out(f"   forward          {fwd * 1e3:7.1f} ms;  fingerprint kernel alone {r['kernel'] * 1e3:.1f} ms "
         f"= {r['kernel'] / fwd:.2f}x forward ({r['kernel'] / max(r['elements'], 1) * 1e9:.1f} ns per element)")
     targets.append((f"{name}: fingerprint golden <= {SIZE_TARGET:.0%} of full", f"{size:.2%}", size <= SIZE_TARGET))

@@ -32,7 +32,10 @@ THREAD = "activation_guard-fingerprint"
 
 
 @pytest.fixture(autouse=True)
-def _single_thread() -> Any:
+def _single_thread(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """One torch thread, and small models' leaves sent to the worker too (by default only leaves
+    of MIN_ELEMENTS or more go: test_small_leaves_stay_inline)."""
+    monkeypatch.setattr(fingerprint_worker, "MIN_ELEMENTS", 1)
     with one_thread():
         yield
 
@@ -221,6 +224,14 @@ def test_free_core_and_the_switch(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     with pytest.raises(OptionError, match=r"ACTIVATION_GUARD_FINGERPRINT_WORKER='sometimes'.*expected auto, on or off"):
         ag.record(InPlaceAfter(), (_x(),), path=tmp_path / "never.h5", fingerprint=True)
     assert not list(tmp_path.iterdir())  # not even a temporary file
+
+
+def test_small_leaves_stay_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fingerprint_worker, "MIN_ELEMENTS", 1 << 16)
+    w = FingerprintWorker()
+    assert not w.takes(torch.randn(255, 256))
+    assert w.takes(torch.randn(256, 256))
+    w.close()
 
 
 def test_only_plain_cpu_tensors_go_to_the_worker() -> None:
