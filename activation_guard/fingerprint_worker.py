@@ -24,11 +24,13 @@ device and the hook waits only for its few-KiB result. Without a free core the w
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import os
 import threading
 from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import CancelledError
+from queue import Empty, SimpleQueue
 
 import torch
 
@@ -38,6 +40,8 @@ from .fingerprint import Fingerprint, FingerprintParams, compute_fingerprint
 from .leaves import is_plain_tensor
 
 MAX_PENDING = 256 << 20  # bytes of copies waiting for the worker: past that the hook computes inline
+THREAD_NAME = "activation_guard-fingerprint"
+IDLE_EXIT = 1.0  # seconds without a job after which the thread ends (a later job starts another)
 MIN_ELEMENTS = 1 << 16  # smaller leaves stay inline: their kernel is mostly Python, which holds the GIL
 ENV = "ACTIVATION_GUARD_FINGERPRINT_WORKER"
 _SWITCH = {"": None, "auto": None, "on": True, "1": True, "true": True, "yes": True,
@@ -67,46 +71,68 @@ def wanted() -> bool:
 
 
 class _Job:
-    __slots__ = ("buf", "copy", "future", "nbytes", "params")
+    """One leaf's kernel. Whoever pops it from the queue runs it (the deque's pop is atomic, so
+    exactly one thread does); completion is a plain lock released once, which any thread may
+    release and a Ctrl-C cannot leave half-held, unlike the Python-level condition variables of
+    ``concurrent.futures.Future`` and ``threading.Event``."""
+
+    __slots__ = ("_done", "buf", "copy", "error", "finished", "nbytes", "params", "value")
 
     def __init__(self, copy: torch.Tensor, buf: torch.Tensor, params: FingerprintParams, nbytes: int):
         self.copy: torch.Tensor | None = copy  # a view of buf
-        self.buf: torch.Tensor | None = buf  # given back to the worker's pool when the job is done
+        self.buf: torch.Tensor | None = buf  # back to the pool when the job is done (by the hook's thread)
         self.params, self.nbytes = params, nbytes
-        self.future: Future[Fingerprint] = Future()
+        self.value: Fingerprint | None = None
+        self.error: BaseException | None = None
+        self.finished = False
+        self._done = _thread.allocate_lock()
+        self._done.acquire()  # released when finished
 
     def run(self) -> None:
-        """Compute, once: whichever thread claimed the job (``set_running_or_notify_cancel``)."""
         copy, self.copy = self.copy, None
         assert copy is not None
         try:
-            self.future.set_result(compute_fingerprint(copy, self.params))
+            self.value = compute_fingerprint(copy, self.params)
         except Exception as e:  # delivered where the writer fills the fingerprint's place
-            self.future.set_exception(e)
-        except BaseException as e:  # Ctrl-C while the caller helps: stop now, fail the result too
-            self.future.set_exception(e)
+            self.error = e
+        except BaseException as e:  # Ctrl-C while the caller helps: fail the result too, and stop
+            self.error = e
+            self.finish()
             raise
+        self.finish()
+
+    def finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._done.release()
+
+    def wait(self) -> None:
+        if not self.finished:
+            self._done.acquire()  # a Ctrl-C here leaves nothing held that anyone waits for
+            self._done.release()
 
 
-@dataclass(frozen=True)
 class PendingFingerprint:
     """A fingerprint being computed on the worker; what the writer needs to reserve its place."""
 
-    dtype: str
-    shape: tuple[int, ...]
-    params: FingerprintParams
-    future: Future[Fingerprint]
-    where: str
-    worker: FingerprintWorker
+    __slots__ = ("_job", "_worker", "dtype", "params", "shape", "where")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], params: FingerprintParams, job: _Job, where: str,
+                 worker: FingerprintWorker):
+        self.dtype, self.shape, self.params, self.where = dtype, shape, params, where
+        self._job, self._worker = job, worker
 
     def result(self) -> Fingerprint:
         """The fingerprint (the calling thread takes over jobs the worker has not started rather
-        than wait idle); a failed kernel raises naming the leaf."""
-        self.worker.help_until(self.future)
-        try:
-            return self.future.result()
-        except Exception as e:
-            raise ActivationGuardError(f"fingerprinting {self.where} failed: {e}") from e
+        than wait idle). An error of the kernel raises naming the leaf; anything raised while
+        waiting (Ctrl-C) propagates as it is."""
+        job = self._job
+        self._worker.help_until(job)
+        job.wait()
+        if job.error is not None:
+            raise ActivationGuardError(f"fingerprinting {self.where} failed: {job.error}") from job.error
+        assert job.value is not None
+        return job.value
 
 
 class FingerprintWorker:
@@ -116,20 +142,28 @@ class FingerprintWorker:
     behind), the hook computes the leaf inline, without a copy; and a thread waiting for a result
     (the writer, at the end) takes over queued jobs from the back. So a kernel slower than the
     forward costs about half its time on two cores, not all of it after the forward.
+
+    The hook's thread takes no Python-level lock here: jobs sit in a deque (atomic appends and
+    pops; whoever pops a job runs it), the worker is woken through a ``SimpleQueue`` (reentrant),
+    and completion is a plain lock per job. A Ctrl-C landing anywhere in the hook can leave
+    nothing held that :meth:`close` would then wait for; and a thread whose :meth:`close` never
+    ran ends after ``IDLE_EXIT`` seconds without work (any job it has not claimed is taken over
+    by the thread waiting for it). The copy buffers are pooled and given back by the hook's
+    thread only.
     """
 
     def __init__(self, max_pending: int | None = None):
         self.max_pending = MAX_PENDING if max_pending is None else max_pending
         self._jobs: deque[_Job] = deque()  # not started
+        self._wake: SimpleQueue[bool] = SimpleQueue()  # one token per job, False to stop
         self._live: deque[_Job] = deque()  # submitted, in order; their copies count against max_pending
         self._live_bytes = 0
         # copy buffers by size, reused: a fresh multi-megabyte buffer costs its page faults on every
-        # leaf (a 1.5 MB copy kept alive: 540 us, into a reused buffer: 38 us)
+        # leaf (a 1.5 MB copy kept alive: 540 us, into a reused buffer: 38 us). Live copies and
+        # pooled buffers together stay within max_pending
         self._free: dict[int, list[torch.Tensor]] = {}
         self._free_bytes = 0
-        self._cv = threading.Condition()
         self._thread: threading.Thread | None = None  # started with the first job
-        self._stop = False
         self.submitted = 0
         self.inline = 0
 
@@ -142,92 +176,108 @@ class FingerprintWorker:
         if t.device.type != "cpu" or t.numel() < MIN_ELEMENTS or not is_plain_tensor(t):
             return False
         live = self._live
-        while live and live[0].future.done():  # the worker is done with their copies
-            self._live_bytes -= live.popleft().nbytes
+        while live and live[0].finished:  # the worker is done with their copies
+            self._release(live.popleft())
         return self._live_bytes + t.numel() * t.element_size() <= self.max_pending
 
     def submit(self, t: torch.Tensor, params: FingerprintParams, where: str) -> PendingFingerprint:
         """Queue a copy of ``t`` (call when :meth:`takes` said yes)."""
         nbytes = t.numel() * t.element_size()
-        with self._cv:
-            free = self._free.get(nbytes)
-            buf = free.pop() if free else None
-            if buf is not None:
-                self._free_bytes -= nbytes
-        if buf is None:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-        copy = buf.view(t.dtype).view(t.shape)
-        copy.copy_(t.detach())  # the snapshot, in logical order (the kernel reads values in that order)
+        copy, buf = self._copy(t, nbytes)
         job = _Job(copy, buf, params, nbytes)
-        with self._cv:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="activation_guard-fingerprint", daemon=True)
-                self._thread.start()
-            self._jobs.append(job)
-            self._cv.notify()
         self._live.append(job)
         self._live_bytes += nbytes
+        self._jobs.append(job)
+        if self._thread is None or not self._thread.is_alive():  # (it ends after IDLE_EXIT idle)
+            self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
+            self._thread.start()
+        self._wake.put(True)
         self.submitted += 1
         return PendingFingerprint(dtypes.info_for(t.dtype).name, tuple(int(s) for s in t.shape), params,
-                                  job.future, where, self)
+                                  job, where, self)
+
+    def _copy(self, t: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The snapshot of ``t`` in logical order (the kernel reads values in that order), in a
+        pooled buffer of its size when there is one."""
+        free = self._free.get(nbytes)
+        if free:
+            buf = free.pop()
+            self._free_bytes -= nbytes
+            if not free:
+                del self._free[nbytes]
+        else:
+            self._trim(nbytes)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=t.device)
+        copy = buf.view(t.dtype).view(t.shape)
+        copy.copy_(t.detach())
+        return copy, buf
+
+    def _trim(self, room: int) -> None:
+        """Drop pooled buffers until ``room`` more bytes fit the bound with the live copies."""
+        while self._free and self._live_bytes + self._free_bytes + room > self.max_pending:
+            size, bufs = next(iter(self._free.items()))
+            bufs.pop()
+            self._free_bytes -= size
+            if not bufs:
+                del self._free[size]
+
+    def _release(self, job: _Job) -> None:
+        """A finished job leaves the live copies; its buffer goes back to the pool if it fits."""
+        self._live_bytes -= job.nbytes
+        buf, job.buf = job.buf, None
+        if buf is not None and self._live_bytes + self._free_bytes + job.nbytes <= self.max_pending:
+            self._free.setdefault(job.nbytes, []).append(buf)
+            self._free_bytes += job.nbytes
 
     def _claim(self, back: bool) -> _Job | None:
-        with self._cv:
-            while self._jobs:
-                job = self._jobs.pop() if back else self._jobs.popleft()
-                if job.future.set_running_or_notify_cancel():
-                    return job
+        try:
+            return self._jobs.pop() if back else self._jobs.popleft()
+        except IndexError:
             return None
 
     def _loop(self) -> None:
         while True:
-            with self._cv:
-                while not self._jobs and not self._stop:
-                    self._cv.wait()
-                if self._stop:
-                    return
-            job = self._claim(back=False)
+            try:
+                go = self._wake.get(timeout=IDLE_EXIT)
+            except Empty:  # idle: a recording a Ctrl-C stopped before close() leaves no thread behind
+                return
+            if not go:
+                return
+            job = self._claim(back=False)  # None: the caller took it over
             if job is not None:
                 job.run()
-                self._recycle(job)
 
-    def help_until(self, future: Future[Fingerprint]) -> None:
-        """Compute queued jobs on this thread, newest first, until ``future`` is done or none is left
+    def help_until(self, target: _Job) -> None:
+        """Compute queued jobs on this thread, newest first, until ``target`` is done or none is left
         (then the worker has it: wait for it)."""
-        while not future.done():
+        while not target.finished:
             job = self._claim(back=True)
             if job is None:
                 return
             self.inline += 1
             job.run()
-            self._recycle(job)
-
-    def _recycle(self, job: _Job) -> None:
-        buf, job.buf = job.buf, None
-        if buf is None:
-            return
-        with self._cv:
-            if not self._stop and self._free_bytes + buf.numel() <= self.max_pending:
-                self._free.setdefault(buf.numel(), []).append(buf)
-                self._free_bytes += buf.numel()
 
     def close(self) -> None:
         """Stop the thread: jobs not started are cancelled (a golden being aborted), a running
         kernel is waited for. A golden being committed has already taken every result."""
-        with self._cv:
-            self._stop = True
-            for job in self._jobs:
-                job.future.cancel()
-                job.copy = job.buf = None
-            self._jobs.clear()
-            self._free.clear()
-            self._free_bytes = 0
-            self._cv.notify_all()
         if self._thread is not None:
-            self._thread.join()
+            self._wake.put(False)  # first: the thread ends even if a Ctrl-C cuts the rest short
+        while self._jobs:
+            try:
+                job = self._jobs.popleft()
+            except IndexError:
+                break
+            job.error = CancelledError("the recording stopped before this fingerprint was computed")
+            job.copy = job.buf = None
+            job.finish()
+        if self._thread is not None:  # (a thread whose start a Ctrl-C interrupted reads False when it runs)
+            with contextlib.suppress(RuntimeError):  # "cannot join thread before it is started"
+                self._thread.join()
             self._thread = None
         self._live.clear()
         self._live_bytes = 0
+        self._free.clear()
+        self._free_bytes = 0
 
 
 def inline_or_queued(worker: FingerprintWorker | None, t: torch.Tensor, params: FingerprintParams,

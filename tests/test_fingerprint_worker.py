@@ -9,6 +9,8 @@ the worker, a forward that raises, the memory bound, and that no thread outlives
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +30,7 @@ from activation_guard.fingerprint import FingerprintParams, compute_fingerprint
 from activation_guard.fingerprint_worker import FingerprintWorker, PendingFingerprint
 from activation_guard.store import GoldenReader
 
-THREAD = "activation_guard-fingerprint"
+THREAD = fingerprint_worker.THREAD_NAME
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +43,9 @@ def _single_thread(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _workers() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == THREAD]
+    """Running worker threads (a Ctrl-C inside ``Thread.start`` can leave a never-started thread
+    object listed by ``threading.enumerate``: Python's doing, and it never runs)."""
+    return [t for t in threading.enumerate() if t.name == THREAD and t.is_alive()]
 
 
 class InPlaceAfter(nn.Module):
@@ -296,12 +300,148 @@ def test_worker_result_equals_inline_and_ignores_later_writes(dtype: torch.dtype
         t = t.t()
     want = compute_fingerprint(t)
     w = FingerprintWorker()
+    idle = threading.Thread(target=lambda: None)
+    idle.start()
+    idle.join()
+    w._thread = idle  # no worker: the job stays queued until result() takes it over, after the write
     try:
-        with w._cv:  # the worker cannot start the job before the write below
-            pending = w.submit(t, FingerprintParams(), "leaf")
-            t.add_(1.0)  # after the hook: must not reach the fingerprint
+        pending = w.submit(t, FingerprintParams(), "leaf")
+        t.add_(1.0)  # after the hook: must not reach the fingerprint
         got = pending.result()
     finally:
         w.close()
     assert got.identical(want)
     assert (pending.dtype, pending.shape) == (want.dtype, want.shape)
+
+
+def test_ctrl_c_anywhere_in_the_worker_code_raises_and_leaves_nothing(tmp_path: Path) -> None:
+    """A KeyboardInterrupt injected at each line the recording thread runs in fingerprint_worker,
+    and in the threading code it calls (where a SIGINT would be handled): the record raises it
+    within seconds, no thread is left, no temporary file, and a golden only when the Ctrl-C came
+    after its commit. A Ctrl-C inside a `with lock:` once left the worker's lock held, and the
+    record hung for good in close()."""
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256)).eval()
+    x = torch.randn(256, 256)
+    src = fingerprint_worker.__file__
+
+    def record_interrupted(nth: int, out: list[BaseException | None]) -> None:
+        seen = [0]
+
+        def tracer(frame: Any, event: str, arg: Any) -> Any:
+            caller = frame.f_back
+            if frame.f_code.co_filename != src and not (  # or the threading code it calls, except
+                    # Thread.start: an exception a tracer raises at the closing line of its
+                    # `with _active_limbo_lock:` leaves that module lock held (a signal cannot land
+                    # there: the lock's __exit__ is C code)
+                    frame.f_code.co_filename == threading.__file__ and frame.f_code.co_name != "start"
+                    and caller is not None and caller.f_code.co_filename == src):
+                return None
+            if event == "line":
+                seen[0] += 1
+                if seen[0] == nth:
+                    raise KeyboardInterrupt
+            return tracer
+
+        sys.settrace(tracer)
+        try:
+            ag.record(model, (x,), path=tmp_path / f"{nth}.h5", fingerprint=True)
+            out.append(None)
+        except BaseException as e:
+            out.append(e)
+        finally:
+            sys.settrace(None)
+
+    os.environ[fingerprint_worker.ENV] = "on"
+    try:
+        nth, interrupted = 1, 0
+        while True:
+            out: list[BaseException | None] = []
+            th = threading.Thread(target=record_interrupted, args=(nth, out))
+            th.start()
+            th.join(60)
+            assert not th.is_alive(), f"record hung after a Ctrl-C at line event {nth}"
+            if out[0] is None:  # past the last line: the record completed
+                break
+            assert isinstance(out[0], KeyboardInterrupt), (nth, out[0])
+            interrupted += 1
+            for w in _workers():  # stopped at once by close(); without it (a Ctrl-C there) when idle
+                w.join(60)
+            assert not _workers(), nth
+            assert not list(tmp_path.glob(".*")), nth  # no temporary file
+            golden = tmp_path / f"{nth}.h5"
+            if golden.exists():  # the Ctrl-C came after the commit: a complete golden
+                with torch.no_grad():
+                    assert ag.compare(model, (x,), path=golden).ok, nth
+                golden.unlink()
+            nth += 1
+    finally:
+        del os.environ[fingerprint_worker.ENV]
+    assert interrupted >= 200  # every line: the hooks, the writer waiting, close()
+
+
+def test_copies_stay_on_the_leaf_device_under_another_default(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    """The pooled copy buffer once followed torch's default device instead of the leaf's: under
+    ``with torch.device("meta")`` the copy failed (and a CUDA default would have moved CPU leaves)."""
+    model, x = InPlaceAfter(), _x()
+
+    def meta_default() -> Any:
+        ctx = torch.device("meta")
+        return ctx
+
+    worker, inline, n = _record_both(monkeypatch, tmp_path, model, (x,), context=meta_default)
+    assert n >= 3 and worker == inline
+
+
+class ManySizes(nn.Module):
+    """Outputs of 24 different sizes: copy buffers of sizes that never recur."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64 + 8 * k) for k in range(24))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [layer(x) for layer in self.layers]
+
+
+def test_live_copies_and_pooled_buffers_share_one_bound(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    bound = 6 * 64 * 256 * 4  # a few outputs' worth
+    monkeypatch.setattr(fingerprint_worker, "MAX_PENDING", bound)
+    held: list[int] = []
+    real = FingerprintWorker.submit
+
+    def spy(self: FingerprintWorker, *a: Any) -> PendingFingerprint:
+        out = real(self, *a)
+        held.append(self._live_bytes + self._free_bytes)
+        return out
+
+    monkeypatch.setattr(FingerprintWorker, "submit", spy)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(2))
+    worker, inline, n = _record_both(monkeypatch, tmp_path, ManySizes(), (x,))
+    assert worker == inline and n >= 24
+    assert max(held) <= bound
+
+
+def test_pool_reuses_and_trims_buffers() -> None:
+    """Run on the calling thread (no worker started): a finished job's buffer is reused for the
+    next copy of its size, and buffers of other sizes are dropped to keep within the bound."""
+    p = FingerprintParams()
+    w = FingerprintWorker(max_pending=3 * 4096 * 4)
+    idle = threading.Thread(target=lambda: None)
+    idle.start()
+    idle.join()
+    w._thread = idle
+    try:
+        a = w.submit(torch.randn(4096), p, "a")
+        a.result()  # taken over by this thread
+        assert w.takes(torch.randn(4096))  # releases a's buffer into the pool
+        assert w._free_bytes == 4096 * 4
+        b = w.submit(torch.randn(4096), p, "b")  # reuses it: the pool is empty again
+        assert w._free_bytes == 0 and not w._free
+        b.result()
+        assert w.takes(torch.randn(8192))
+        c = w.submit(torch.randn(8192), p, "c")  # b's pooled buffer must go to make room
+        assert w._live_bytes + w._free_bytes <= w.max_pending
+        assert c.result().shape == (8192,)
+    finally:
+        w.close()
