@@ -164,6 +164,7 @@ class FingerprintWorker:
         self._free: dict[int, list[torch.Tensor]] = {}
         self._free_bytes = 0
         self._thread: threading.Thread | None = None  # started with the first job
+        self._exiting = False  # the thread found no work for IDLE_EXIT and is ending
         self.submitted = 0
         self.inline = 0
 
@@ -188,7 +189,8 @@ class FingerprintWorker:
         self._live.append(job)
         self._live_bytes += nbytes
         self._jobs.append(job)
-        if self._thread is None or not self._thread.is_alive():  # (it ends after IDLE_EXIT idle)
+        if self._thread is None or self._exiting or not self._thread.is_alive():  # (it ends when idle)
+            self._exiting = False
             self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
             self._thread.start()
         self._wake.put(True)
@@ -240,7 +242,11 @@ class FingerprintWorker:
             try:
                 go = self._wake.get(timeout=IDLE_EXIT)
             except Empty:  # idle: a recording a Ctrl-C stopped before close() leaves no thread behind
-                return
+                self._exiting = True  # before the check: submit() appends, then reads the flag
+                if not self._jobs:
+                    return
+                self._exiting = False
+                continue
             if not go:
                 return
             job = self._claim(back=False)  # None: the caller took it over

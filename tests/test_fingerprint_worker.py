@@ -445,3 +445,26 @@ def test_pool_reuses_and_trims_buffers() -> None:
         assert c.result().shape == (8192,)
     finally:
         w.close()
+
+
+def test_a_job_queued_as_the_idle_thread_ends_gets_a_new_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread ends after IDLE_EXIT without work; a job submitted while it is ending (it timed
+    out, and is still alive) once waited until the writer computed it itself at the end."""
+    monkeypatch.setattr(fingerprint_worker, "IDLE_EXIT", 0.01)
+    w, p = FingerprintWorker(), FingerprintParams()
+    try:
+        first = w.submit(torch.randn(1000), p, "first")
+        first.result()
+        old = w._thread
+        assert old is not None
+        old.join(60)  # idle: it ends by itself
+        assert not old.is_alive()
+        w._exiting = True  # as the loop leaves it when it times out with no job queued
+        w._thread = threading.current_thread()  # "still alive"
+        second = w.submit(torch.randn(1001), p, "second")
+        assert w._thread is not threading.current_thread()  # a new thread was started for it
+        w._thread.join(60)  # it computes the job, then ends when idle
+        assert second._job.finished  # done by the new thread, not by result() below
+        assert second.result().shape == (1001,)
+    finally:
+        w.close()
