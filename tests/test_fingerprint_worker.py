@@ -376,7 +376,7 @@ def test_ctrl_c_anywhere_in_the_worker_code_raises_and_leaves_nothing(tmp_path: 
             nth += 1
     finally:
         del os.environ[fingerprint_worker.ENV]
-    assert interrupted >= 200  # every line: the hooks, the writer waiting, close()
+    assert interrupted >= 100  # every line (about 290 on this machine): the hooks, the writer waiting, close()
 
 
 def test_copies_stay_on_the_leaf_device_under_another_default(monkeypatch: pytest.MonkeyPatch,
