@@ -168,8 +168,7 @@ class FingerprintWorker:
         self._free_bytes = 0
         self._thread: threading.Thread | None = None  # started with the first job
         self._exiting = False  # the thread found no work for IDLE_EXIT and is ending
-        self.submitted = 0
-        self.inline = 0
+        self.inline = 0  # jobs a waiting thread took over
 
     def takes(self, t: torch.Tensor) -> bool:
         """Whether ``t`` goes to the worker: a plain CPU tensor (a subclass's or a transform's code
@@ -197,19 +196,14 @@ class FingerprintWorker:
             self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
             self._thread.start()
         self._wake.put(True)
-        self.submitted += 1
         return PendingFingerprint(dtypes.info_for(t.dtype).name, tuple(int(s) for s in t.shape), params,
                                   job, where, self)
 
     def _copy(self, t: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The snapshot of ``t`` in logical order (the kernel reads values in that order), in a
         pooled buffer of its size when there is one."""
-        free = self._free.get(nbytes)
-        if free:
-            buf = free.pop()
-            self._free_bytes -= nbytes
-            if not free:
-                del self._free[nbytes]
+        if nbytes in self._free:
+            buf = self._unpool(nbytes)
         else:
             self._trim(nbytes)
             buf = torch.empty(nbytes, dtype=torch.uint8, device=t.device)
@@ -220,11 +214,16 @@ class FingerprintWorker:
     def _trim(self, room: int) -> None:
         """Drop pooled buffers until ``room`` more bytes fit the bound with the live copies."""
         while self._free and self._live_bytes + self._free_bytes + room > self.max_pending:
-            size, bufs = next(iter(self._free.items()))
-            bufs.pop()
-            self._free_bytes -= size
-            if not bufs:
-                del self._free[size]
+            self._unpool(next(iter(self._free)))
+
+    def _unpool(self, size: int) -> torch.Tensor:
+        """Take a pooled buffer of ``size`` bytes out of the pool (a size with none left goes)."""
+        bufs = self._free[size]
+        buf = bufs.pop()
+        self._free_bytes -= size
+        if not bufs:
+            del self._free[size]
+        return buf
 
     def _release(self, job: _Job) -> None:
         """A finished job leaves the live copies; its buffer goes back to the pool if it fits."""
@@ -271,11 +270,7 @@ class FingerprintWorker:
         kernel is waited for. A golden being committed has already taken every result."""
         if self._thread is not None:
             self._wake.put(False)  # first: the thread ends even if a Ctrl-C cuts the rest short
-        while self._jobs:
-            try:
-                job = self._jobs.popleft()
-            except IndexError:
-                break
+        while (job := self._claim(back=False)) is not None:
             job.error = CancelledError("the recording stopped before this fingerprint was computed")
             job.copy = job.buf = None
             job.finish()

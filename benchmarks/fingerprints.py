@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -76,15 +77,8 @@ def _outputs(model: torch.nn.Module, args: tuple[Any, ...]) -> list[torch.Tensor
 def _worker(mode: str, fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` with the fingerprint worker switched ``on`` or ``off``."""
     def run() -> Any:
-        before = os.environ.get(fingerprint_worker.ENV)
-        os.environ[fingerprint_worker.ENV] = mode
-        try:
+        with mock.patch.dict(os.environ, {fingerprint_worker.ENV: mode}):
             return fn()
-        finally:
-            if before is None:
-                del os.environ[fingerprint_worker.ENV]
-            else:
-                os.environ[fingerprint_worker.ENV] = before
     return run
 
 
