@@ -96,3 +96,21 @@ def test_ab_script_times_two_checkouts_in_one_process(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab.py"), str(tmp_path), str(ROOT)],
                          capture_output=True, text=True, timeout=300, check=False)
     assert bad.returncode != 0 and "is not a checkout of activation_guard" in bad.stderr
+
+
+def test_instruction_count_script_child_and_refusals(tmp_path: Path) -> None:
+    """benchmarks/instructions.py: what it runs under valgrind (each op on a small `deep`,
+    importing the checkout it names) works without valgrind; bad arguments are refused by name
+    before any valgrind run. (The counting itself takes minutes under valgrind: not run here.)"""
+    script = str(ROOT / "benchmarks" / "instructions.py")
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    for op in ("forward", "record", "compare", "open"):
+        cp = subprocess.run([sys.executable, script, "--child", str(ROOT), op, "1", "5"], capture_output=True,
+                            text=True, timeout=300, cwd=tmp_path, env=env, check=False)
+        assert cp.returncode == 0, (op, cp.stderr)
+    for args, needle in (([str(tmp_path)], "is not a checkout of activation_guard"),
+                         ([str(ROOT), "--ops", "compare,bogus"], "unknown op(s) ['bogus']"),
+                         ([str(ROOT)] * 3, "give one checkout, or two")):
+        bad = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300,
+                             check=False)
+        assert bad.returncode != 0 and needle in bad.stderr, (args, bad.stderr)
