@@ -153,7 +153,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .inspection import format_inspect, inspect_golden
+    from .inspect_text import format_inspect
+    from .inspection import inspect_golden
 
     layer = args.layer or None
     gi = inspect_golden(args.golden, layer)
@@ -218,7 +219,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_textconv(args: argparse.Namespace) -> int:
-    from .inspection import textconv_lines
+    from .inspect_text import textconv_lines
 
     for line in textconv_lines(args.golden):
         sys.stdout.write(line + "\n")

@@ -39,6 +39,11 @@ back after, and post-accumulate-grad hooks (optimizer steps in backward) are hel
 The RNG state is restored after it (a checkpoint's recomputation may draw), grad mode and the
 training flag are never changed, every hook is removed, and the graph is freed (no
 ``retain_graph``).
+
+About 410 lines, most of them :class:`GradCapture`: its forward hooks, the graph walk and the
+backward share one set of per-call records (the nodes each call created, the edges into its
+inputs, the gradients arriving), and each half is only correct given the other's order of
+events. The loss rule and the comparison live in :mod:`.grad_loss` and :mod:`.grad_compare`.
 """
 
 from __future__ import annotations

@@ -475,7 +475,7 @@ def test_a_changed_string_value_reports_no_numbers(tmp_path: Path) -> None:
 
 
 def test_inspect_and_textconv_show_the_stored_type_of_a_str_leaf(tmp_path: Path) -> None:
-    from activation_guard.inspection import textconv_lines
+    from activation_guard.inspect_text import textconv_lines
     p = tmp_path / "t.h5"
     ag.record(Returns(lambda x, k: (x, k, "torch.float32"), torch.float32), (X,), path=p)
     lines = list(textconv_lines(p))

@@ -30,7 +30,8 @@ from torch import nn
 import activation_guard as ag
 from activation_guard import fingerprint_rule
 from activation_guard.fingerprint import FingerprintParams, compute_fingerprint
-from activation_guard.inspection import format_inspect, inspect_golden, textconv_lines
+from activation_guard.inspect_text import format_inspect, textconv_lines
+from activation_guard.inspection import inspect_golden
 from activation_guard.store import fingerprints as fpstore
 
 

@@ -16,7 +16,8 @@ from test_gradients_faults import with_scaled_backward
 import activation_guard as ag
 from activation_guard import tf32, visual
 from activation_guard.errors import UncalibratedGoldenError
-from activation_guard.inspection import format_inspect, inspect_golden, textconv_lines
+from activation_guard.inspect_text import format_inspect, textconv_lines
+from activation_guard.inspection import inspect_golden
 
 # --------------------------------------------------------------------------- calibrated mode
 
