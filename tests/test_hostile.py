@@ -279,6 +279,24 @@ def test_huge_declared_pack_and_index_are_refused(goldens, tmp_path):
     refused(forge(goldens["small"], tmp_path / "i.h5", edit_index), ag.GoldenCorruptError, "/index")
 
 
+def test_a_compressed_pack_is_refused_at_open(goldens, tmp_path):
+    """Packs are written contiguous. A gzip pack of 32 MiB of zeros is ~32 KB on disk, and each
+    leaf read from it decompressed it whole: a 580 KB golden cost minutes of CPU (textconv, run
+    by `git diff`, included). Refused at open, before any leaf is read; a golden recorded with
+    compression (only /data/* compressed) still opens."""
+    def edit(f: h5py.File) -> None:
+        n = f["packs/0000"].shape[0]
+        data = f["packs/0000"][()]
+        del f["packs/0000"]
+        f.create_dataset("packs/0000", data=data, shape=(n,), chunks=(max(n, 1),), compression="gzip")
+
+    forged = forge(goldens["small"], tmp_path / "gz.h5", edit)
+    with pytest.raises(ag.GoldenFormatError, match=r"/packs/0000 is chunked or compressed"):
+        ag.read_golden(forged)
+    assert ag.compare(small_model(), X, path=goldens["small"]).ok
+    assert len(load_all(goldens["wide_lzf"])) > 0
+
+
 def test_array_attribute_in_place_of_a_scalar_is_refused_unread(goldens, tmp_path):
     def edit(f: h5py.File) -> None:
         f.attrs["ag_format_version"] = np.ones(8000, dtype=np.int64)

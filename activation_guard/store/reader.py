@@ -164,6 +164,11 @@ class GoldenReader:
                 if not isinstance(obj, h5py.Dataset):
                     raise GoldenFormatError(p, f"/{grp_name}/{key} should be a dataset")
                 check_dataset(p, obj, f"/{grp_name}/{key}")  # refuse hostile files at open
+                if grp_name == "packs" and (obj.chunks is not None or obj.compression is not None):
+                    # the writer keeps packs contiguous; a compressed one is decompressed whole for
+                    # every leaf read from it (a 580 KB file cost minutes of CPU, textconv included)
+                    raise GoldenFormatError(p, f"/packs/{key} is chunked or compressed; goldens store packs "
+                                               f"contiguous (only /data/* may be compressed)")
                 if grp_name == "data":
                     loc = direct_location(obj)
                     if loc is not None:
