@@ -377,6 +377,10 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     if resolver.cross_device:
         report.notes.append(f"golden recorded on {gdev}, live run on {dev}: "
                             f"{resolver.device_pair} default tolerances apply")
+    rec_inc, rec_exc = recorded_selection(gmeta)
+    if rec_inc is not None or rec_exc is not None:  # an OK covers those layers only (the output may not be one)
+        shown = " and ".join(f"{k}={v}" for k, v in (("include", rec_inc), ("exclude", rec_exc)) if v is not None)
+        report.notes.append(f"the golden was recorded with {shown}: it holds only those layers' outputs")
     report.notes += selection_notes(spec, resolver, layers)
     report.notes += notes
     report.notes += user_hooks

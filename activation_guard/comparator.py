@@ -24,6 +24,7 @@ from .callstart import remember_start
 from .capture import Frame
 from .dist_capture import attribute, shard_verdict
 from .dtypes import BY_NAME, dtype_name, numpy_view, tensor_bytes, tensor_from_bytes
+from .errors import GoldenFormatError
 from .fingerprint_rule import FingerprintJudge
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaf_paths import EMPTY_KEY, is_fields, match_old_empty_keys
@@ -53,6 +54,21 @@ def recorded_selection(meta: Mapping[str, Any]) -> Selection:
     return pats(meta.get("include")), pats(meta.get("exclude"))
 
 
+def refuse_strays(reader: GoldenReader) -> None:
+    """A golden whose index holds a call outside the selection its meta says it was recorded with
+    was edited: the recorded selection is applied to the comparison by default, so those calls
+    (the model's output among them) would be neither compared nor reported missing."""
+    inc, exc = recorded_selection(reader.meta)
+    if inc is None and exc is None:
+        return
+    wanted = Selector(inc, exc, [c.name for c in reader.calls])
+    stray = next((c for c in reader.calls if not wanted(c.name)), None)
+    if stray is not None:
+        raise GoldenFormatError(reader.path, f"holds layer {stray.name or '<root>'!r} call {stray.call}, outside the "
+                                             f"selection its metadata says it was recorded with (include={inc}, "
+                                             f"exclude={exc}): the file was edited")
+
+
 class Comparator:
     """Compares each live layer call against its golden as soon as the layer returns."""
 
@@ -70,6 +86,7 @@ class Comparator:
         self.judge = judge
         self.fingerprints = fingerprints
         self.golden_filter = golden_filter
+        refuse_strays(reader)
         self.results: list[LayerResult] = []
         self.seen: set[tuple[str, int]] = set()
         self.live_to_golden: dict[str, str] = {}

@@ -378,6 +378,40 @@ def test_golden_recorded_with_include_compares_without_repeating_it(tmp_path):
     assert where(ag.compare(m, X, path=path)) == ("blocks.1.fc", 0, "diverged")
 
 
+def test_a_golden_holding_calls_outside_its_recorded_selection_is_refused(tmp_path):
+    """The recorded selection applies to the comparison by default. A golden whose meta was edited
+    to claim include=["blocks.0.fc"] while its index still holds every layer would compare one
+    layer and pass a changed output; it is refused naming the file and a stray layer. A real
+    selective golden passes with a note saying what it holds."""
+    import json
+    import zlib
+
+    import h5py
+    import numpy as np
+
+    m = tiny_mlp(depth=3)
+    full, sub = tmp_path / "full.h5", tmp_path / "sub.h5"
+    ag.record(m, X, path=full)
+    ag.record(m, X, path=sub, include="blocks.0.fc")
+    with h5py.File(full, "r+") as f:
+        meta = json.loads(f["meta"][()].tobytes())
+        meta["include"] = ["blocks.0.fc"]
+        raw = json.dumps(meta).encode()
+        del f["meta"]
+        f.create_dataset("meta", data=np.frombuffer(raw, np.uint8))
+        f.attrs["meta_crc32"] = np.int64(zlib.crc32(raw))
+    scale_weight(m, "head")
+    with pytest.raises(ag.GoldenFormatError, match=r"outside the selection its metadata says it was recorded with"
+                                                   r".*include=\['blocks.0.fc'\]") as ei:
+        ag.compare(m, X, path=full)
+    assert str(full) in str(ei.value)
+    with pytest.raises(ag.GoldenFormatError, match="the file was edited"):
+        ag.diff_recordings(full, sub)
+    rep = ag.compare(m, X, path=sub)
+    assert rep.ok and [r.name for r in rep.layers] == ["blocks.0.fc"]
+    assert any("recorded with include=['blocks.0.fc']: it holds only those layers' outputs" in n for n in rep.notes)
+
+
 def test_fail_fast_stops_the_forward(mlp_golden):
     m = tiny_mlp(depth=5)
     scale_weight(m, "blocks.1.fc", 1 + 1e-3)
