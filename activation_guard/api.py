@@ -24,18 +24,19 @@ from . import calibrate as calmod
 from . import dist_capture as distcap  # issue 16 (distributed)
 from . import env as envmod
 from . import grad_api
-from .capture import check_model, hook_notes, hooked, normalize_inputs, run_forward
-from .comparator import Comparator, StopForward, recorded_selection
+from .capture import Target, check_model, hook_notes, hooked, layer_name, normalize_inputs, run_forward
+from .comparator import Comparator, StopForward
 from .fingerprint import FingerprintParams
 from .fingerprint_leaves import Fingerprinter, meta_entry
 from .gcpause import with_frozen_gc
+from .golden_selection import recorded_selection
 from .judges import Judge, StrictJudge
 from .rebuild import clone_inputs
 from .recorder import Recorder
 from .replay import Replayer
 from .report import Report
 from .results import LayerResult
-from .selection import nothing_selected, parent_hint, unmatched
+from .selection import Selector, nothing_selected, parent_hint, unmatched
 from .spec import ARGUMENT, CompareSpec, RecordSpec
 from .store import GoldenReader, GoldenWriter
 from .tolerances import ToleranceResolver
@@ -327,8 +328,9 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         inputs_raw = gmeta.get("inputs")
         input_changes = envmod.describe_input_change(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs)
         comp.inputs_changed = bool(input_changes)
-        comp.inputs_replaced = envmod.inputs_replaced(inputs_raw if isinstance(inputs_raw, list) else None,
-                                                      live_inputs)
+        replaced = envmod.inputs_replaced(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs)
+        comp.inputs_replaced, comp.verify_inputs = replaced is True, replaced is None
+        comp.partial_selection = partial_selection(spec, target, golden_filter)
         stopped = False
         out = None
         try:
@@ -388,6 +390,18 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         report.rank, report.world_size = dcap.info.rank, dcap.info.world_size
         report.notes += dcap.notes()
     return report
+
+
+def partial_selection(spec: CompareSpec, target: Target, golden_filter: Any) -> bool:
+    """Whether some module of the model is left out of the comparison (``replay="all"`` cannot then
+    vouch for the code between the selected layers)."""
+    if golden_filter is not None:
+        return True
+    if spec.include is None and spec.exclude is None:
+        return False
+    names = [layer_name(n) for n, _ in target.modules]
+    wanted = Selector(spec.include, spec.exclude, names)
+    return not all(wanted(n) for n in names)
 
 
 def selection_notes(spec: CompareSpec, resolver: ToleranceResolver, layers: Sequence[LayerResult]) -> list[str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -24,49 +24,22 @@ from .callstart import remember_start
 from .capture import Frame
 from .dist_capture import attribute, shard_verdict
 from .dtypes import BY_NAME, dtype_name, numpy_view, tensor_bytes, tensor_from_bytes
-from .errors import GoldenFormatError
 from .fingerprint_rule import FingerprintJudge
+from .golden_selection import Selection, recorded_selection, refuse_strays
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaf_paths import EMPTY_KEY, is_fields, match_old_empty_keys
 from .leaves import Leaf, LeafTransform, UnsupportedTensorError, flatten, is_plain_tensor
 from .rename import apply_rename, renamed_patterns
 from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
+from .replay_args import root_inputs_match
 from .results import LayerResult, LeafResult, Origin
 from .selection import Selector, selected
 from .spec import CompareSpec
 from .store import CallEntry, GoldenReader, LeafEntry
 
-Selection = tuple[Sequence[str] | None, Sequence[str] | None]
-
 
 class StopForward(Exception):
     """Raised from a hook to end the forward early (``fail_fast``)."""
-
-
-def recorded_selection(meta: Mapping[str, Any]) -> Selection:
-    """The include/exclude patterns a golden was recorded with (ignored unless lists of str)."""
-
-    def pats(value: Any) -> list[str] | None:
-        if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
-            return list(value)
-        return None
-
-    return pats(meta.get("include")), pats(meta.get("exclude"))
-
-
-def refuse_strays(reader: GoldenReader) -> None:
-    """A golden whose index holds a call outside the selection its meta says it was recorded with
-    was edited: the recorded selection is applied to the comparison by default, so those calls
-    (the model's output among them) would be neither compared nor reported missing."""
-    inc, exc = recorded_selection(reader.meta)
-    if inc is None and exc is None:
-        return
-    wanted = Selector(inc, exc, [c.name for c in reader.calls])
-    stray = next((c for c in reader.calls if not wanted(c.name)), None)
-    if stray is not None:
-        raise GoldenFormatError(reader.path, f"holds layer {stray.name or '<root>'!r} call {stray.call}, outside the "
-                                             f"selection its metadata says it was recorded with (include={inc}, "
-                                             f"exclude={exc}): the file was edited")
 
 
 class Comparator:
@@ -107,6 +80,13 @@ class Comparator:
         self.replayer: Replayer | None = None  # replay on golden inputs (spec.replay), set by the caller
         self.inputs_changed = False  # the model's inputs differ from the recording's
         self.inputs_replaced = False  # ... by more than their dtype (env.inputs_replaced)
+        # replay="all" may judge a call by its own computation only when every other call is judged
+        # too and the model got the recording's inputs: until its first call shows they are
+        # (replay_args.root_inputs_match), and for good under a layer selection, outputs keep their verdicts
+        self.verify_inputs = False
+        self.partial_selection = False
+        self._root_seen = False
+        self.input_note = ""
         self.origin: Origin | None = None
         self.parents: dict[tuple[str, int], tuple[int, str | None]] = {}  # replay="all": call -> children, last
 
@@ -121,6 +101,16 @@ class Comparator:
 
     # ------------------------------------------------------------------ per call
     def on_enter(self, frame: Frame) -> None:
+        if self.spec.replay == "all" and frame.parent is None and not self._root_seen and self.replayer is not None:
+            self._root_seen = True  # the model's own call (after its own forward pre-hooks)
+            gname = self.live_to_golden.get(frame.name)
+            same = root_inputs_match(self.reader, None if gname is None else self.reader.by_key.get((gname, 0)), frame)
+            if same is False:
+                self.inputs_replaced = self.inputs_changed = True
+                self.input_note = ("the model's inputs as its forward received them (after its own forward "
+                                   "pre-hooks) differ from the recording's")
+            elif same:
+                self.verify_inputs = False
         if self.replayer is not None:
             try:
                 remember_start(frame)  # in-place changes to its inputs, copies of objects it may mutate
@@ -149,7 +139,7 @@ class Comparator:
             self.replayer.returned(frame, entry, output, stub=self.spec.replay == "all")
             if self.spec.replay == "all":
                 own = self.replayer.own(frame, entry, self._compare_call)
-                if own.layer is not None and self.inputs_replaced:
+                if own.layer is not None and (self.inputs_replaced or self.verify_inputs or self.partial_selection):
                     # the model's inputs changed: "each layer computes what it did" cannot make the
                     # changed outputs a pass; the output verdict stands, the own error is shown (inputs
                     # only cast to another dtype are the cross-precision case replay="all" judges)
@@ -340,8 +330,19 @@ class Comparator:
 
     # ------------------------------------------------------------------ end of run
     def notes(self) -> list[str]:
-        """The report notes of the rules the comparator added (fingerprints), after the judge's."""
-        return [] if self.fingerprints is None else self.fingerprints.notes()
+        """The report notes of the rules the comparator added (fingerprints), after the judge's, and
+        why ``replay="all"`` kept the output verdicts."""
+        out = [] if self.fingerprints is None else self.fingerprints.notes()
+        if self.spec.replay == "all":
+            if self.partial_selection:
+                out.append('replay="all" kept each output\'s own verdict: with a layer selection, code outside '
+                           "the selected layers is judged by no layer")
+            elif self.verify_inputs:
+                out.append('replay="all" kept each output\'s own verdict: the model\'s inputs could not be checked '
+                           "against the recording's (its call is not selected, or its inputs were not recorded)")
+            if self.input_note:
+                out.append(self.input_note)
+        return out
 
     def finish(self) -> tuple[list[LayerResult], dict[int, tuple[float, int]]]:
         """All results: live calls in execution order, then golden calls the live run never made

@@ -176,12 +176,25 @@ def describe_input_change(golden: list[dict[str, Any]] | None, live: list[dict[s
     return msgs
 
 
-def inputs_replaced(golden: list[dict[str, Any]] | None, live: list[dict[str, Any]]) -> bool:
-    """Whether the model's inputs differ from the recording's by more than their dtype: an input
-    added, removed or reshaped, or other values in the same dtype. A dtype change alone (the same
-    inputs cast to bfloat16) is a change of precision, which ``replay="all"`` is meant to judge."""
-    return any(a is None or b is None or a.get("shape") != b.get("shape") or a.get("dtype") == b.get("dtype")
-               for _, a, b in _changed_inputs(golden, live) if not _precision_arg(a, b))
+def inputs_replaced(golden: list[dict[str, Any]] | None, live: list[dict[str, Any]]) -> bool | None:
+    """Whether the model's inputs differ from the recording's by more than their precision: True
+    for an input added, removed or reshaped, other values in the same dtype, or an integer or bool
+    input whose dtype changed; None when only floating dtypes changed, which is the same inputs cast (what
+    ``replay="all"`` judges across precisions) only if the values agree: the record holds digests,
+    so the caller checks the values (``replay_args.root_inputs_match``); also None for a golden with
+    no record of its inputs (nothing to tell them by but the values); False otherwise."""
+    if golden is None:
+        return None
+    changed = [(a, b) for _, a, b in _changed_inputs(golden, live) if not _precision_arg(a, b)]
+    if any(a is None or b is None or a.get("shape") != b.get("shape") or a.get("dtype") == b.get("dtype")
+           or not (_floating(a.get("dtype")) and _floating(b.get("dtype"))) for a, b in changed):
+        return True
+    return None if changed else False
+
+
+def _floating(name: Any) -> bool:
+    info = dtypes.BY_NAME.get(name) if isinstance(name, str) else None
+    return info is not None and info.kind == "float"
 
 
 def _precision_arg(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:

@@ -13,6 +13,7 @@ import torch
 
 from .capture import Frame
 from .children import GoldenCache
+from .dtypes import tensor_bytes
 from .leaf_paths import stored_by_repr
 from .leaves import flatten_inputs
 from .selection import display_name
@@ -77,3 +78,38 @@ def short(text: str | None, limit: int = 60) -> str:
     """A value as a note shows it: its repr, cut to ``limit`` characters (notes had reached 19 KB)."""
     shown = repr(text)
     return shown if len(shown) <= limit else shown[: limit - 1] + "\u2026"
+
+
+def root_inputs_match(reader: GoldenReader, entry: CallEntry | None, frame: Frame) -> bool | None:
+    """Whether the model's call received the golden's recorded inputs (``replay="all"``): every
+    tensor argument bit-identical, or, where only the floating dtype changed, identical to the
+    golden's value cast to the live dtype (the cross-precision case). None where it cannot be
+    told (no recorded inputs, a fingerprinted one).
+
+    ``replay="all"`` judges each call by its own computation on the golden's inputs, so it may
+    only do that when the model's inputs are the recording's. The inputs' record in the meta is
+    taken before the model's own forward pre-hooks run and holds no values to check a dtype
+    change against; the root call's recorded inputs are what the forward got, with values.
+    """
+    if entry is None or entry.inputs is None:
+        return None
+    live = {lv.path: lv for lv in flatten_inputs(frame.args, frame.kwargs) if lv.kind == "tensor"}
+    where = "the model's recorded inputs"
+    for given in entry.inputs:
+        if given.kind not in ("tensor", "alias", "fingerprint"):
+            continue  # other arguments: the inputs' record in the meta compares them
+        g = reader.resolve(given, where)
+        lv = live.pop(given.path, None)
+        if g.kind != "tensor":
+            return None
+        if lv is None or lv.tensor is None or tuple(lv.tensor.shape) != g.shape:
+            return False
+        t = lv.tensor.detach().cpu()
+        golden = reader.load(g, where)
+        if golden.dtype != t.dtype:
+            if not (golden.is_floating_point() and t.is_floating_point()):
+                return False
+            golden = golden.to(t.dtype)
+        if tensor_bytes(golden).tobytes() != tensor_bytes(t).tobytes():
+            return False
+    return not live  # a tensor argument the recording did not have

@@ -5,6 +5,7 @@ dropped arguments, and layers that draw random numbers."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -211,12 +212,110 @@ def test_inputs_only_cast_to_another_dtype_are_a_precision_change_not_new_inputs
 
     x = torch.randn(2, 4)
     golden = input_fingerprint((x,), {})
-    assert not inputs_replaced(golden, input_fingerprint((x,), {}))
-    assert not inputs_replaced(golden, input_fingerprint((x.bfloat16(),), {}))
-    assert not inputs_replaced(None, input_fingerprint((x + 1,), {}))  # an old golden without the record
+    assert inputs_replaced(golden, input_fingerprint((x,), {})) is False
+    # the record holds digests: a dtype change is a cast only if the values say so (the caller checks)
+    assert inputs_replaced(golden, input_fingerprint((x.bfloat16(),), {})) is None
+    assert inputs_replaced(None, input_fingerprint((x + 1,), {})) is None  # an old golden without the record
+    ids = torch.tensor([[1, 2, 3]])
+    assert inputs_replaced(input_fingerprint((ids,), {}), input_fingerprint((ids.int(),), {})) is True
+    assert inputs_replaced(golden, input_fingerprint((x.long(),), {})) is True
     for live in ((x + 1,), (x[:1],), (x, x), ()):
-        assert inputs_replaced(golden, input_fingerprint(live, {})), live
-    assert inputs_replaced(golden, input_fingerprint((x,), {"mask": x}))
+        assert inputs_replaced(golden, input_fingerprint(live, {})) is True, live
+    assert inputs_replaced(golden, input_fingerprint((x,), {"mask": x})) is True
+
+
+class _Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_replay_all_never_passes_other_inputs_whatever_their_dtype(tmp_path: Path) -> None:
+    """replay="all" judges each call by its own computation only when the model got the
+    recording's inputs. Found by review, each a false pass before: other token ids passed as
+    int32, other values cast to float16, a golden whose meta lost its inputs record, and a change
+    in the model's own forward pre-hook (the record is taken before it runs). The same inputs
+    cast to float16 are still the cross-precision case."""
+    import copy
+
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(3))
+    m = _Two().eval()
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p, calibrate=True)
+    half = copy.deepcopy(m).half()  # the port: runs in float16 on float16 inputs
+    opts: dict[str, Any] = {"tolerance": "calibrated", "replay": "all", "allow_dtype_change": True}
+    assert ag.compare(half, x.half(), path=p, **opts).ok  # the same inputs, cast
+    other = ag.compare(half, (5 * x).half(), path=p, **opts)
+    assert not other.ok and other.first_divergence is not None
+
+    class Emb(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.lin = nn.Embedding(10, 4), nn.Linear(4, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.lin(self.emb(ids))
+
+    e, pe = Emb().eval(), tmp_path / "e.h5"
+    ag.record(e, torch.tensor([[1, 2, 3]]), path=pe)
+    assert not ag.compare(e, torch.tensor([[7, 8, 9]], dtype=torch.int32), path=pe, replay="all").ok
+
+    import json
+    import zlib
+
+    import h5py
+    import numpy as np
+
+    pn = tmp_path / "noinputs.h5"
+    ag.record(m, x, path=pn)
+    with h5py.File(pn, "r+") as f:  # an edit (or an old golden): no record of the model's inputs
+        meta = json.loads(f["meta"][()].tobytes())
+        del meta["inputs"]
+        raw = json.dumps(meta).encode()
+        del f["meta"]
+        f.create_dataset("meta", data=np.frombuffer(raw, np.uint8))
+        f.attrs["meta_crc32"] = np.int64(zlib.crc32(raw))
+    assert ag.compare(m, x, path=pn, replay="all").ok  # the recorded root inputs say they are the same
+    assert not ag.compare(m, x + 1, path=pn, replay="all").ok
+
+    k = {"k": 1.0}
+    hooked_model = _Two().eval()
+    hooked_model.register_forward_pre_hook(lambda mod, args: (args[0] * k["k"],))  # input normalisation
+    ph = tmp_path / "hook.h5"
+    ag.record(hooked_model, x, path=ph)
+    assert ag.compare(hooked_model, x, path=ph, replay="all").ok
+    k["k"] = 1.5
+    rep = ag.compare(hooked_model, x, path=ph, replay="all")
+    assert not rep.ok
+    assert any("after its own forward pre-hooks" in n for n in rep.notes), rep.notes
+
+
+def test_replay_all_with_a_layer_selection_keeps_output_verdicts(tmp_path: Path) -> None:
+    """With include/exclude, code outside the selected layers (here layer a, not selected) is
+    judged by no layer: replay="all" must not turn b's changed output into a match on b's own
+    unchanged computation (found by review: "OK, largest abs diff 0")."""
+    import copy
+
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(4))
+    m = _Two().eval()
+    full, sub = tmp_path / "full.h5", tmp_path / "sub.h5"
+    ag.record(m, x, path=full)
+    ag.record(m, x, path=sub, include=["b"])
+    m2 = copy.deepcopy(m)
+    with torch.no_grad():
+        m2.a.weight.mul_(1.1)
+    for path, kw in ((sub, {}), (full, {"include": ["b"]})):
+        rep = ag.compare(m2, x, path=path, replay="all", **kw)
+        assert not rep.ok and rep.first_divergence is not None and rep.first_divergence.name == "b", rep
+        assert rep.first_divergence.max_abs_diff is not None and rep.first_divergence.max_abs_diff > 0
+        assert any("with a layer selection" in n for n in rep.notes), rep.notes
+    assert ag.compare(m, x, path=sub, replay="all").ok
+    assert not ag.compare(m2, x, path=full, replay="all").ok
 
 
 class Block(nn.Module):
