@@ -219,6 +219,11 @@ class Comparator:
             for leaf in leaves:
                 if leaf.legacy_path is not None:
                     leaf.path = leaf.legacy_path
+            paths = [leaf.path for leaf in leaves]
+            if len(set(paths)) != len(paths):  # two live values under one name: one would go unjudged
+                dup = next(p for i, p in enumerate(paths) if p in paths[:i])
+                return [LeafResult(dup, "structure", f"{_out(dup)}: two live values have this path in a format-1 "
+                                                     f"golden, which cannot tell them apart; re-record the golden")]
         judge = judge or self.judge
         if len(leaves) == 1 and len(entry.leaves) == 1 and leaves[0].path == entry.leaves[0].path:
             only = leaves[0]  # one output, where the golden has it: no path matching to do

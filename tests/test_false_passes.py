@@ -391,6 +391,52 @@ def test_a_golden_from_before_the_empty_key_encoding_still_compares(tmp_path: Pa
     assert ambiguous.first_divergence.status == "structure"
 
 
+def _as_format_1(path: Path, rename: dict[str, str]) -> None:
+    """Turn a golden into what a format-1 writer stored: its own paths for keys (``str(key)``)."""
+    import json
+    import zlib
+
+    import h5py
+    import numpy as np
+
+    with h5py.File(path, "r+") as f:
+        idx = json.loads(f["index"][()].tobytes())
+        for c in idx["calls"]:
+            for leaf in c["leaves"]:
+                leaf["path"] = rename.get(leaf["path"], leaf["path"])
+        raw = json.dumps(idx).encode()
+        del f["index"]
+        f.create_dataset("index", data=np.frombuffer(raw, np.uint8))
+        f.attrs["index_crc32"] = np.int64(zlib.crc32(raw))
+        f.attrs["ag_format_version"] = np.int64(1)
+
+
+def test_format_1_paths_that_collide_are_never_compared_as_one(tmp_path: Path) -> None:
+    """Format 1 named a key by str(key): {1: a, "1": b} stored both as "1". Such a golden is
+    refused (which value is which is lost); a live output whose two values collide under a
+    format-1 golden is a structure failure. Before, one of the two values was never compared
+    (found by review: a changed value at key 1 passed)."""
+    def both(x: torch.Tensor, k: float) -> Any:
+        return {1: x * k, "1": x}
+
+    def one(x: torch.Tensor, k: float) -> Any:
+        return {1: x * k}
+
+    p, q = tmp_path / "both.h5", tmp_path / "one.h5"
+    ag.record(Returns(both, 1.0), (X,), path=p)
+    ag.record(Returns(one, 1.0), (X,), path=q)
+    paths = [leaf.path for leaf in flatten(both(X, 1.0))]
+    _as_format_1(p, {paths[0]: "1", paths[1]: "1"})
+    _as_format_1(q, {flatten(one(X, 1.0))[0].path: "1"})
+    with pytest.raises(ag.GoldenFormatError, match=r"lists output path '1' twice"):
+        ag.compare(Returns(both, 5.0), (X,), path=p)
+    assert ag.compare(Returns(one, 1.0), (X,), path=q).ok
+    assert not ag.compare(Returns(one, 5.0), (X,), path=q).ok
+    rep = ag.compare(Returns(both, 1.0), (X,), path=q)  # a second live value under the old name "1"
+    assert not rep.ok and rep.first_divergence is not None and rep.first_divergence.status == "structure"
+    assert "cannot tell them apart" in str(rep)
+
+
 # ----------------------------------------------------------------------------- named tuples
 
 

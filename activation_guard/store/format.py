@@ -183,8 +183,14 @@ def _parse_call(p: str, c: Any, position: int) -> CallEntry:
         or not (inputs is None or isinstance(inputs, list))
     ):
         raise GoldenFormatError(p, f"index entry #{position} is malformed")
-    return CallEntry(name, call, tname, [_parse_leaf(p, leaf, name, call) for leaf in leaves], position,
-                     raw_inputs=inputs, source=p)
+    parsed = [_parse_leaf(p, leaf, name, call) for leaf in leaves]
+    if len(parsed) > 1 and len({leaf.path for leaf in parsed}) != len(parsed):
+        # (a format-1 writer could do this: {1: a, "1": b} both became "1"; which is which is lost)
+        paths = [leaf.path for leaf in parsed]
+        dup = next(x for i, x in enumerate(paths) if x in paths[:i])
+        raise GoldenFormatError(p, f"layer {name!r} call {call} lists output path {dup!r} twice: its values cannot "
+                                   f"be told apart")
+    return CallEntry(name, call, tname, parsed, position, raw_inputs=inputs, source=p)
 
 
 def _parse_leaf(p: str, e: Any, lname: str, call: int, section: str = "outputs") -> LeafEntry:
