@@ -36,7 +36,7 @@ from .recorder import Recorder
 from .replay import Replayer
 from .report import Report
 from .results import LayerResult
-from .selection import Selector, nothing_selected, parent_hint, unmatched
+from .selection import Selector, nothing_selected, parent_hint, selected, unmatched
 from .spec import ARGUMENT, CompareSpec, RecordSpec
 from .store import GoldenReader, GoldenWriter
 from .tolerances import ToleranceResolver
@@ -178,7 +178,8 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
     floors = calmod.FloorTable()
     rec = Recorder(writer, inputs=spec.inputs, shadow=shadow, floors=floors, fingerprinter=fingerprinter,
                    transform=None if dcap is None else dcap.convert)
-    grads = None if rule is None else grad_api.RecordGradients(rule, writer, shadow, calmod.FloorTable())
+    grads = None if rule is None else grad_api.RecordGradients(rule, writer, shadow, calmod.FloorTable(),
+                                                               wanted=lambda n: selected(n, inc, exc))
     on_enter, on_output = (rec.on_enter, rec.on_output) if grads is None else grads.callbacks(rec.on_enter,
                                                                                                  rec.on_output)
     try:

@@ -13,7 +13,7 @@ checks gradients whenever the golden has them (``backward=None``, the default), 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,6 +32,7 @@ from .shadow import ShadowRun
 from .spec import CompareSpec, RecordSpec
 from .store import GoldenReader, GoldenWriter
 
+ADOPTED = "unrun_params"  # in the meta's backward record: parameters of modules that never ran are in it
 RERECORD = "re-record the golden with the record option backward=True (or backward=<loss function>)"
 
 
@@ -66,11 +67,12 @@ def detached(out: Any) -> Any:
 class RecordGradients:
     """The gradients of one recording: hooks during the forward, then the backward into the golden."""
 
-    def __init__(self, rule: LossRule, writer: GoldenWriter, shadow: ShadowRun | None, floors: FloorTable | None):
+    def __init__(self, rule: LossRule, writer: GoldenWriter, shadow: ShadowRun | None, floors: FloorTable | None,
+                 wanted: Callable[[str], bool] | None = None):
         self.rule = rule
         self.recorder = GradRecorder(writer, shadow=shadow, floors=floors)
         self.floors = floors if shadow is not None else None
-        self.capture = GradCapture(self.recorder)
+        self.capture = GradCapture(self.recorder, wanted=wanted)
 
     @staticmethod
     def loss_for(spec: RecordSpec, target: Target) -> LossRule | None:
@@ -90,6 +92,7 @@ class RecordGradients:
             self.capture.close()
         meta = self.rule.to_meta()
         meta["gradients"] = self.recorder.count
+        meta[ADOPTED] = True  # parameters of modules that never ran are in it (gradients.GradCapture)
         if self.floors is not None:
             meta[CALIBRATION_KEY] = self.floors.to_meta()
         return meta
@@ -148,7 +151,9 @@ class CompareGradients:
         if isinstance(judge, CalibratedJudge):  # the same float64 run holds the gradients' references
             gjudge = CalibratedJudge(grad_floors(reader.meta, path), GradNoise(judge.shadow), judge.strict)
         self.comparator = GradComparator(reader, spec, gjudge, rule, live_to_golden, golden_filter)
-        self.capture = GradCapture(self.comparator)
+        rec = reader.meta.get(META_KEY)
+        self.capture = GradCapture(self.comparator, adopt=isinstance(rec, dict) and rec.get(ADOPTED) is True,
+                                   wanted=lambda n: selected(n, spec.include, spec.exclude))
         self.ran = False
 
     def callbacks(self, on_enter: EnterCallback, on_output: LayerCallback) -> tuple[EnterCallback, LayerCallback]:
@@ -182,7 +187,14 @@ class CompareGradients:
         if not self.ran:
             return [f"backward: the golden's gradients were not compared: "
                     f"{'the forward stopped at its first divergence (fail_fast)' if stopped else 'no backward ran'}"]
-        return self.comparator.notes()
+        out = self.comparator.notes()
+        left = self.capture.unadopted
+        if left:
+            shown = ", ".join(repr(n) for n in left[:5]) + (", ..." if len(left) > 5 else "")
+            out.append(f"backward: the golden holds no gradients for {len(left)} parameter(s) of modules that never "
+                       f"ran ({shown}; an nn.ParameterList, or weights used through F.linear): they were not "
+                       f"compared; re-record to compare them")
+        return out
 
 
 def diff_rows(golden: GoldenReader, other: GoldenReader, spec: CompareSpec, judge: Judge,

@@ -121,8 +121,14 @@ class GradCapture:
     """Registers the node hooks during a forward (``on_enter``/``on_output`` from the capture's
     module hooks), then runs the backward (:meth:`backward`) and feeds ``sink``."""
 
-    def __init__(self, sink: GradSink):
+    def __init__(self, sink: GradSink, *, adopt: bool = True, wanted: Callable[[str], bool] | None = None):
         self.sink = sink
+        self.wanted = wanted  # the layer selection: a module it leaves out keeps its parameters out too
+        # parameters of modules that never run (an nn.ParameterList, a submodule used through
+        # F.linear(x, sub.weight)) go to the nearest running ancestor, under their path from it;
+        # goldens from before that leave them out, and ``unadopted`` names them for a note
+        self.adopt = adopt
+        self.unadopted: list[str] = []
         self.events: list[Event] = []
         self.handles: list[Any] = []
         self.modules: dict[str, torch.nn.Module] = {}  # called modules, by layer name (their parameters)
@@ -292,7 +298,7 @@ class GradCapture:
         """Run the one backward (see the module docstring for what it leaves untouched), then the
         parameter gradients, then ``sink.finish``."""
         roots, grads = rule.roots(output)
-        params = self._param_events()
+        params = self._param_events(model)
         leaves = _reachable_leaves(roots)
         for param in model.parameters():
             leaves.setdefault(id(param), param)
@@ -308,18 +314,36 @@ class GradCapture:
                     self.sink.leaf(ev, pname, p.grad)
         self._finish()
 
-    def _param_events(self) -> list[tuple[Event, list[torch.Tensor]]]:
+    def _param_events(self, model: torch.nn.Module) -> list[tuple[Event, list[torch.Tensor]]]:
         """One event per called module with parameters that require grad (a parameter shared by
-        several modules belongs to the one that returned first)."""
+        several modules belongs to the one that returned first), with the parameters of modules
+        that never ran (``adopt``)."""
         out: list[tuple[Event, list[torch.Tensor]]] = []
         seen: set[int] = set()
         fwd_of = {ev.name: ev.fwd for ev in self.events if ev.call == 0}
+        owned: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for mname, mod in self.modules.items():
-            named = []
             for pname, p in mod.named_parameters(recurse=False):
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
-                    named.append((pname, p))
+                    owned.setdefault(mname, []).append((pname, p))
+        for full, p in model.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            anc = full.rpartition(".")[0]
+            if self.wanted is not None and not self.wanted(anc):
+                continue
+            while anc and anc not in self.modules:
+                anc = anc.rpartition(".")[0]
+            if anc not in self.modules:  # the model itself did not run as a selected layer
+                continue
+            if not self.adopt:
+                self.unadopted.append(full)
+                continue
+            owned.setdefault(anc, []).append((full[len(anc) + 1:] if anc else full, p))
+        for mname, mod in self.modules.items():
+            named = owned.get(mname)
             if named:
                 ev = Event("param", mname, 0, type(mod).__name__, [n for n, _ in named], fwd_of.get(mname, self._fwd))
                 self.events.append(ev)

@@ -251,3 +251,64 @@ def test_the_report_round_trips_through_json_with_gradients(tmp_path: Path) -> N
     back = ag.Report.from_dict(d)
     assert str(back) == str(report) and back.first_divergence is not None
     assert (back.first_divergence.phase, back.first_divergence.wrt) == ("backward", "input")
+
+
+class _UnrunParams(nn.Module):
+    """Parameters whose module never runs: an nn.ParameterList and a Linear used through F.linear
+    (its weights only). ``scale`` changes only their gradients (a refactor's custom backward)."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.scales = nn.ParameterList([nn.Parameter(torch.randn(8))])
+        self.side = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+        if scale != 1.0:
+            for p in (self.scales[0], self.side.weight):
+                p.register_hook(lambda g: g * scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(self.a(x) * self.scales[0], self.side.weight, self.side.bias)
+        return self.b(torch.tanh(h))
+
+
+def test_gradients_of_parameters_whose_module_never_runs_are_compared(tmp_path: Path) -> None:
+    """Found by review: parameter gradients were collected per *called* module, so these were
+    never stored or compared and a change to them passed. They now go to the nearest running
+    ancestor under their path from it; a golden from before says in a note that it lacks them;
+    a module left out by exclude= keeps its parameters out."""
+    import json
+    import zlib
+
+    import h5py
+    import numpy as np
+
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+    p = tmp_path / "g.h5"
+    ag.record(_UnrunParams(), x, path=p, backward=True)
+    with ag.read_golden(p) as r:
+        root = next(c for c in r.backward if c.name == "" and c.grad == "param")
+        assert [leaf.path for leaf in root.leaves] == ["scales.0", "side.weight", "side.bias"]
+    assert ag.compare(_UnrunParams(), x, path=p).ok
+    rep = ag.compare(_UnrunParams(scale=3.0), x, path=p)
+    assert not rep.ok and rep.first_divergence is not None
+    assert rep.first_divergence.phase == "param-grad" and rep.first_divergence.name == ""
+    assert rep.first_divergence.path in ("scales.0", "side.weight")
+
+    with h5py.File(p, "r+") as f:  # a golden from before: its backward record lacks the marker
+        meta = json.loads(f["meta"][()].tobytes())
+        del meta["backward"]["unrun_params"]
+        raw = json.dumps(meta).encode()
+        del f["meta"]
+        f.create_dataset("meta", data=np.frombuffer(raw, np.uint8))
+        f.attrs["meta_crc32"] = np.int64(zlib.crc32(raw))
+    old = ag.compare(_UnrunParams(scale=3.0), x, path=p)  # what it does not hold cannot fail it, but is named
+    assert any("no gradients for 3 parameter(s) of modules that never ran ('scales.0', 'side.weight'" in n
+               for n in old.notes), old.notes
+
+    q = tmp_path / "excluded.h5"
+    ag.record(_UnrunParams(), x, path=q, backward=True, exclude=["side"])
+    with ag.read_golden(q) as r:
+        root = next(c for c in r.backward if c.name == "" and c.grad == "param")
+        assert [leaf.path for leaf in root.leaves] == ["scales.0"]
