@@ -26,6 +26,7 @@ from typing import Any
 
 from ._version import __version__
 from .errors import GoldenError, OptionError
+from .options import HDF5_SIGNATURE
 
 PROG = "activation-guard"
 
@@ -66,7 +67,6 @@ def load_tolerances(path: str) -> dict[str, Any]:
     return data  # its values are validated with every other option, by the spec
 
 
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 def _check_writable(path: str | None, option: str, inputs: tuple[str, ...] = ()) -> None:

@@ -22,6 +22,28 @@ from typing import Any
 
 from .spec import CompareSpec, RecordSpec, build_specs
 
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"  # the first bytes of every HDF5 file (every golden)
+
+
+def _report_path(p: Path, golden_dir: Path) -> Path:
+    """``--ag-report``'s file, refused where writing it would destroy something: a folder, an
+    HDF5 file (a golden: the report would replace it on a run that asked for no golden write), a
+    name a golden would have, or a place inside the golden folder."""
+    if p.is_dir():
+        raise OptionError(f"--ag-report {p}: is a folder; give a file name")
+    if p.suffix.lower() in (".h5", ".hdf5") or golden_dir == p.parent or golden_dir in p.parents:
+        raise OptionError(f"--ag-report {p}: names a golden file or a place in the golden folder {golden_dir}; a "
+                          f"report (.json, .html, .md) goes elsewhere")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(len(HDF5_SIGNATURE))
+    except OSError:
+        return p
+    if head == HDF5_SIGNATURE:
+        raise OptionError(f"--ag-report {p}: is an HDF5 file (a golden?), which a report never overwrites; give "
+                          f"another file name")
+    return p
+
 DEVICE_FIXTURE = "ag_device"
 RECORD_DEVICE = "cpu"  # the ag_device variant that writes goldens under --ag-update
 UPDATE_MODES = (None, "all", "missing")
@@ -123,6 +145,10 @@ class Settings:
         has_config_file: bool = True,
     ) -> Settings:
         """Command-line paths are relative to where pytest was invoked; ini paths to the rootdir."""
+        for option, given in (("--ag-golden-dir", cli_golden_dir), ("--ag-rtol", cli_rtol), ("--ag-atol", cli_atol),
+                              ("--ag-report", report_path)):
+            if isinstance(given, str) and not given.strip():  # `--ag-golden-dir=$DIR` with DIR unset
+                raise OptionError(f"{option} is empty; give a value or leave the option out")
         if cli_golden_dir:
             gdir = Path(invocation_dir, cli_golden_dir)
         else:
@@ -157,7 +183,8 @@ class Settings:
         return cls(
             golden_dir=Path(os.path.abspath(gdir)),
             update=update,
-            report_path=Path(os.path.abspath(Path(invocation_dir, report_path))) if report_path else None,
+            report_path=(_report_path(Path(os.path.abspath(Path(invocation_dir, report_path))),
+                                      Path(os.path.abspath(gdir))) if report_path else None),
             unused=unused,
             check_determinism=check_determinism,
             rank_timeout=_rank_timeout(rank_timeout),

@@ -320,6 +320,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         s.write_report()
     except OSError as e:
         s.report_error = f"could not write --ag-report {s.settings.report_path}: {e}"
+        if session.exitstatus == pytest.ExitCode.OK:  # CI must not go green without the report it asked for
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

@@ -321,12 +321,15 @@ class GuardSession:
             unused = self.unused if self.settings.unused is not None else ()
             return write_summary(p, self.records, title="activation_guard", counts=self.counts(), unused=unused)
         tmp = p.with_name(f".{p.name}.tmp{os.getpid()}")
-        if suffix in HTML_SUFFIXES:
-            tmp.write_text(self.report_html(), encoding="utf-8")
-        else:
-            text = json.dumps(self.report_json(), indent=1, sort_keys=True, allow_nan=False)
-            tmp.write_text(text + "\n", encoding="utf-8")
-        os.replace(tmp, p)
+        try:
+            if suffix in HTML_SUFFIXES:
+                tmp.write_text(self.report_html(), encoding="utf-8")
+            else:
+                text = json.dumps(self.report_json(), indent=1, sort_keys=True, allow_nan=False)
+                tmp.write_text(text + "\n", encoding="utf-8")
+            os.replace(tmp, p)
+        finally:
+            tmp.unlink(missing_ok=True)  # (gone after the replace; left by a failed write or replace)
         return p
 
     def report_html(self) -> str:

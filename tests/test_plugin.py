@@ -322,6 +322,32 @@ def test_golden_dir_ini_and_cli(ag: pytest.Pytester) -> None:
     assert (ag.path / "cli_dir/test_gd/test_mlp.h5").is_file()
 
 
+def test_ag_report_never_replaces_a_golden_and_a_failed_write_fails_the_run(ag: pytest.Pytester) -> None:
+    """Found by review: --ag-report=<a golden> replaced the golden with a JSON report on a run
+    that asked for no golden write; a report that could not be written left its temp file and the
+    run exited 0. Empty option values (`--ag-golden-dir=$DIR` with DIR unset) were ignored."""
+    ag.makepyfile(test_rep=WORKFLOW)
+    ag.runpytest("--ag-update").assert_outcomes(passed=1)
+    golden = ag.path / "golden/test_rep/test_mlp.h5"
+    before = golden.read_bytes()
+    for target, words in ((str(golden), "golden"), ("elsewhere/x.h5", "names a golden file"),
+                          ("golden/summary.json", "golden folder"), ("golden", "is a folder")):
+        r = ag.runpytest(f"--ag-report={target}")
+        assert r.ret == pytest.ExitCode.USAGE_ERROR, (target, r.ret)
+        r.stderr.fnmatch_lines([f"*--ag-report*{words}*"])
+    assert golden.read_bytes() == before
+    (ag.path / "blocker").write_text("a file where the report's folder would be")
+    r = ag.runpytest("--ag-report=blocker/r.json")
+    assert r.ret != 0
+    r.stdout.fnmatch_lines(["*could not write --ag-report*"])
+    leftovers = [p for p in ag.path.rglob("*") if ".tmp" in p.name]
+    assert not leftovers, leftovers
+    for option in ("--ag-golden-dir=", "--ag-rtol=", "--ag-atol=", "--ag-report="):
+        r = ag.runpytest(option)
+        assert r.ret == pytest.ExitCode.USAGE_ERROR, option
+        r.stderr.fnmatch_lines([f"*{option[:-1]} is empty*"])
+
+
 def test_json_report_and_fail_fast(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     ag.makepyfile(test_rep=WORKFLOW)
     ag.runpytest("--ag-update").assert_outcomes(passed=1)
