@@ -202,8 +202,10 @@ class GoldenCheck:
 
         s = self._session
         problem = None
+        where = ""  # the golden's path, once known
         try:
             path = self.path(name)
+            where = str(path)
             s.claim(path, self.nodeid, name, owner=self.key.nodeid)
             # issue 16: in a multi-rank run, this rank's golden (record) and the one it compares with
             if ranks is None:
@@ -216,6 +218,8 @@ class GoldenCheck:
         except (OptionError, ValueError, UnsupportedModelError) as e:
             problem = str(e)
         if problem is not None:  # outside the except block: no chained traceback in the report
+            # counted and listed like every other error (two goldens differing only by letter case)
+            s.add(CheckRecord(self.nodeid, name, where, "error", device=self.device, message=problem))
             pytest.fail(prefixed(problem), pytrace=False)
         shown = s.settings.display(path)
         base = CheckRecord(self.nodeid, name, str(path), "error", device=self.device)

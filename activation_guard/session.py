@@ -59,6 +59,11 @@ class CheckRecord:
         return cls(**{k: v for k, v in d.items() if k in keys})
 
 
+def counted(counts: Mapping[str, int]) -> str:
+    """The summary's counts as words ("1 error", not "1 errors"; the JSON keeps its keys)."""
+    return ", ".join(f"{v} {'error' if k == 'errors' and v == 1 else k}" for k, v in counts.items())
+
+
 def jsonable(obj: Any) -> Any:
     """Strict JSON: non-finite floats become the strings "nan", "inf", "-inf"."""
     if isinstance(obj, float):
@@ -240,7 +245,7 @@ class GuardSession:
         if not self.records and not self.unused and self.settings.unused is None:
             return []
         c = self.counts()
-        lines = ["goldens: " + ", ".join(f"{v} {k}" for k, v in c.items())]
+        lines = ["goldens: " + counted(c)]
         for r in self.records:
             if r.status == "diverged":
                 lines.append(f"DIVERGED {r.label()}: {r.first_divergence}")
@@ -305,7 +310,7 @@ class GuardSession:
         })
 
     def title(self) -> str:
-        return "activation_guard: " + ", ".join(f"{v} {k}" for k, v in self.counts().items())
+        return "activation_guard: " + counted(self.counts())
 
     def write_report(self) -> Path | None:
         """``--ag-report``: HTML for ``.html``/``.htm``, Markdown (plus plots beside it) for

@@ -509,6 +509,11 @@ def test_golden_files_differing_only_by_case_are_refused_with_and_without_xdist(
     res.stdout.fnmatch_lines(["*test_ids?a? (name=None) and *test_ids?A? map to golden files that differ only by "
                               "letter case*"])
     assert [p.name for p in golden_files(ag.path)] == ["test_ids[b].h5"]
+    # counted and listed as errors (the summary once said "0 checked ... 1 written" and nothing else)
+    res.stdout.fnmatch_lines(["*goldens: 2 checked, 0 passed, 0 diverged, 1 written, 0 missing, 2 errors*"])
+    one = ag.runpytest("-k", "test_ids and not b", *LEAN)  # a plain run: both refused, as errors
+    one.assert_outcomes(failed=2)
+    one.stdout.fnmatch_lines(["*goldens: 2 checked, 0 passed, 0 diverged, 0 written, 0 missing, 2 errors*"])
 
 
 LF = '''

@@ -138,9 +138,12 @@ def test_bad_option_values_fail_cleanly_before_anything_runs(tmp_path: Path, upd
     """A bad value fails in one line naming option and source, and --ag-update writes nothing."""
     s = GuardSession(_settings(tmp_path, update=update))
     gc = GoldenCheck(s, "t.py::test_a", paths.NodeKey.parse("t.py::test_a"), marker=marker)
-    with pytest.raises(pytest.fail.Exception, match=match):
+    with pytest.raises(pytest.fail.Exception, match=match) as ei:
         gc.check(_model(), (torch.ones(1, 3),))
-    assert not gc.path().exists() and s.records == []
+    assert not gc.path().exists()
+    # nothing ran; the summary counts and lists it as an error, with the same words
+    assert [(r.status, r.nodeid) for r in s.records] == [("error", "t.py::test_a")]
+    assert s.records[0].message and s.records[0].message in str(ei.value)
 
 
 def test_not_a_module_fails_cleanly(tmp_path: Path) -> None:
@@ -360,3 +363,10 @@ def test_unused_goldens_are_not_judged_when_the_run_cannot_tell(tmp_path: Path) 
     assert "unused goldens not listed: the results of xdist worker gw1 were lost; run without it to find them" \
         in s.summary_lines()
     assert not s.unused_fail_the_run()
+
+
+def test_summary_counts_read_as_words() -> None:
+    from activation_guard.session import counted
+
+    assert counted({"checked": 1, "passed": 0, "errors": 1}) == "1 checked, 0 passed, 1 error"
+    assert counted({"checked": 2, "errors": 2}) == "2 checked, 2 errors"
