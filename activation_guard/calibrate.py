@@ -106,6 +106,12 @@ class CalibratedJudge:
             res = self.strict.judge_with(ctx, golden, live, tol)
             res.tolerance_source = f"{tol.source}; strict: no noise floor"
             return res
+        odd = implausible_floor(golden, gf, lf, ctx.golden_dtype)
+        if odd is not None:  # the float64 reference computed something else: its floors measure that
+            self.fallbacks.append(f"{_where(ctx)}: {odd}")
+            res = self.strict.judge_with(ctx, golden, live, tol)
+            res.tolerance_source = f"{tol.source}; strict: implausible noise floor"
+            return res
         self.judged += 1
         return calibrated_verdict(ctx, golden, live, gf, lf)
 
@@ -170,6 +176,31 @@ def _ratio(err: float, allow: float) -> float:
     if err == 0:
         return 0.0
     return err / allow if math.isfinite(allow) else (math.inf if math.isinf(err) else 0.0)
+
+
+# a noise floor above this share of the values' RMS is more than rounding gives (float32 rounding
+# through a deep model stays near 1e-5 of it; bfloat16's own step is 0.4%)
+PLAUSIBLE_FLOOR = {"float16": 0.1, "bfloat16": 0.1}
+PLAUSIBLE_FLOOR_DEFAULT = 0.01
+
+
+def implausible_floor(golden: torch.Tensor, gf: NoiseFloor, lf: NoiseFloor, dtype: str) -> str | None:
+    """Why the floors cannot be rounding error, or None. A float64 reference run that drew other
+    random numbers (a ``torch.Generator`` it shared, a draw it makes in float64) or branched on the
+    dtype has floors the size of the values, and judging with them passes real changes (found by
+    review: a 10% weight change passed). Such an output is judged strictly instead."""
+    g = golden.detach().to(torch.float64)
+    g = g[torch.isfinite(g)]
+    if g.numel() == 0:
+        return None
+    scale = float(g.square().mean().sqrt())
+    worst = max(gf.rms, lf.rms)
+    limit = PLAUSIBLE_FLOOR.get(dtype, PLAUSIBLE_FLOOR_DEFAULT)
+    if scale <= 0 or worst <= limit * scale:
+        return None
+    return (f"noise floor RMS {worst:.2e} is {worst / scale:.1%} of the values' RMS {scale:.2e}, more than rounding "
+            f"gives: the float64 reference run computed something else (random numbers it does not share, a "
+            f"branch on the dtype), so it was judged strictly")
 
 
 def calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor,

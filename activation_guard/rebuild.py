@@ -21,11 +21,19 @@ from .leaves import MAX_DEPTH, UnsupportedTensorError, is_wrapper
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], depth: int = 0) -> Any:
-    """``obj`` with every tensor replaced by ``fn(tensor)`` and numpy arrays copied; lists, tuples,
+    """``obj`` with every tensor replaced by ``fn(tensor)``, numpy arrays and ``torch.Generator``
+    objects copied (the latter with their state); lists, tuples,
     named tuples, mappings and dataclasses are rebuilt (a mapping whose type cannot be rebuilt from
     a dict becomes one), other objects are shared. Model inputs go through this before a run that may change them."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if isinstance(obj, torch.Generator):
+        # a copy with the same state: the run on these copies draws what the real run will draw,
+        # and does not advance the caller's generator (a calibrated record once changed what it
+        # recorded, and its floors measured two different noises)
+        g = torch.Generator(device=obj.device)
+        g.set_state(obj.get_state())
+        return g
     if depth > MAX_DEPTH:
         return obj
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):

@@ -102,8 +102,15 @@ class float32_random(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in (torch.rand_like, torch.randn_like):
             return func(*args, **{**kwargs, "dtype": torch.float32}).to(f64)
-        if func in (torch.bernoulli, torch.Tensor.bernoulli) and len(args) == 1 and not kwargs:
-            return func(first.float()).to(f64)
+        if func in (torch.bernoulli, torch.Tensor.bernoulli) and len(args) == 1 and set(kwargs) <= {"generator"}:
+            return func(first.float(), **kwargs).to(f64)
+        if func is torch.Tensor.bernoulli_ and len(args) <= 2 and set(kwargs) <= {"p", "generator"}:
+            # x.bernoulli_(probs): a float64 tensor of probabilities draws another mask than float32
+            p = args[1] if len(args) == 2 else kwargs.pop("p", 0.5)
+            p = p.float() if isinstance(p, torch.Tensor) and p.dtype == f64 else p
+            drawn = torch.empty_like(first, dtype=torch.float32).bernoulli_(p, **kwargs)
+            with torch.no_grad():
+                return first.copy_(drawn)
         if func in (torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.exponential_, torch.Tensor.log_normal_,
                     torch.Tensor.cauchy_, torch.Tensor.geometric_):
             drawn = func(torch.empty_like(first, dtype=torch.float32), *args[1:], **kwargs)
