@@ -193,7 +193,11 @@ def implausible_floor(golden: torch.Tensor, gf: NoiseFloor, lf: NoiseFloor, dtyp
     g = g[torch.isfinite(g)]
     if g.numel() == 0:
         return None
-    scale = float(g.square().mean().sqrt())
+    return floor_beyond_rounding(float(g.square().mean().sqrt()), gf, lf, dtype)
+
+
+def floor_beyond_rounding(scale: float, gf: NoiseFloor, lf: NoiseFloor, dtype: str) -> str | None:
+    """:func:`implausible_floor` given the values' RMS (a fingerprint holds it exactly)."""
     worst = max(gf.rms, lf.rms)
     limit = PLAUSIBLE_FLOOR.get(dtype, PLAUSIBLE_FLOOR_DEFAULT)
     if scale <= 0 or worst <= limit * scale:

@@ -29,7 +29,7 @@ from collections import Counter
 
 import torch
 
-from .calibrate import CalibratedJudge, cast_rounding
+from .calibrate import CalibratedJudge, cast_rounding, floor_beyond_rounding
 from .dtypes import BY_NAME, BY_TORCH
 from .fingerprint import Fingerprint, FingerprintError, compute_fingerprint
 from .fingerprint_judge import FingerprintVerdict, judge_fingerprint, judge_fingerprint_calibrated
@@ -143,6 +143,11 @@ class FingerprintJudge:
             side = "the golden has" if gf is None else "the live float64 shadow gave"
             cal.fallbacks.append(f"{_where(ctx)}: {side} no finite noise floor")
             return self._strict(ctx, golden, live, tol, f"{tol.source}; strict: no noise floor")
+        odd = None if not golden.count else floor_beyond_rounding(math.sqrt(golden.sq_sum / golden.count), gf, lf,
+                                                                  ctx.golden_dtype)
+        if odd is not None:  # the float64 reference computed something else (calibrate.implausible_floor)
+            cal.fallbacks.append(f"{_where(ctx)}: {odd}")
+            return self._strict(ctx, golden, live, tol, f"{tol.source}; strict: implausible noise floor")
         cal.judged += 1
         low = ctx.golden_dtype if PRECISION.get(ctx.golden_dtype, 0) < PRECISION.get(ctx.live_dtype, 0) \
             else ctx.live_dtype

@@ -662,3 +662,12 @@ def test_a_float64_reference_that_computes_something_else_never_widens_the_verdi
     assert not rep.ok and rep.first_divergence is not None and rep.first_divergence.name == "b", rep
     if mid == "dtype branch":
         assert any("more than rounding gives" in n for n in rep.notes), rep.notes
+        # a fingerprint golden holds the values' RMS exactly: the same check applies there
+        fp, xb = tmp_path / "fp.h5", torch.randn(128, 16, generator=torch.Generator().manual_seed(2))
+        ag.record(m, (xb,), path=fp, calibrate=True, fingerprint=True, inputs=False)
+        with ag.read_golden(fp) as r:
+            assert r.by_key[("b", 0)].leaves[0].kind == "fingerprint"
+        assert ag.compare(m, (xb,), path=fp, tolerance="calibrated").ok
+        frep = ag.compare(changed, (xb,), path=fp, tolerance="calibrated")
+        assert not frep.ok and frep.first_divergence is not None and frep.first_divergence.name == "b", frep
+        assert any("more than rounding gives" in n for n in frep.notes), frep.notes
