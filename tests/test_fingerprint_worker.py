@@ -418,7 +418,9 @@ def test_live_copies_and_pooled_buffers_share_one_bound(monkeypatch: pytest.Monk
     monkeypatch.setattr(FingerprintWorker, "submit", spy)
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(2))
     worker, inline, n = _record_both(monkeypatch, tmp_path, ManySizes(), (x,))
-    assert worker == inline and n >= 24
+    # how many of the 24 go to the worker depends on how fast it drains (under load the rest are
+    # fingerprinted in the hook); about a dozen fit under the bound before any draining
+    assert worker == inline and n >= 6
     assert max(held) <= bound
 
 
