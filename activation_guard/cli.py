@@ -26,7 +26,7 @@ from typing import Any
 
 from ._version import __version__
 from .errors import GoldenError, OptionError
-from .options import HDF5_SIGNATURE
+from .options import is_hdf5_file
 
 PROG = "activation-guard"
 
@@ -67,8 +67,6 @@ def load_tolerances(path: str) -> dict[str, Any]:
     return data  # its values are validated with every other option, by the spec
 
 
-
-
 def _check_writable(path: str | None, option: str, inputs: tuple[str, ...] = ()) -> None:
     """An output file may be written: its folder exists, and it is neither a folder, nor one of
     the command's inputs, nor any other HDF5 file (a golden is never overwritten by a report)."""
@@ -84,12 +82,7 @@ def _check_writable(path: str | None, option: str, inputs: tuple[str, ...] = ())
                 os.path.exists(given) and os.path.exists(path) and os.path.samefile(given, path)):
             raise CliError(f"{option} {path}: is another file of this command (an input or the other output); "
                            f"give another file name")
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(HDF5_SIGNATURE))
-    except OSError:
-        return
-    if head == HDF5_SIGNATURE:
+    if is_hdf5_file(path):
         raise CliError(f"{option} {path}: is an HDF5 file (a golden?), which a report never overwrites; give another "
                        f"file name")
 

@@ -25,21 +25,26 @@ from .spec import CompareSpec, RecordSpec, build_specs
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"  # the first bytes of every HDF5 file (every golden)
 
 
+def is_hdf5_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a readable file that starts like an HDF5 file (a golden a report must
+    never overwrite: the plugin's ``--ag-report`` and the CLI's report outputs)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE
+    except OSError:
+        return False
+
+
 def _report_path(p: Path, golden_dir: Path) -> Path:
     """``--ag-report``'s file, refused where writing it would destroy something: a folder, an
     HDF5 file (a golden: the report would replace it on a run that asked for no golden write), a
     name a golden would have, or a place inside the golden folder."""
     if p.is_dir():
         raise OptionError(f"--ag-report {p}: is a folder; give a file name")
-    if p.suffix.lower() in (".h5", ".hdf5") or golden_dir == p.parent or golden_dir in p.parents:
+    if p.suffix.lower() in (".h5", ".hdf5") or golden_dir in p.parents:
         raise OptionError(f"--ag-report {p}: names a golden file or a place in the golden folder {golden_dir}; a "
                           f"report (.json, .html, .md) goes elsewhere")
-    try:
-        with open(p, "rb") as f:
-            head = f.read(len(HDF5_SIGNATURE))
-    except OSError:
-        return p
-    if head == HDF5_SIGNATURE:
+    if is_hdf5_file(p):
         raise OptionError(f"--ag-report {p}: is an HDF5 file (a golden?), which a report never overwrites; give "
                           f"another file name")
     return p
@@ -180,11 +185,12 @@ class Settings:
             cli["fingerprint"] = True
         build_specs(ini, {k: source_label("ini", k) for k in ini})
         build_specs(cli, {k: source_label("command line", k) for k in cli})
+        golden_dir = Path(os.path.abspath(gdir))
         return cls(
-            golden_dir=Path(os.path.abspath(gdir)),
+            golden_dir=golden_dir,
             update=update,
-            report_path=(_report_path(Path(os.path.abspath(Path(invocation_dir, report_path))),
-                                      Path(os.path.abspath(gdir))) if report_path else None),
+            report_path=(_report_path(Path(os.path.abspath(Path(invocation_dir, report_path))), golden_dir)
+                         if report_path else None),
             unused=unused,
             check_determinism=check_determinism,
             rank_timeout=_rank_timeout(rank_timeout),
