@@ -27,7 +27,7 @@ from .dtypes import BY_NAME, dtype_name, numpy_view, tensor_bytes, tensor_from_b
 from .fingerprint_rule import FingerprintJudge
 from .golden_selection import Selection, recorded_selection, refuse_strays
 from .judges import Judge, LeafContext, dtype_change_allowed
-from .leaf_paths import EMPTY_KEY, is_fields, match_old_empty_keys
+from .leaf_paths import EMPTY_KEY, first_duplicate, is_fields, match_old_empty_keys
 from .leaves import Leaf, LeafTransform, UnsupportedTensorError, flatten, is_plain_tensor
 from .rename import apply_rename, renamed_patterns
 from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
@@ -140,9 +140,10 @@ class Comparator:
             if self.spec.replay == "all":
                 own = self.replayer.own(frame, entry, self._compare_call)
                 if own.layer is not None and (self.inputs_replaced or self.verify_inputs or self.partial_selection):
-                    # the model's inputs changed: "each layer computes what it did" cannot make the
+                    # the model's inputs changed (or could not be shown unchanged), or code outside the
+                    # selected layers went unjudged: "each layer computes what it did" cannot make the
                     # changed outputs a pass; the output verdict stands, the own error is shown (inputs
-                    # only cast to another dtype are the cross-precision case replay="all" judges)
+                    # only cast to another floating dtype are the cross-precision case replay="all" judges)
                     keep_own(res, own.layer)
                 elif own.layer is not None:
                     res = judge_by_own(res, own.layer)
@@ -219,9 +220,8 @@ class Comparator:
             for leaf in leaves:
                 if leaf.legacy_path is not None:
                     leaf.path = leaf.legacy_path
-            paths = [leaf.path for leaf in leaves]
-            if len(set(paths)) != len(paths):  # two live values under one name: one would go unjudged
-                dup = next(p for i, p in enumerate(paths) if p in paths[:i])
+            dup = first_duplicate(leaf.path for leaf in leaves)
+            if dup is not None:  # two live values under one name: one would go unjudged
                 return [LeafResult(dup, "structure", f"{_out(dup)}: two live values have this path in a format-1 "
                                                      f"golden, which cannot tell them apart; re-record the golden")]
         judge = judge or self.judge

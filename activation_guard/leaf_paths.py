@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterable
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -135,3 +136,14 @@ def match_old_empty_keys(live: dict[str, L], gpaths: set[str]) -> dict[str, L]:
         else:
             out[p] = leaf
     return out
+
+
+def first_duplicate(paths: Iterable[str]) -> str | None:
+    """The first path that occurs a second time, or None: two values under one path would be
+    compared as one, and the other never (the store's index parser has its own, being below this)."""
+    seen: set[str] = set()
+    for p in paths:
+        if p in seen:
+            return p
+        seen.add(p)
+    return None

@@ -47,6 +47,7 @@ from .leaf_paths import (
     encode_key,
     encode_str_key,
     enum_text,
+    first_duplicate,
     join_path,
     legacy_key,
 )
@@ -327,9 +328,7 @@ def flatten(obj: Any, prefix: str = "", *, fields: bool = False) -> list[Leaf]:
         return [Leaf(prefix, "tensor", tensor=obj)]
     w = _Walker(fields)
     w.walk(obj, prefix, prefix, 0)
-    if len(w.out) > 1 and len({leaf.path for leaf in w.out}) != len(w.out):
-        # the encoding is injective, so this is a bug here: refuse rather than compare one of two values
-        paths = [leaf.path for leaf in w.out]
-        dup = next(p for i, p in enumerate(paths) if p in paths[:i])
+    dup = None if len(w.out) < 2 else first_duplicate(leaf.path for leaf in w.out)
+    if dup is not None:  # the encoding is injective, so this is a bug here: refuse rather than compare one of two
         raise PathCollisionError(f"two values in one output share the path {dup!r}; please report this")
     return w.out
