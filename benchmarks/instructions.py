@@ -8,7 +8,9 @@ time, not even interleaved in one process (:mod:`ab`). The number of instruction
 the same on every run of one checkout (hash seed fixed, address randomization off). Between two
 checkouts about 1% still moves with the code's layout in memory: the plain forward, which runs
 no code of ours, read 0.993x. So trust differences above ~1-2%. It does not see cache misses, so
-confirm a real gain with ``ab.py`` on a quiet minute.
+confirm a real gain with ``ab.py`` on a quiet minute. A whole run also varies by a few hundred
+thousand instructions, which is noise only against the defaults' ~1e9 measured: a tiny
+``--layers``/``--repeat`` (20 layers, 1 run gave a negative forward) measures nothing.
 
 Each figure is ``(I(setup + K ops) - I(setup)) / (K * layer calls)``: the setup (importing torch,
 building the model, recording its golden, one warm-up of each op) cancels out. ``record`` and
@@ -107,25 +109,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "forward" not in ops and ({"record", "compare"} & set(ops)):
         ops.insert(0, "forward")  # record and compare are shown above it
+    trees = range(len(a.trees))  # by position: the same checkout may be given twice (a repeatability check)
     with tempfile.TemporaryDirectory() as d:
         # each checkout's package copied to a path of the same length: the path's length moves
         # allocations, and with them id()-keyed dict layouts (2.6% on the forward alone, measured)
-        copies = {}
-        for i, t in enumerate(a.trees):
-            copies[t] = os.path.join(d, f"t{i}")
-            shutil.copytree(os.path.join(t, "activation_guard"), os.path.join(copies[t], "activation_guard"),
+        copies = [os.path.join(d, f"t{i}") for i in trees]
+        for t, copy in zip(a.trees, copies):
+            shutil.copytree(os.path.join(t, "activation_guard"), os.path.join(copy, "activation_guard"),
                             ignore=shutil.ignore_patterns("__pycache__"))
-        runs = [(t, op, k) for t in a.trees for op in ops for k in (a.repeat,)] + [(t, "forward", 0) for t in a.trees]
+        runs = [(i, op, a.repeat) for i in trees for op in ops] + [(i, "forward", 0) for i in trees]
         with ThreadPoolExecutor(max(1, a.jobs)) as pool:
             got = dict(zip(runs, pool.map(lambda r: count(copies[r[0]], r[1], r[2], a.layers), runs)))
     calls = a.layers + 1
-    per = {(t, op): (got[(t, op, a.repeat)] - got[(t, "forward", 0)]) / (a.repeat * calls)
-           for t in a.trees for op in ops}
+    per = {(i, op): (got[(i, op, a.repeat)] - got[(i, "forward", 0)]) / (a.repeat * calls) for i in trees for op in ops}
     rows: list[tuple[str, list[float]]] = []
     for op in ops:
-        rows.append((op, [per[(t, op)] for t in a.trees]))
+        rows.append((op, [per[(i, op)] for i in trees]))
         if op in ("record", "compare"):
-            rows.append((f"{op} above the forward", [per[(t, op)] - per[(t, "forward")] for t in a.trees]))
+            rows.append((f"{op} above the forward", [per[(i, op)] - per[(i, "forward")] for i in trees]))
     print(f"deep{a.layers}: {calls} layer calls; instructions per layer call (callgrind, hash seed 0, "
           f"{a.repeat} runs of each op)")
     head = "".join(f"{name:>14}" for name in (["old", "new"] if len(a.trees) == 2 else ["count"]))
