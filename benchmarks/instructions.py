@@ -5,7 +5,8 @@ Timings on this shared 2-core VM swing by half from one minute to the next (the 
 measured 31-47 us per record call in back-to-back runs), so a change worth 1-3 us per layer call,
 which is what is left to gain on issue 15's per-layer target, cannot be seen in wall or CPU
 time, not even interleaved in one process (:mod:`ab`). The number of instructions executed is
-the same on every run of one checkout (hash seed fixed, address randomization off). Between two
+nearly the same on every run of one checkout (hash seed fixed, address randomization off: ~0.02%
+apart at the default size). Between two
 checkouts about 1% still moves with the code's layout in memory: the plain forward, which runs
 no code of ours, read 0.993x. So trust differences above ~1-2%. It does not see cache misses, so
 confirm a real gain with ``ab.py`` on a quiet minute. A whole run also varies by a few hundred
