@@ -40,7 +40,7 @@ The RNG state is restored after it (a checkpoint's recomputation may draw), grad
 training flag are never changed, every hook is removed, and the graph is freed (no
 ``retain_graph``).
 
-About 410 lines, most of them :class:`GradCapture`: its forward hooks, the graph walk and the
+About 440 lines, most of them :class:`GradCapture`: its forward hooks, the graph walk and the
 backward share one set of per-call records (the nodes each call created, the edges into its
 inputs, the gradients arriving), and each half is only correct given the other's order of
 events. The loss rule and the comparison live in :mod:`.grad_loss` and :mod:`.grad_compare`.
