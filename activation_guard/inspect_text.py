@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .inspection import GoldenInfo, LeafInfo, iter_leaves, path_str
-from .store import FORMAT_VERSION, GoldenReader
+from .store import GoldenReader
 
 
 def num(x: float | None, digits: int = 6) -> str:
@@ -130,7 +130,7 @@ def format_table(leaves: Sequence[LeafInfo]) -> list[str]:
 
 
 def format_inspect(gi: GoldenInfo, layer: str | Sequence[str] | None = None) -> str:
-    lines = [f"golden      : {gi.path} ({gi.file_bytes / 1e6:.3g} MB, format version {FORMAT_VERSION}, "
+    lines = [f"golden      : {gi.path} ({gi.file_bytes / 1e6:.3g} MB, format version {gi.format_version}, "
              f"{gi.layer_calls} layer calls)"]
     lines += meta_lines(gi.meta)
     lines.append("")
@@ -166,7 +166,7 @@ def textconv_lines(path: str | os.PathLike[str]) -> Iterator[str]:
     """
     with GoldenReader(path) as reader:
         meta = reader.meta
-        yield f"# activation_guard golden, format {FORMAT_VERSION}, {len(reader.calls)} layer calls"
+        yield f"# activation_guard golden, format {reader.version}, {len(reader.calls)} layer calls"
         yield f"# model_class {meta.get('model_class', '?')} training={bool(meta.get('training'))}"
         dev = _dig(meta, "device", "device") or "?"
         yield f"# device {dev} torch {_dig(meta, 'versions', 'torch') or '?'}"

@@ -28,7 +28,7 @@ from .fingerprint import Fingerprint
 from .fingerprint_judge import gamma
 from .results import json_number
 from .selection import match_any
-from .store import FORMAT_VERSION, CallEntry, GoldenReader, LeafEntry
+from .store import CallEntry, GoldenReader, LeafEntry
 from .store.fingerprints import encode as fingerprint_bytes
 
 CHUNK = 1 << 20
@@ -109,10 +109,11 @@ class GoldenInfo:
     meta: dict[str, Any]
     layer_calls: int
     leaves: list[LeafInfo] = field(default_factory=list)
+    format_version: int = 0  # the file's own (an older golden is read as it was written)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "path": self.path, "format_version": FORMAT_VERSION, "file_bytes": self.file_bytes,
+            "path": self.path, "format_version": self.format_version, "file_bytes": self.file_bytes,
             "layer_calls": self.layer_calls, "meta": self.meta, "leaves": [x.to_dict() for x in self.leaves],
         }
 
@@ -219,7 +220,8 @@ def iter_leaves(reader: GoldenReader, layer: str | Sequence[str] | None = None,
 def inspect_golden(path: str | os.PathLike[str], layer: str | Sequence[str] | None = None) -> GoldenInfo:
     """Read a golden's metadata and every (selected) leaf with statistics."""
     with GoldenReader(path) as reader:
-        gi = GoldenInfo(os.fspath(path), reader.file_size, reader.meta, len(reader.calls))
+        gi = GoldenInfo(os.fspath(path), reader.file_size, reader.meta, len(reader.calls),
+                        format_version=reader.version)
         gi.leaves = list(iter_leaves(reader, layer))
     return gi
 

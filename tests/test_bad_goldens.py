@@ -18,6 +18,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from golden_edit import index_dict, set_index
 from models import Mixed, one_thread
 
 import activation_guard as ag
@@ -88,7 +89,7 @@ def set_json(f: h5py.File, key: str, obj: Any, fix_crc: bool = True) -> None:
 
 
 def index_of(f: h5py.File) -> dict[str, Any]:
-    return json.loads(f["index"][()].tobytes())
+    return index_dict(f)
 
 
 def with_index(edit_index: Callable[[dict[str, Any]], Any]) -> Callable[[h5py.File], None]:
@@ -97,7 +98,7 @@ def with_index(edit_index: Callable[[dict[str, Any]], Any]) -> Callable[[h5py.Fi
     def edit(f: h5py.File) -> None:
         idx = index_of(f)
         edit_index(idx)
-        set_json(f, "index", idx)
+        set_index(f, idx)
 
     return edit
 

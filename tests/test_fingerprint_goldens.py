@@ -22,6 +22,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from golden_edit import index_dict, set_index
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import one_thread
@@ -444,7 +445,9 @@ def test_replay_attributes_where_inputs_are_full_and_says_why_not_elsewhere(gold
 def rewrite(path: Path, *, index: Any = None, meta: Any = None, pack: Any = None) -> None:
     """Edit a golden in place, keeping every checksum valid (a forged file, not a damaged one)."""
     with h5py.File(path, "r+") as f:
-        for key, fn in (("index", index), ("meta", meta)):
+        if index is not None:
+            set_index(f, index(index_dict(f)))
+        for key, fn in (("meta", meta),):
             if fn is None:
                 continue
             obj = fn(json.loads(f[key][()].tobytes()))
@@ -471,7 +474,7 @@ def fp_entry(index: dict[str, Any], layer: str) -> dict[str, Any]:
 
 def entry_of(path: Path, layer: str) -> dict[str, Any]:
     with h5py.File(path, "r") as f:
-        return fp_entry(json.loads(f["index"][()].tobytes()), layer)
+        return fp_entry(index_dict(f), layer)
 
 
 def test_flipped_bit_in_a_fingerprint_is_corruption_naming_file_and_layer(goldens, tmp_path):

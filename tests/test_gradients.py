@@ -19,6 +19,7 @@ from typing import Any
 import h5py
 import pytest
 import torch
+from golden_edit import index_dict, set_index
 from hypothesis import given
 from hypothesis import strategies as st
 from models import build_hf_gpt2, build_lstm, lstm_input, shared_loop, token_input
@@ -429,7 +430,7 @@ def test_a_golden_without_gradients_still_compares_forward_only(tmp_path: Path) 
     x = torch.randn(2, 6)
     ag.record(model, x, path=tmp_path / "g.h5")
     with h5py.File(tmp_path / "g.h5") as f:
-        assert "backward" not in json.loads(f["index"][()].tobytes())
+        assert "backward" not in index_dict(f)
     report = ag.compare(model, x, path=tmp_path / "g.h5")
     assert report.ok and report.grad_count == 0 and all(r.phase == "forward" for r in report.layers)
     with pytest.raises(ActivationGuardError, match="the golden has no gradients"):
@@ -465,7 +466,7 @@ def test_seeded_cotangent_is_stored_and_reused(tmp_path: Path) -> None:
     ag.record(model, x, path=tmp_path / "g.h5", backward=True)
     with h5py.File(tmp_path / "g.h5") as f:
         meta = json.loads(f["meta"][()].tobytes())
-        index = json.loads(f["index"][()].tobytes())
+        index = index_dict(f)
     assert meta["backward"]["loss"] == "cotangent" and meta["backward"]["seed"] == 0
     assert "randn" in meta["backward"]["rule"] and meta["backward"]["gradients"] == len(index["backward"])
     first = index["backward"][0]
@@ -493,18 +494,11 @@ def test_compiled_models_are_refused_with_backward(tmp_path: Path) -> None:
 
 
 def test_malformed_backward_sections_are_refused(tmp_path: Path) -> None:
-    from activation_guard.store import json_bytes
-
     ag.record(shared_loop(), torch.randn(2, 6), path=tmp_path / "g.h5", backward=True)
-    with h5py.File(tmp_path / "g.h5", "r+") as f:
-        index = json.loads(f["index"][()].tobytes())
+    with h5py.File(tmp_path / "g.h5", "r+") as f:  # (a format-2 index: the tables have no code for it)
+        index = index_dict(f)
         index["backward"][0]["grad"] = "sideways"
-        raw = json_bytes(index)
-        del f["index"]
-        f.create_dataset("index", data=list(raw), dtype="uint8")
-        import zlib
-
-        f.attrs["index_crc32"] = zlib.crc32(raw)
+        set_index(f, index)
     with pytest.raises(ag.GoldenFormatError, match="backward entry #0 is malformed"):
         ag.read_golden(tmp_path / "g.h5")
 

@@ -8,11 +8,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 import torch
+from golden_edit import to_v2
 from models import build_cnn, cnn_input, one_thread, tiny_mlp
 from torch import nn
 
@@ -56,6 +58,44 @@ def listing(d) -> list[str]:
 # --------------------------------------------------------------------------- layout
 
 
+def format_doc_example() -> str:
+    """The plain-h5py reader of docs/format.md ("Reading a golden with plain h5py"), as printed there."""
+    text = (Path(__file__).parents[1] / "docs" / "format.md").read_text()
+    section = text[text.index("## Reading a golden with plain h5py"):]
+    return section[section.index("```python") + len("```python"):section.index("```\n\n")]
+
+
+def plain_index(f: h5py.File) -> dict:
+    """The index read back with json and numpy only, by the docs' own example (not through
+    activation_guard's decoder)."""
+    code = format_doc_example()
+    ns: dict = {}
+    exec(code[:code.index("with h5py.File(")], ns)
+    return {"calls": ns["index_calls"](f)}
+
+
+def test_the_format_docs_reader_reads_both_versions(tmp_path, capsys):
+    """The docs' example, run as printed, on a format-3 golden and a committed format-2 one."""
+    code = format_doc_example()
+    committed = "golden/tests/examples/test_cnn/test_small_cnn[1].h5"
+    assert committed in code
+    new, old = tmp_path / "g.h5", tmp_path / "v2.h5"
+    ag.record(PackedAndLarge(), XB, path=new)
+    ag.record(PackedAndLarge(), XB, path=old)
+    with h5py.File(old, "r+") as f:
+        to_v2(f)
+    versions = []
+    for path in (str(new), str(old), str(Path(__file__).parents[1] / committed)):
+        with h5py.File(path, "r") as f:
+            versions.append(int(f.attrs["ag_format_version"]))
+        with ag.read_golden(path) as r:
+            want = [f"{c.name} {c.call} {leaf.path} {leaf.dtype} {list(leaf.shape)}"
+                    for c in r.calls for leaf in c.leaves if leaf.kind == "tensor"]
+        exec(code.replace(committed, path), {})
+        assert capsys.readouterr().out.splitlines() == want, path
+    assert versions == [3, 2, 1]  # the committed goldens were written in format 1
+
+
 def test_layout_is_readable_with_plain_h5py(tmp_path):
     path = tmp_path / "g.h5"
     summary = ag.record(PackedAndLarge(), XB, path=path, inputs=False)  # the output layout
@@ -66,9 +106,9 @@ def test_layout_is_readable_with_plain_h5py(tmp_path):
     with h5py.File(path, "r") as f:
         assert f.attrs["ag_format"] == b"activation_guard.golden"  # fixed-length ASCII
         assert not f.attrs.get_id("ag_format").get_type().is_variable_str()
-        assert int(f.attrs["ag_format_version"]) == store.FORMAT_VERSION == 2
-        assert set(f) == {"index", "meta", "packs", "data"}
-        index = json.loads(f["index"][()].tobytes())
+        assert int(f.attrs["ag_format_version"]) == store.FORMAT_VERSION == 3
+        assert set(f) == {"index", "meta", "packs", "data", "calls", "leaves", "dims"}
+        index = plain_index(f)
         meta = json.loads(f["meta"][()].tobytes())
         assert [(c["name"], c["call"], c["type"]) for c in index["calls"]] == [
             ("small", 0, "Linear"), ("big", 0, "Linear"), ("low", 0, "Linear"), ("", 0, "PackedAndLarge")

@@ -30,6 +30,7 @@ from ..errors import GoldenCorruptError, GoldenError, GoldenFormatError, GoldenN
 from ..fingerprint import Fingerprint, FingerprintFormatError, FingerprintParams
 from ..gcpause import collector_off
 from . import fingerprints as fpstore
+from . import rows
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -37,6 +38,7 @@ from .format import (
     MAX_JSON_BYTES,
     PACK_BYTES,
     ROOT_MEMBERS,
+    ROW_TABLES,
     CallEntry,
     LeafEntry,
     parse_backward,
@@ -146,8 +148,9 @@ class GoldenReader:
             raise GoldenFormatError(p, f"has an invalid format version {int(ver)}")
         self.version = int(ver)
         root: dict[str, Any] = {}  # each root object opened once: a lookup by name costs ~50 us
+        members = ROOT_MEMBERS + ROW_TABLES if self.version >= 3 else ROOT_MEMBERS
         for key in f:
-            if key not in ROOT_MEMBERS:
+            if key not in members:
                 raise GoldenFormatError(p, f"contains an unexpected object /{key}")
             root[key] = hard_member(p, f, key, "/")
         self._groups: dict[str, h5py.Group] = {}
@@ -181,16 +184,24 @@ class GoldenReader:
         p = self.path
         self.meta = self._read_json("meta", root.get("meta"))
         index = self._read_json("index", root.get("index"))
-        if not isinstance(self.meta, dict) or not isinstance(index, dict) or not isinstance(index.get("calls"), list):
+        if not isinstance(self.meta, dict):
             raise GoldenFormatError(p, "has a malformed index or meta record")
-        self.calls = parse_calls(p, index["calls"])
+        if self.version >= 3:  # the index as integer tables beside a table of strings (store.rows)
+            header = rows.check_header(p, index)
+            arrays = {k: self._read_table(k, root.get(k), rows.table_shape(header, k), header["crc32"][k])
+                      for k in ROW_TABLES}
+            self.calls, self.backward = rows.Tables(p, header, arrays).entries()
+        else:
+            if not isinstance(index, dict) or not isinstance(index.get("calls"), list):
+                raise GoldenFormatError(p, "has a malformed index or meta record")
+            self.calls = parse_calls(p, index["calls"])
+            self.backward = parse_backward(p, index.get("backward"))  # gradients (issue 14)
         self.by_key: dict[tuple[str, int], CallEntry] = {}
         for c in self.calls:
             if (c.name, c.call) in self.by_key:
                 raise GoldenFormatError(p, f"lists layer {c.name!r} call {c.call} twice")
             self.by_key[(c.name, c.call)] = c
         # --- gradients (issue 14): the optional backward section, in backward execution order
-        self.backward = parse_backward(p, index.get("backward"))
         self.by_grad: dict[tuple[str, str, int], CallEntry] = {}
         for c in self.backward:
             assert c.grad is not None
@@ -284,6 +295,26 @@ class GoldenReader:
             return json.loads(raw.decode())
         except (UnicodeDecodeError, ValueError) as e:
             raise GoldenCorruptError(p, f"/{key} is not valid JSON ({e})") from None
+
+    def _read_table(self, key: str, ds: Any, shape: tuple[int, ...], crc: int) -> np.ndarray:
+        """One of format 3's index tables: little-endian int64 of the shape ``/index`` gives,
+        contiguous and unfiltered, stored in full in this file, and passing its checksum."""
+        p = self.path
+        if ds is None:
+            raise GoldenFormatError(p, f"has no /{key} table (format 3 keeps its index in /index, /calls, /leaves "
+                                       f"and /dims; incomplete or not written by activation_guard)")
+        if not isinstance(ds, h5py.Dataset) or ds.dtype != rows.TABLE_DTYPE or ds.shape != shape:
+            got = f"{ds.dtype} {ds.shape}" if isinstance(ds, h5py.Dataset) else "a group"
+            raise GoldenFormatError(p, f"/{key} is {got}; its /index record says int64 {shape}")
+        check_dataset(p, ds, f"/{key}")
+        if ds.chunks is not None or ds.compression is not None:
+            raise GoldenFormatError(p, f"/{key} is chunked or compressed; goldens store index tables contiguous")
+        nbytes = 8 * int(np.prod(shape))
+        check_storage(p, ds, nbytes, self.file_size, f"/{key}")
+        arr = ds[()] if nbytes else np.zeros(shape, dtype=rows.TABLE_DTYPE)
+        if zlib.crc32(arr.tobytes()) != crc:
+            raise GoldenCorruptError(p, f"/{key} fails its checksum (the file was modified or damaged)")
+        return arr
 
     # -- data
     def _pack_bytes(self, pack: int) -> np.ndarray:

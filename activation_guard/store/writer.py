@@ -26,11 +26,13 @@ from .. import dtypes
 from ..errors import GoldenWriteError
 from ..fingerprint import Fingerprint, FingerprintParams
 from . import fingerprints as fpstore
+from . import rows
 from .format import (
     COMPRESSIONS,
     FORMAT_NAME,
     FORMAT_VERSION,
     PACK_BYTES,
+    ROW_TABLES,
     SMALL_LEAF_BYTES,
     json_bytes,
 )
@@ -295,12 +297,12 @@ class GoldenWriter:
             if self.fingerprint_params is not None:  # the parameters every fingerprint here was taken with
                 meta = {**meta, fpstore.META_KEY: fpstore.meta_record(self.fingerprint_params,
                                                                       meta.get(fpstore.META_KEY))}
-            index: dict[str, Any] = {"calls": self.calls}
-            if self.backward:  # goldens without gradients keep their bytes
-                index["backward"] = self.backward
-            ib = json_bytes(index, sort_keys=False, acyclic=True)
+            header, tables = rows.encode({"calls": self.calls, "backward": self.backward})
+            ib = json_bytes(header, sort_keys=False, acyclic=True)
             mb = json_bytes(meta)
             self.f.create_dataset("index", data=np.frombuffer(ib, dtype=np.uint8), track_times=False)
+            for key in ROW_TABLES:
+                self.f.create_dataset(key, data=tables[key], track_times=False)
             self.f.create_dataset("meta", data=np.frombuffer(mb, dtype=np.uint8), track_times=False)
             # fixed-length ASCII: no global-heap object for a reader to trip over (see safety.scalar_attr)
             self.f.attrs["ag_format"] = np.bytes_(FORMAT_NAME)
