@@ -312,6 +312,7 @@ def hooked(
             if staged:
                 _reset_dynamo()  # compile the hooks in (hooks added later are not guarded on)
             yield state
+            _check_root_ran(target, layers, state)
             if staged:
                 _check_compiled_capture(target, layers, state)
                 for frame, out in state.staged:
@@ -359,6 +360,22 @@ def _reset_dynamo() -> None:
     import torch._dynamo
 
     torch._dynamo.reset()
+
+
+def _check_root_ran(target: Target, layers: list[tuple[str, torch.nn.Module]], state: HookState) -> None:
+    """The forward returned, but the model's own hooks never fired: its ``__call__`` does not go
+    through ``nn.Module.__call__``. Its output, and its own code after its last child, would go
+    uncompared while every layer inside matched: an error, never a pass (found by review)."""
+    root = next((m for n, m in layers if n == ""), None)
+    if root is None or state.calls.get(""):
+        return
+    cls = type(root)
+    overridden = cls.__call__ is not torch.nn.Module.__call__
+    why = f"{cls.__name__} overrides __call__" if overridden else "it was not called through torch.nn.Module.__call__"
+    raise UnsupportedModelError(
+        f"the model's own forward hooks never ran ({why}), so its output, and the code of its forward after its "
+        f"last layer, would not be compared. Give it the standard __call__, or check a wrapper module whose "
+        f"forward calls model.forward(...).")
 
 
 def _check_compiled_capture(target: Target, layers: list[tuple[str, torch.nn.Module]], state: HookState) -> None:

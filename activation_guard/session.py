@@ -341,10 +341,12 @@ class GuardSession:
         """One self-contained page: every compared check, failing ones plotted (if matplotlib
         is installed). Built from the JSON report dicts, so xdist workers' checks are included."""
         from .report import Report
-        from .visual import html_page
+        from .visual import Unreported, html_page
 
         pairs = [(r.label(), Report.from_dict(r.report)) for r in self.records if r.report is not None]
-        return html_page(pairs, title=self.title())
+        # a missing golden or an error before comparing has no report, but fails the run: listed too
+        others = [Unreported(r.label(), r.status, r.message or "") for r in self.records if r.report is None]
+        return html_page(pairs, title=self.title(), unreported=others)
 
 
 def partial_modules(args: Sequence[str], invocation_dir: Path, rootdir: Path) -> set[str]:

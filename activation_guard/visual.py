@@ -26,9 +26,10 @@ import html
 import io
 import math
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 from .errors import ActivationGuardError
 from .report import Report, fmt_diff, fmt_pair, why
@@ -396,15 +397,33 @@ def _fd_ids(items: list[tuple[str, Report]]) -> list[str]:
     return ids
 
 
-def _banner(items: list[tuple[str, Report]], fd_ids: list[str]) -> list[str]:
+# checks that have no report (``Unreported.status``) and fail the run
+FAILING_STATUSES = ("diverged", "missing", "error")
+
+
+class Unreported(NamedTuple):
+    """A check the page lists without a report: its golden was missing, it failed before
+    comparing (an unreadable golden, a bad option), or it wrote its golden."""
+
+    label: str
+    status: str  # missing, error, written, ... (the plugin's CheckRecord.status)
+    message: str = ""
+
+
+def _banner(items: list[tuple[str, Report]], fd_ids: list[str], others: Sequence[Unreported] = ()) -> list[str]:
     nbad = sum(1 for _, r in items if not r.ok)
-    state = "ok" if nbad == 0 else "bad"
-    if len(items) == 1:
+    failing = Counter(o.status for o in others if o.status in FAILING_STATUSES)
+    state = "ok" if nbad == 0 and not failing else "bad"
+    if len(items) == 1 and not others:
         r = items[0][1]
         counts = ", ".join(f"{v} {k}" for k, v in r.counts().items()) or "no layer calls"
         summary = f"{'OK' if r.ok else 'DIVERGED'}: {len(r.layers)} layer calls, {counts}"
     else:
-        summary = f"{len(items)} checks: {len(items) - nbad} passed, {nbad} diverged"
+        rest = Counter(o.status for o in others if o.status not in FAILING_STATUSES)
+        parts = [f"{len(items) - nbad} passed", f"{nbad + failing.pop('diverged', 0)} diverged"]
+        parts += [f"{n} {k}" if k != "error" else f"{n} error{'s' if n != 1 else ''}" for k, n in failing.items()]
+        parts += [f"{n} {k}" for k, n in rest.items()]
+        summary = f"{'FAILED' if state == 'bad' else 'OK'}: {len(items) + len(others)} checks: {', '.join(parts)}"
     out = [f'<div class="banner {state}">', f'<p class="state">{_e(summary)}</p>']
     for i, (label, r) in enumerate(items):
         fd = r.first_divergence
@@ -417,10 +436,15 @@ def _banner(items: list[tuple[str, Report]], fd_ids: list[str]) -> list[str]:
     return out
 
 
-def _checks_table(items: list[tuple[str, Report]], fd_ids: list[str]) -> list[str]:
+def _checks_table(items: list[tuple[str, Report]], fd_ids: list[str], others: Sequence[Unreported] = ()) -> list[str]:
     head = _head((("check", "text"), ("result", "text"), ("first divergence", "text")))
-    out = ['<div class="table-box">', _tools("checks", only_bad=len(items) > BIG_TABLE),
+    out = ['<div class="table-box">', _tools("checks", only_bad=len(items) + len(others) > BIG_TABLE),
            f'<div class="scroll"><table class="ag checks" data-noun="checks">{head}<tbody>']
+    for o in others:  # first: what failed without a report is what a reader must not miss
+        bad = o.status in FAILING_STATUSES
+        out.append(f'<tr data-name="{_e(o.label)}" data-bad="{int(bad)}"><td>{_e(o.label)}</td>'
+                   f'<td class="{"bad" if bad else "ok"}">{_e(o.status.upper())}</td><td>{_e(o.message or "-")}</td>'
+                   "</tr>")
     for i, (label, r) in enumerate(items):
         fd = r.first_divergence
         where = "-" if fd is None else f'<a href="#{fd_ids[i]}">{_e(fd.label)}</a> ({_e(why(fd))})'
@@ -432,7 +456,8 @@ def _checks_table(items: list[tuple[str, Report]], fd_ids: list[str]) -> list[st
     return out
 
 
-def html_page(reports: ReportsArg, *, title: str = "activation_guard report", plots: str = "auto") -> str:
+def html_page(reports: ReportsArg, *, title: str = "activation_guard report", plots: str = "auto",
+              unreported: Sequence[Unreported] = ()) -> str:
     """One self-contained HTML page: inline CSS and script, plots as base64 PNG, nothing loaded
     from anywhere else, so it can be archived as a CI artefact and opened offline.
 
@@ -441,6 +466,8 @@ def html_page(reports: ReportsArg, *, title: str = "activation_guard report", pl
     whatever an anchor link points at. ``#first-divergence`` is the first diverged check's first
     divergence, ``#report-N`` the N-th check. ``plots``: ``"auto"`` plots a single report, or the
     failing ones among several (a plot costs a fraction of a second); ``"all"``; ``"none"``.
+    ``unreported``: checks with no report (a missing golden, an error before comparing), listed
+    first in the checks table and counted in the banner, which is red when any of them failed.
     """
     if plots not in ("auto", "all", "none"):
         raise ValueError(f"plots must be 'auto', 'all' or 'none', got {plots!r}")
@@ -449,9 +476,9 @@ def html_page(reports: ReportsArg, *, title: str = "activation_guard report", pl
     out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
            f"<title>{_e(title)}</title>", f"<style>{_asset('report.css')}</style>", "</head>", "<body>",
-           f"<h1>{_e(title)}</h1>", *_banner(items, fd_ids)]
-    if len(items) > 1:
-        out += _checks_table(items, fd_ids)
+           f"<h1>{_e(title)}</h1>", *_banner(items, fd_ids, unreported)]
+    if len(items) + len(unreported) > 1:
+        out += _checks_table(items, fd_ids, unreported)
     for i, (label, r) in enumerate(items):
         with_plot = plots == "all" or (plots == "auto" and (len(items) == 1 or not r.ok))
         out += _section(i, label, r, with_plot, fd_ids[i])

@@ -415,3 +415,43 @@ def test_a_module_that_calls_itself(tmp_path: Path, replay: str) -> None:
     report = ag.compare(m, x, path=p, replay=replay)
     assert not report.ok and report.first_divergence is not None
     assert (report.first_divergence.name, report.first_divergence.call) == ("a", 0)
+
+
+class _SkipsHooks(nn.Module):
+    """A model whose ``__call__`` calls ``forward`` directly (a wrapper that skips hooks for speed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.k = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.k
+
+    def __call__(self, *a: Any, **kw: Any) -> Any:
+        return self.forward(*a, **kw)
+
+
+class _CallsForward(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.forward(x)
+
+
+def test_a_model_whose_call_skips_its_hooks_is_refused_not_passed(tmp_path: Path) -> None:
+    """Its own code after its last layer (`* k`) would go uncompared while `lin` matched: a change
+    of k passed as "OK, 1 layer calls match" (found by review). The suggested wrapper catches it."""
+    torch.manual_seed(0)
+    m, x = _SkipsHooks(), torch.randn(3, 4)
+    with pytest.raises(ag.UnsupportedModelError, match=r"_SkipsHooks overrides __call__.*wrapper module"):
+        ag.record(m, x, path=tmp_path / "g.h5")
+    assert not (tmp_path / "g.h5").exists()
+    wrapped = _CallsForward(m)
+    ag.record(wrapped, x, path=tmp_path / "g.h5")
+    assert ag.compare(wrapped, x, path=tmp_path / "g.h5").ok
+    m.k = 3.0
+    bad = ag.compare(wrapped, x, path=tmp_path / "g.h5")
+    assert not bad.ok and bad.first_divergence is not None and bad.first_divergence.name == ""

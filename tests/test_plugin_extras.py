@@ -152,6 +152,32 @@ def test_other(activation_guard):
     assert "http://" not in html and "https://" not in html
 
 
+def test_html_report_is_red_when_a_check_failed_without_a_report(ag: pytest.Pytester) -> None:
+    """A missing golden and an unreadable one have no report, but fail the run: the page lists them
+    and its banner says FAILED. Before, they were left off and the banner read OK (found by review)."""
+    import re
+
+    ag.makepyfile(test_two='''
+from agmodels import build, inputs
+
+def test_new(activation_guard):
+    activation_guard.check(build(), inputs())
+
+def test_broken(activation_guard):
+    activation_guard.check(build(), inputs())
+''')
+    ag.runpytest("--ag-update", "test_mlp.py", "test_two.py::test_broken").assert_outcomes(passed=2)
+    (ag.path / "golden" / "test_two" / "test_broken.h5").write_bytes(b"garbage")
+    res = ag.runpytest("--ag-report=report.html")
+    res.assert_outcomes(passed=1, failed=2)
+    page = (ag.path / "report.html").read_text()
+    banner = re.search(r'<div class="banner (\w+)">\s*<p class="state">([^<]*)', page)
+    assert banner is not None and banner.group(1) == "bad", banner
+    assert banner.group(2) == "FAILED: 3 checks: 1 passed, 0 diverged, 1 missing, 1 error", banner.group(2)
+    assert "test_two.py::test_new" in page and "test_two.py::test_broken" in page and "MISSING" in page
+    assert "ERROR" in page and "is not a readable HDF5 file" in page
+
+
 def test_our_own_errors_fail_in_one_clean_block(ag: pytest.Pytester) -> None:
     """A selection that matches nothing is the user's mistake, not the model's: the test fails
     with the engine's message and no traceback into activation_guard's internals, and the
