@@ -16,6 +16,7 @@ from typing import Any
 
 from .inspection import GoldenInfo, LeafInfo, iter_leaves, path_str
 from .store import GoldenReader
+from .textfmt import safe_line
 
 
 def num(x: float | None, digits: int = 6) -> str:
@@ -136,7 +137,7 @@ def format_inspect(gi: GoldenInfo, layer: str | Sequence[str] | None = None) -> 
     lines.append("")
     if not gi.leaves:
         lines.append(f"no layer matches {layer!r}" if layer else "the golden records no layer outputs")
-        return "\n".join(lines)
+        return "\n".join(map(safe_line, lines))
     fwd = [x for x in gi.leaves if x.section == "forward"]
     calls = {(x.layer, x.call) for x in fwd}
     ngrad = len(gi.leaves) - len(fwd)  # gradients (issue 14)
@@ -155,10 +156,14 @@ def format_inspect(gi: GoldenInfo, layer: str | Sequence[str] | None = None) -> 
         what = f"output {path_str(first.path)}" if first.section == "forward" else first.shown_path
         lines.append(f"first NaN/Inf in execution order: layer {first.layer or '<root>'!r} call {first.call} "
                      f"{what} ({first.stats.nonfinite if first.stats else 0} values)")
-    return "\n".join(lines)
+    return "\n".join(map(safe_line, lines))
 
 
 def textconv_lines(path: str | os.PathLike[str]) -> Iterator[str]:
+    return map(safe_line, _textconv_lines(path))
+
+
+def _textconv_lines(path: str | os.PathLike[str]) -> Iterator[str]:
     """Stable line-per-leaf rendering for ``git diff`` (see ``activation-guard textconv``).
 
     Only content goes into it (never the file name or size, which change with HDF5 layout), one

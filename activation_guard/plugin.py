@@ -20,6 +20,7 @@ from .check import GoldenCheck, item_key
 from .errors import OptionError as SpecOptionError
 from .options import DEVICE_FIXTURE, RECORD_DEVICE, OptionError, Settings, marker_options, prefixed
 from .session import ALERT_PREFIXES, GuardSession, partial_modules
+from .textfmt import safe_line
 
 SESSION_KEY = pytest.StashKey[GuardSession]()
 WORKER_KEY = "activation_guard"
@@ -337,7 +338,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.section("activation_guard")
     for line in lines:
         markup = {"red": True} if line.startswith(ALERT_PREFIXES) else {}
-        terminalreporter.line(line, **markup)
+        terminalreporter.line(safe_line(line), **markup)  # layer names come from the model or the golden
     if s.report_error:
         terminalreporter.line(s.report_error, red=True)
     elif s.settings.report_path is not None and not config.getoption("collectonly", False):

@@ -26,6 +26,7 @@ from .textfmt import (  # re-exported: the HTML page and the Markdown summary re
     fmt_pair,
     gradient_text,
     row_name,
+    safe_line,
     why,
 )
 
@@ -36,6 +37,9 @@ CONTEXT_AFTER = 4
 
 
 NOT_COMPARED = "not compared"  # notes holding it name values a pass did not cover: shown with the pass
+# notes that say what a pass does not cover (values not compared, a selection pattern that matched
+# nothing, a golden holding only some layers): printed with the pass's one line, not only on failure
+PASS_NOTE_MARKERS = (NOT_COMPARED, "matched no layer", "holds only those layers")
 
 
 @dataclass
@@ -239,7 +243,8 @@ class Report:
         fd = self.first_divergence
         if fd is None:  # a pass is one line; environment notes matter only when explaining a failure
             # ... but what the pass does not cover is said with it (gradients the golden has, not compared)
-            return "\n".join([self.headline(), *(f"  note: {m}" for m in self.notes if NOT_COMPARED in m)])
+            return "\n".join(safe_line(x) for x in [self.headline(), *(f"  note: {m}" for m in self.notes
+                                                                         if any(k in m for k in PASS_NOTE_MARKERS))])
         lines = [self.headline()]
         lines += self._origin_lines(fd)
         lines += [f"  NOTE {m}" for m in self.mode_changes]
@@ -257,13 +262,13 @@ class Report:
         tv = meta.get("versions", {}).get("torch", "?") if isinstance(meta.get("versions"), dict) else "?"
         lines.append(f"  golden        : {self.path} (recorded on {dev}, torch {tv}; live run on {self.live_device})")
         if fd is None:
-            return "\n".join(lines)
+            return "\n".join(map(safe_line, lines))
         lines += self._detail(fd)
         lines += self._context(fd)
-        lines.append(self._totals())
+        lines += ["", self._totals()]
         if self.stopped_early:
             lines.append("  (stopped at the first divergence: fail_fast)")
-        return "\n".join(lines)
+        return "\n".join(map(safe_line, lines))
 
     def _origin_lines(self, fd: LayerResult) -> list[str]:
         """Where the difference was made, first: it is what a person acts on."""
@@ -367,7 +372,7 @@ class Report:
         fwd = [layer for layer in self.layers if layer.phase == "forward"]
         c = Counter(layer.status for layer in fwd)
         parts = ", ".join(f"{c[k]} {k}" for k in STATUS_ORDER if c.get(k))
-        out = f"\n  totals: {self.live_count} live layer calls; {parts}"
+        out = f"  totals: {self.live_count} live layer calls; {parts}"
         if len(fwd) != len(self.layers):  # gradients (issue 14)
             g = Counter(layer.status for layer in self.layers if layer.phase != "forward")
             out += (f"; backward: {self.grad_count} gradients; "

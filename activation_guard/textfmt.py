@@ -31,6 +31,22 @@ GRAD_WHY = {
 }
 
 
+# C0 and C1 control characters (ESC starts terminal sequences; CR and LF forge report lines), and
+# the bidirectional-text controls that make a terminal or a diff viewer show text out of order
+_UNSAFE = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
+_UNSAFE.update({c: f"\\u{c:04x}" for c in (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A))})
+
+
+def safe_line(text: str) -> str:
+    """One line of terminal text with every control character written as an escape.
+
+    Layer names, output keys, class names and a golden's meta come from the model or from the file,
+    and reach terminals, CI logs and ``git diff`` (textconv): an ESC there can clear the screen or
+    hide lines, a newline forge a report line, U+202E reverse what is shown. Applied to each line
+    a text output is built of, so no field can break out of its line."""
+    return text.translate(_UNSAFE) if not text.isprintable() else text
+
+
 def why(layer: LayerResult) -> str:
     """The short reason a row failed, worded for outputs or for gradients."""
     if layer.phase != "forward" and layer.status in GRAD_WHY:

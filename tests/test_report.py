@@ -316,3 +316,58 @@ def test_golden_and_live_values_are_printed_distinguishably(tmp_path):
     g, lv = line.split("golden ")[1].split(", live ")
     assert g != lv, line
     assert float(g) == 1.0 and float(lv) == 1.0 + 3e-7
+
+
+def test_a_pass_says_what_it_does_not_cover(tmp_path):
+    """An include pattern that matched nothing, and a golden that holds only some layers, limit what
+    an OK means: the pass's text says so (found by review: a changed layer outside a selective
+    golden passed with a bare 'OK' line)."""
+    torch.manual_seed(0)
+    m, x = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3)), torch.randn(2, 3)
+    ag.record(m, (x,), path=tmp_path / "full.h5")
+    typo = ag.compare(m, (x,), path=tmp_path / "full.h5", include=["0", "dec*"])
+    assert typo.ok and "include pattern 'dec*' matched no layer" in str(typo)
+    ag.record(m, (x,), path=tmp_path / "part.h5", include=["0"])
+    with torch.no_grad():
+        m[2].bias += 1
+    part = ag.compare(m, (x,), path=tmp_path / "part.h5")
+    assert part.ok and "holds only those layers' outputs" in str(part)
+    assert str(part).splitlines()[0].startswith("activation_guard: OK")
+
+
+ESC = "\x1b[2J\x1b[H\x1b]0;owned\x07\u202e"  # clear the screen, home, set the title, right-to-left override
+
+
+def test_control_characters_from_the_model_or_the_golden_never_reach_a_terminal(tmp_path):
+    """Layer and class names, output keys and a hand-edited golden's meta reach terminals, CI logs
+    and `git diff` (textconv): each text output escapes control characters, so no field can clear
+    a screen, reorder text or forge a line (found by review)."""
+    import h5py
+    from golden_edit import set_json
+
+    from activation_guard.inspect_text import format_inspect, textconv_lines
+    from activation_guard.inspection import inspect_golden
+
+    evil = type("Evil" + ESC, (nn.Module,), {"forward": lambda s, x: {"key" + ESC + "\nforged line": x * s.k}})
+    root = nn.Module()
+    root.add_module("blk" + ESC, evil())
+    blk = getattr(root, "blk" + ESC)
+    blk.k = 1.0
+    root.forward = lambda x: blk(x)  # type: ignore[method-assign]
+    x = torch.randn(2, 3)
+    ag.record(root, (x,), path=tmp_path / "g.h5")
+    blk.k = 2.0
+    text = str(ag.compare(root, (x,), path=tmp_path / "g.h5"))
+    with h5py.File(tmp_path / "g.h5", "r+") as f:
+        import json
+
+        meta = json.loads(f["meta"][()].tobytes())
+        meta["model_class"] += ESC
+        meta["extra" + ESC] = ESC
+        set_json(f, "meta", meta)
+    outputs = {"report": text, "inspect": format_inspect(inspect_golden(tmp_path / "g.h5")),
+               "textconv": "\n".join(textconv_lines(tmp_path / "g.h5"))}
+    for what, out in outputs.items():
+        assert not any(c in out for c in ("\x1b", "\x07", "\u202e")), what
+        assert "forged line" not in out or "\\x0aforged line" in out, what
+    assert "blk\\x1b[2J" in text and "\\u202e" in text  # escaped, still readable
