@@ -182,6 +182,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
         report = diff_recordings(args.a, args.b, spec=spec)
     except ValueError as e:  # e.g. --include matching no layer
         raise CliError(str(e)) from None
+    except GoldenError as e:
+        if os.path.abspath(e.path) != os.path.abspath(args.b):
+            raise
+        # B is the recording being checked, not a golden to re-record
+        raise CliError(f"recording {args.b}: {e.problem} (the recording to check against the golden "
+                       f"{args.a})") from None
     if args.json:
         d = report.to_dict()
         d["other"] = args.b

@@ -23,6 +23,7 @@ from urllib.parse import quote
 
 from .report import WHY, Report, fmt_diff, gradient_text, why
 from .results import LayerResult
+from .textfmt import safe_line
 
 STATUS = {
     "passed": "✅ passed",
@@ -126,6 +127,13 @@ def _details_title(check: CheckLike, report: Report) -> str:
     return f"{check_label(check)}: first divergence at {fd.label}{kind}: {why(fd)}"
 
 
+def _summary_text(title: str) -> str:
+    """A ``<summary>`` on one line: a blank line inside it (a layer name with newlines, from the
+    model or a hand-edited golden) would end the HTML block and let the rest render as Markdown
+    (images, links, headings). Whitespace runs become one space, other controls are escaped."""
+    return html.escape(safe_line(" ".join(title.split())), quote=False)
+
+
 def check_label(check: CheckLike) -> str:
     return check.nodeid + (f" ({check.name})" if check.name else "")
 
@@ -175,7 +183,7 @@ def render(
     for i, (c, r) in enumerate(zip(rows, reports)):
         if r is None or r.ok:
             continue
-        out += ["<details>", f"<summary>{html.escape(_details_title(c, r), quote=False)}</summary>", ""]
+        out += ["<details>", f"<summary>{_summary_text(_details_title(c, r))}</summary>", ""]
         if plots and i in plots:
             out += [f"![error by layer: {text_cell(check_label(c))}]({quote(plots[i])})", ""]
         out += [*_fenced(str(r)), "", "</details>", ""]
@@ -183,7 +191,8 @@ def render(
         out += [f"**{len(unused)} unused golden(s)** (no test that ran used them):", ""]
         out += [f"- {code_span(u)}" for u in unused]
         out.append("")
-    return "\n".join(out)
+    # (a GitHub step summary is also read with cat in a terminal: no escape sequence gets through)
+    return "\n".join(safe_line(line) for line in "\n".join(out).split("\n"))
 
 
 def plot_name(md_path: Path, i: int) -> str:

@@ -324,6 +324,23 @@ def test_meta_not_a_record(base, tmp_path, meta):
                 ag.GoldenFormatError, "malformed")
 
 
+@pytest.mark.parametrize("key", ["meta", "index"])
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_json_non_numbers_are_not_json(base, tmp_path, key, constant):
+    """Python's json reads NaN and Infinity, JSON has no such values and the writer never writes
+    them; accepted in meta, a NaN crashed `inspect --json` and `diff --json` (found by review)."""
+    def edit(f: h5py.File) -> None:
+        obj = json.loads(f[key][()].tobytes())
+        obj["x"] = "@@"
+        raw = json.dumps(obj).replace('"@@"', constant).encode()
+        del f[key]
+        f.create_dataset(key, data=np.frombuffer(raw, dtype=np.uint8))
+        f.attrs[f"{key}_crc32"] = np.int64(zlib.crc32(raw))
+
+    check_error(edited(base["plain"], tmp_path / "g.h5", edit), ag.GoldenCorruptError, f"/{key} is not valid JSON",
+                constant)
+
+
 @pytest.mark.parametrize("raw", [b"\xff\xfe not utf8", b"{not json", b'{"calls": NaN}'])
 def test_index_not_json(base, tmp_path, raw):
     def edit(f: h5py.File) -> None:

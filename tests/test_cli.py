@@ -200,6 +200,18 @@ def test_diff_is_the_compare_engine(demo):
     assert rep.first_divergence is not None and rep.first_divergence.name == "blocks.1.norm2"
 
 
+def test_diff_names_b_as_the_recording_when_b_is_not_readable(demo, capsys, tmp_path):
+    """B is the recording being checked: 'golden B ... re-record the golden' pointed at the wrong
+    file (found by review)."""
+    folder, text = tmp_path / "adir", tmp_path / "notes.txt"
+    folder.mkdir()
+    text.write_text("x")
+    for b, why in ((folder, "is a directory"), (text, "is not a readable HDF5 file")):
+        rc, _, err = run(capsys, "diff", demo.golden, b)
+        assert rc == 2 and f"recording {b}: {why}" in err and "re-record the golden" not in err, err
+        assert f"the recording to check against the golden {demo.golden}" in err
+
+
 def test_diff_identical_exits_0(demo, capsys):
     rc, out, _ = run(capsys, "diff", demo.golden, demo.golden)
     assert rc == 0 and out.startswith("activation_guard: OK, 37 layer calls match")

@@ -88,3 +88,42 @@ def test_rows_details_and_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(visual, "plot_available", lambda: False)
     markdown.write_summary(out, records)
     assert not list((tmp_path / "out").glob("*.png")) and ".png" not in out.read_text(encoding="utf-8")
+
+
+def test_a_layer_name_cannot_end_the_details_block(tmp_path: Path) -> None:
+    """A blank line inside <summary> ended the HTML block, and the rest of the name rendered as
+    Markdown: an external image, a link, a heading (found by review). The summary stays one line."""
+    import dataclasses
+
+    name = "enc\n\n![pixel](https://evil%2Eexample/t%2Epng)\n\n## All checks passed\x1b[2J"
+
+    class Scale(torch.nn.Module):
+        k = 1.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.k
+
+    root = torch.nn.Sequential()
+    root.add_module(name, Scale())
+    x = torch.randn(2, 3)
+    ag.record(root, (x,), path=tmp_path / "g.h5")
+    getattr(root, name).k = 2.0
+    report = ag.compare(root, (x,), path=tmp_path / "g.h5")
+
+    @dataclasses.dataclass
+    class Check:
+        nodeid: str
+        name: object
+        status: str
+        message: object
+        first_divergence: object
+        report: dict
+
+    md = markdown.render([Check("tests/test_m.py::test_enc", None, "diverged", None, None, report.to_dict())])
+    summaries = [line for line in md.splitlines() if "<summary>" in line]
+    assert summaries and all(line.startswith("<summary>") and line.endswith("</summary>") for line in summaries)
+    assert "\x1b" not in md
+    lines = md.splitlines()
+    fence = [i for i, line in enumerate(lines) if line.startswith("```")]
+    outside = [line for i, line in enumerate(lines) if not any(a < i < b for a, b in zip(fence[::2], fence[1::2]))]
+    assert not any(line.startswith(("## All", "![pixel]")) for line in outside)

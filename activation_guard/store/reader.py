@@ -291,8 +291,8 @@ class GoldenReader:
             raise GoldenFormatError(p, f"has a malformed {key}_crc32 attribute ({want!r})")
         if zlib.crc32(raw) != int(want):
             raise GoldenCorruptError(p, f"/{key} fails its checksum (the file was modified or damaged)")
-        try:
-            return json.loads(raw.decode())
+        try:  # the writer never writes NaN or Infinity (allow_nan=False); JSON itself has no such values
+            return json.loads(raw.decode(), parse_constant=_no_constant)
         except (UnicodeDecodeError, ValueError) as e:
             raise GoldenCorruptError(p, f"/{key} is not valid JSON ({e})") from None
 
@@ -446,6 +446,10 @@ class GoldenReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _label(where: str | Callable[[], str], entry: LeafEntry) -> str:
