@@ -293,36 +293,42 @@ class Report:
         if fd.detail:
             out.append(f"  what          : {fd.detail}")
         focus = next((leaf for leaf in fd.leaves if leaf.path == fd.path and leaf.status == fd.status), None)
+        # a call of several outputs: the numbers shown are the named output's own (the layer's
+        # aggregates mixed outputs: 13 mismatched of 24 under a path holding 12; found by review)
+        src: LayerResult | LeafResult = focus if focus is not None and len(fd.leaves) > 1 else fd
         if focus is not None and focus.estimate:
             out += estimate_lines(focus)
         elif not (focus is not None and focus.dtype is None and not focus.numel) and (
-                fd.status in ("diverged", "nonfinite", "match") or fd.mismatched):
+                fd.status in ("diverged", "nonfinite", "match") or src.mismatched):
             # (a string, dtype, enum or bytes value that changed has no numbers: its "what" line says it)
-            pct = 100.0 * fd.mismatched / fd.numel if fd.numel else 0.0
-            out.append(f"  mismatched    : {fd.mismatched} / {fd.numel} elements ({pct:.3g}%)")
-            if fd.nonfinite_new:
-                out.append(f"  new NaN/Inf   : {fd.nonfinite_new} values that are finite in the golden")
-            idx = "" if fd.index is None else f" at index {tuple(fd.index)}"
-            gv, lv = fmt_pair(fd.golden_value, fd.live_value)
-            at = abs_diff(fd.golden_value, fd.live_value)
-            if (at is None or fd.max_abs_diff is None or at == fd.max_abs_diff
-                    or math.isclose(at, fd.max_abs_diff, rel_tol=1e-5)):
-                out.append(f"  max abs diff  : {fmt_diff(fd.max_abs_diff)}{idx}: golden {gv}, live {lv}")
-            else:  # the largest difference is elsewhere (a passing element under rtol, another output)
-                out.append(f"  max abs diff  : {fmt_diff(fd.max_abs_diff)}")
+            pct = 100.0 * src.mismatched / src.numel if src.numel else 0.0
+            out.append(f"  mismatched    : {src.mismatched} / {src.numel} elements ({pct:.3g}%)")
+            if src.nonfinite_new:
+                out.append(f"  new NaN/Inf   : {src.nonfinite_new} values that are finite in the golden")
+            idx = "" if src.index is None else f" at index {tuple(src.index)}"
+            gv, lv = fmt_pair(src.golden_value, src.live_value)
+            at = abs_diff(src.golden_value, src.live_value)
+            if (at is None or src.max_abs_diff is None or at == src.max_abs_diff
+                    or math.isclose(at, src.max_abs_diff, rel_tol=1e-5)):
+                out.append(f"  max abs diff  : {fmt_diff(src.max_abs_diff)}{idx}: golden {gv}, live {lv}")
+            else:  # the largest difference is elsewhere (a passing element under rtol)
+                out.append(f"  max abs diff  : {fmt_diff(src.max_abs_diff)}")
                 out.append(f"  worst element : {fmt_diff(at)}{idx}: golden {gv}, live {lv}")
-            out.append(f"  max rel diff  : {fmt_diff(fd.max_rel_diff)}")
-            if fd.rtol is not None:
-                out.append(f"  tolerance     : rtol={fd.rtol:g}, atol={fd.atol:g} ({fd.tolerance_source})")
-            if fd.error_multiple is not None:
-                out.append(f"  error / noise : {fd.error_multiple:.3g}x the calibrated noise floor (fails above 1)")
+            out.append(f"  max rel diff  : {fmt_diff(src.max_rel_diff)}")
+            if src.rtol is not None and src.atol is not None:
+                out.append(f"  tolerance     : rtol={src.rtol:g}, atol={src.atol:g} ({src.tolerance_source})")
+            if src.error_multiple is not None:
+                out.append(f"  error / noise : {src.error_multiple:.3g}x the calibrated noise floor (fails above 1)")
         if fd.inherited_status is not None:
             out.append(f"  judged by     : its own error (replayed on the golden's inputs); its output, with what it "
                        f"inherited: {fd.inherited_status}, max abs diff {fmt_diff(fd.inherited_max_abs_diff)}")
-        bad_leaves = [leaf for leaf in fd.leaves if leaf.status != "match"]
-        if len(bad_leaves) > 1:
-            out.append("  other outputs : "
-                       + ", ".join(f"{leaf.path or '(output)'}: {leaf.status}" for leaf in bad_leaves[1:6]))
+        others = [leaf for leaf in fd.leaves if leaf.status != "match" and leaf is not focus]
+        if others:
+            out.append("  other outputs : " + ", ".join(
+                f"{leaf.path or '(output)'}: {leaf.status}"
+                + (f" (max abs diff {fmt_diff(leaf.max_abs_diff)}, {leaf.mismatched} / {leaf.numel} mismatched)"
+                   if leaf.max_abs_diff is not None and leaf.status in ("diverged", "nonfinite") else "")
+                for leaf in others[:5]) + (f", and {len(others) - 5} more" if len(others) > 5 else ""))
         return out
 
     def _context(self, fd: LayerResult) -> list[str]:

@@ -293,7 +293,8 @@ def test_worst_element_line_never_pairs_a_max_diff_with_another_elements_values(
 
 def test_worst_element_line_names_the_leaf_whose_values_it_shows(tmp_path):
     """Two diverging outputs: the layer's max abs diff comes from the second, the element shown
-    from the first; the text keeps each number with its own element."""
+    from the first; the text keeps each number with its own output (the named output's numbers,
+    then the other's on its own line)."""
     golden = (GOLDEN, GOLDEN)
     a, b = GOLDEN.clone(), GOLDEN.clone()
     a[0, 0] = 1.5
@@ -302,8 +303,8 @@ def test_worst_element_line_names_the_leaf_whose_values_it_shows(tmp_path):
     fd = rep.first_divergence
     assert fd.max_abs_diff == 10.0 and fd.path == "0" and fd.index == (0, 0)
     lines = str(rep).splitlines()
-    assert "  max abs diff  : 1.00e+01" in lines
-    assert "  worst element : 5.00e-01 at index (0, 0): golden 1, live 1.5" in lines
+    assert "  max abs diff  : 5.00e-01 at index (0, 0): golden 1, live 1.5" in lines
+    assert "  other outputs : 1: diverged (max abs diff 1.00e+01, 1 / 8 mismatched)" in lines
 
 
 def test_golden_and_live_values_are_printed_distinguishably(tmp_path):
@@ -371,3 +372,29 @@ def test_control_characters_from_the_model_or_the_golden_never_reach_a_terminal(
         assert not any(c in out for c in ("\x1b", "\x07", "\u202e")), what
         assert "forged line" not in out or "\\x0aforged line" in out, what
     assert "blk\\x1b[2J" in text and "\\u202e" in text  # escaped, still readable
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> dict:
+        a, b = x.clone(), x.clone() * 1000
+        if self.bad:
+            a[0, 0] = float("nan")
+            b = b + 100
+        return {"a": a, "b": b}
+
+
+def test_a_multi_output_layer_shows_the_named_outputs_own_numbers(tmp_path):
+    """The detail named output 'a' but printed numbers over both outputs ('13 / 24'); the other
+    output's numbers go on its own line (found by review)."""
+    m, x = _TwoOutputs(), torch.randn(3, 4)
+    ag.record(m, (x,), path=tmp_path / "g.h5")
+    m.bad = True
+    text = str(ag.compare(m, (x,), path=tmp_path / "g.h5", replay="off"))
+    assert "  output path   : a" in text
+    assert "  mismatched    : 1 / 12 elements" in text and "24" not in text.split("context")[0]
+    assert "  max abs diff  : inf at index (0, 0)" in text
+    assert "  other outputs : b: diverged (max abs diff 1.00e+02, 12 / 12 mismatched)" in text
