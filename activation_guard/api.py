@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from . import buffers, grad_api
 from . import calibrate as calmod
 from . import dist_capture as distcap  # issue 16 (distributed)
 from . import env as envmod
-from . import grad_api
 from .capture import Target, check_model, hook_notes, hooked, layer_name, normalize_inputs, run_forward
 from .comparator import Comparator, StopForward
 from .fingerprint import FingerprintParams
@@ -182,9 +182,11 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
                                                                wanted=lambda n: selected(n, inc, exc))
     on_enter, on_output = (rec.on_enter, rec.on_output) if grads is None else grads.callbacks(rec.on_enter,
                                                                                                  rec.on_output)
+    before = buffers.versions(model)
     try:
         with hooked(target, on_output, inc, exc, on_enter=on_enter, on_abandon=rec.on_abandon) as state:
             out = run_forward(target, a, kw, state, grad=spec.grad or grads is not None)
+        state_notes = buffers.updated_note(model, before)
         if not writer.calls:
             raise nothing_selected(inc, exc, [n for n, _ in model.named_modules()])
         if grads is not None:  # gradients (issue 14): the one backward, after the forward
@@ -209,8 +211,8 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
     return RecordSummary(
         path=writer.path, layer_calls=len(writer.calls), leaves=writer.nleaves, nbytes=writer.nbytes,
         file_bytes=os.path.getsize(writer.path), names=rec.names, output=out, fingerprints=writer.nfingerprints,
-        notes=[] if fingerprinter is None else [f"fingerprint pattern {p!r} matched no layer"
-                                                for p in fingerprinter.unmatched()],
+        notes=state_notes + ([] if fingerprinter is None else [f"fingerprint pattern {p!r} matched no layer"
+                                                               for p in fingerprinter.unmatched()]),
         gradients=len(writer.backward),
     )
 
@@ -334,6 +336,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         comp.partial_selection = partial_selection(spec, target, golden_filter)
         stopped = False
         out = None
+        before = buffers.versions(model)
         try:
             with hooked(target, on_output, spec.include, spec.exclude, on_enter=on_enter,
                         want_rng=comp.replayer is not None) as state:
@@ -342,6 +345,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
                 out = run_forward(target, a, kw, state, grad=spec.grad or grads is not None)
         except StopForward:
             stopped = True
+        state_notes = buffers.updated_note(model, before)
         if grads is not None and not stopped:  # gradients (issue 14): the one backward, after the forward
             grads.run(model, out, a, kw)
             out = grad_api.detached(out)
@@ -387,6 +391,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     report.notes += selection_notes(spec, resolver, layers)
     report.notes += notes
     report.notes += user_hooks
+    report.notes += state_notes
     if dcap is not None:  # issue 16 (distributed): the report names the rank
         report.rank, report.world_size = dcap.info.rank, dcap.info.world_size
         report.notes += dcap.notes()

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._version import __version__
-from .errors import GoldenError, OptionError
+from .errors import UPDATE_HINT, GoldenError, OptionError
 from .options import is_hdf5_file
 
 PROG = "activation-guard"
@@ -186,8 +186,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
         if os.path.abspath(e.path) != os.path.abspath(args.b):
             raise
         # B is the recording being checked, not a golden to re-record
+        fix = f"; to fix: {e.fix}" if e.fix and e.fix != UPDATE_HINT else ""  # (git lfs pull, not re-record)
         raise CliError(f"recording {args.b}: {e.problem} (the recording to check against the golden "
-                       f"{args.a})") from None
+                       f"{args.a}){fix}") from None
     if args.json:
         d = report.to_dict()
         d["other"] = args.b

@@ -20,7 +20,6 @@ from .check import GoldenCheck, item_key
 from .errors import OptionError as SpecOptionError
 from .options import DEVICE_FIXTURE, RECORD_DEVICE, OptionError, Settings, marker_options, prefixed
 from .session import ALERT_PREFIXES, GuardSession, partial_modules
-from .textfmt import safe_line
 
 SESSION_KEY = pytest.StashKey[GuardSession]()
 WORKER_KEY = "activation_guard"
@@ -335,6 +334,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     lines = s.summary_lines(verbose=config.option.verbose)
     if not lines and not s.report_error:
         return
+    from .textfmt import safe_line  # (imports torch: only once activation_guard has something to say)
+
     terminalreporter.section("activation_guard")
     for line in lines:
         markup = {"red": True} if line.startswith(ALERT_PREFIXES) else {}

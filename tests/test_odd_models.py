@@ -455,3 +455,20 @@ def test_a_model_whose_call_skips_its_hooks_is_refused_not_passed(tmp_path: Path
     m.k = 3.0
     bad = ag.compare(wrapped, x, path=tmp_path / "g.h5")
     assert not bad.ok and bad.first_divergence is not None and bad.first_divergence.name == ""
+
+
+def test_buffers_the_forward_updates_are_named_as_not_compared(tmp_path: Path) -> None:
+    """A BatchNorm port whose running statistics update differently passes every layer of this
+    forward (found by review); record and compare say which buffers went unjudged, and the note
+    prints with a pass. In eval mode nothing is updated and nothing is said."""
+    torch.manual_seed(0)
+    m, x = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train(), torch.randn(8, 4)
+    summary = ag.record(m, x, path=tmp_path / "g.h5")
+    assert any("'1.running_mean'" in n and "not compared" in n for n in summary.notes), summary.notes
+    m[1].momentum = 0.5  # updates its running statistics differently: the outputs are the same
+    rep = ag.compare(m, x, path=tmp_path / "g.h5")
+    assert rep.ok and "buffer(s) of the model in place ('1.running_mean', '1.running_var'" in str(rep)
+    m.eval()
+    ag.record(m, x, path=tmp_path / "e.h5")
+    quiet = ag.compare(m, x, path=tmp_path / "e.h5")
+    assert quiet.ok and not any("buffer" in n for n in quiet.notes)
