@@ -151,7 +151,8 @@ class Comparator:
                 if frame.children:
                     self.parents[(res.name, res.call)] = (frame.children, frame.last_child)
             elif self.origin is None and res.status in REPLAYABLE:
-                self.origin = self.replayer.attribute(frame, entry, res, self._compare_call, self.inputs_changed)
+                self.origin = self.replayer.attribute(frame, entry, res, self._compare_call, self.inputs_changed,
+                                                      self.results)
         if self.spec.fail_fast and not res.ok:
             raise StopForward
 

@@ -260,8 +260,19 @@ class Replayer:
 
     # ------------------------------------------------------------------ attribution
     def attribute(self, frame: Frame, entry: CallEntry, res: LayerResult, compare: Any,
-                  inputs_changed: bool) -> Origin:
-        """Why the first diverging call ``frame`` differs (see the module docstring)."""
+                  inputs_changed: bool, earlier: Sequence[LayerResult] = ()) -> Origin:
+        """Why the first diverging call ``frame`` differs (see the module docstring). ``earlier``:
+        the calls judged before it, for the ones that pass on a difference without failing."""
+        found = self._attribute(frame, entry, res, compare, inputs_changed)
+        if found.kind in ("parent-code", "unknown") and not inputs_changed:
+            # "children compute the same" assumes each child that passed returned the golden's values
+            passed_on = unjudged_source(frame, found, earlier)
+            if passed_on is not None:
+                return passed_on
+        return found
+
+    def _attribute(self, frame: Frame, entry: CallEntry, res: LayerResult, compare: Any,
+                   inputs_changed: bool) -> Origin:
         tname = type(frame.module).__name__
         own = self.own(frame, entry, compare)
         if own.layer is None and own.args_changed:  # its caller passes other arguments: the caller's code
@@ -479,3 +490,32 @@ def _relative(name: str | None, parent: str) -> str:
     if name is None:
         return "?"
     return name[len(parent) + 1:] if parent and name.startswith(parent + ".") else display_name(name)
+
+
+def unjudged_source(frame: Frame, found: Origin, earlier: Sequence[LayerResult]) -> Origin | None:
+    """A call inside ``frame`` (or, for parent code between two children, the child that returned
+    just before) whose output reached the diverging call without being held to the tolerance it
+    failed: a layer not in the golden (renamed or new: it ran live in the replay too), or one that
+    passed under a looser ``tolerances`` entry with values that differ. The difference may come
+    from there, not from parent code or randomness (found by review: a changed layer under a
+    loosened tolerance was reported as its parent's code)."""
+    if found.kind == "parent-code" and found.child is not None:  # between two children: the one before
+        names = {found.previous} if found.previous is not None else set()
+    else:  # the call's own children (its replay ran them, or returned their golden outputs)
+        prefix = "" if frame.name == "" else frame.name + "."
+        names = {r.name for r in earlier if r.name != frame.name and r.name.startswith(prefix)}
+    for r in reversed(earlier):
+        if r.name not in names or r.phase != "forward":
+            continue
+        tname = r.type_name or "?"
+        if r.status == "unexpected":
+            return Origin(r.name, r.call, "unknown", type_name=tname, detail=(
+                f"not in the golden (renamed or new: see rename=), so nothing judged its output, which "
+                f"{display_name(frame.name)!r} goes on to use; the difference may come from there"))
+        if (r.status == "match" and r.max_abs_diff is not None and r.max_abs_diff > 0
+                and "tolerances[" in (r.tolerance_source or "")):
+            return Origin(r.name, r.call, "unknown", r.max_abs_diff, type_name=tname, detail=(
+                f"its output differs from the golden's (max abs diff {r.max_abs_diff:.3g}) but passed under "
+                f"{r.tolerance_source} (rtol={r.rtol:g}, atol={r.atol:g}); {display_name(frame.name)!r} goes on to use "
+                f"it and fails its own tolerance: the difference may come from here"))
+    return None

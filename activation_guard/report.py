@@ -278,7 +278,8 @@ class Report:
         who = f"{display_name(o.name)!r} ({o.type_name or '?'})" + (f" call {o.call}" if o.call else "")
         if fd.phase != "forward":  # gradients (issue 14): not a replay
             return [f"  origin        : {who} {o.detail}"]
-        if (o.name, o.call) == (fd.name, fd.call) and o.kind in ("layer", "unknown"):
+        if (o.name, o.call) == (fd.name, fd.call) and (o.kind == "layer" or (
+                o.kind == "unknown" and o.detail.startswith(("re-run", "not replayed")))):  # its own replay
             return [f"  replayed      : {o.detail}"]
         return [f"  origin        : {who} {o.detail}"]
 

@@ -508,3 +508,66 @@ def test_a_child_whose_output_changed_structure_runs_in_its_parents_replay_and_k
     assert not torch.equal(before, live.branch.bn.running_mean)  # the live forward itself did update them
     status = {r.name: r.status for r in report.layers}
     assert status["branch"] == "structure" and status[""] == "match", status
+
+
+class _Bump(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.v
+
+
+class _Three(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = _Bump(), _Bump(), _Bump()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)))
+
+
+class _Renamed(nn.Module):
+    def __init__(self, fc1: nn.Linear, proj: nn.Linear) -> None:
+        super().__init__()
+        self.fc1, self.proj = fc1, proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.relu(self.fc1(x)))
+
+
+def test_origin_names_the_layer_that_passed_a_difference_on(tmp_path: Path) -> None:
+    """A child that changed but passed (a looser tolerances entry), or that the golden does not
+    have (renamed), hands its difference on without failing: the origin names it, not its parent's
+    code or randomness (found by review)."""
+    torch.manual_seed(0)
+    m, x = _Three(), torch.randn(3, 4)
+    ag.record(m, (x,), path=tmp_path / "g.h5")
+    m.b.v = 1e-3
+    rep = ag.compare(m, (x,), path=tmp_path / "g.h5", tolerances={"b": {"atol": 1.0}})
+    assert rep.first_divergence is not None and rep.first_divergence.name == "c"
+    assert rep.origin is not None and rep.origin.name == "b" and "passed under" in rep.origin.detail
+    assert "tolerances['b']" in str(rep)
+
+    seq = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
+    x2 = torch.randn(2, 3)
+    ag.record(seq, (x2,), path=tmp_path / "s.h5")
+    with torch.no_grad():
+        seq[2].bias += 1
+    last = ag.compare(seq, (x2,), path=tmp_path / "s.h5", tolerances={"2": {"atol": 10.0}})
+    assert last.origin is not None and last.origin.name == "2" and "randomness" not in str(last)
+
+    old = _Renamed(nn.Linear(4, 4), nn.Linear(4, 4))
+    x3 = torch.randn(2, 4)
+    ag.record(old, (x3,), path=tmp_path / "r.h5")
+    proj = copy.deepcopy(old.proj)
+    with torch.no_grad():
+        proj.bias += 0.5
+    new = _Renamed(old.fc1, proj)
+    new.proj2 = new.proj  # (same module, another name: the golden's 'proj' is not what runs)
+    del new.proj
+    new.forward = lambda x: new.proj2(torch.relu(new.fc1(x)))  # type: ignore[method-assign]
+    moved = ag.compare(new, (x3,), path=tmp_path / "r.h5")
+    assert moved.origin is not None and moved.origin.name == "proj2" and "not in the golden" in moved.origin.detail
+    assert "computed what they computed before" not in str(moved)
