@@ -29,7 +29,7 @@ from .comparator import Comparator, StopForward
 from .fingerprint import FingerprintParams
 from .fingerprint_leaves import Fingerprinter, meta_entry
 from .gcpause import with_frozen_gc
-from .golden_selection import recorded_selection
+from .golden_selection import recorded_selection, selective_note
 from .judges import Judge, StrictJudge
 from .rebuild import clone_inputs
 from .recorder import Recorder
@@ -384,10 +384,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     if resolver.cross_device:
         report.notes.append(f"golden recorded on {gdev}, live run on {dev}: "
                             f"{resolver.device_pair} default tolerances apply")
-    rec_inc, rec_exc = recorded_selection(gmeta)
-    if rec_inc is not None or rec_exc is not None:  # an OK covers those layers only (the output may not be one)
-        shown = " and ".join(f"{k}={v}" for k, v in (("include", rec_inc), ("exclude", rec_exc)) if v is not None)
-        report.notes.append(f"the golden was recorded with {shown}: it holds only those layers' outputs")
+    report.notes += selective_note(gmeta)
     report.notes += selection_notes(spec, resolver, layers)
     report.notes += notes
     report.notes += user_hooks

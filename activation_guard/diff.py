@@ -18,6 +18,7 @@ from . import env as envmod
 from .api import report_meta
 from .comparator import Comparator
 from .gcpause import with_frozen_gc
+from .golden_selection import selective_note
 from .grad_api import diff_rows
 from .judges import StrictJudge
 from .leaves import Leaf
@@ -93,6 +94,8 @@ def diff_recordings(
     env_changes = envmod.describe_env_change(
         gmeta.get("numerics"), bmeta.get("numerics") if isinstance(bmeta.get("numerics"), dict) else {})
     env_changes += envmod.describe_version_change(gmeta.get("versions"), bmeta.get("versions"), "other")
+    if isinstance(bmeta.get("device"), dict):  # as compare: the device first among what differs
+        env_changes = envmod.describe_device_change(gmeta.get("device"), bmeta["device"]) + env_changes
     gin, bin_ = gmeta.get("inputs"), bmeta.get("inputs")
     bin_ = [e for e in bin_ if isinstance(e, dict) and isinstance(e.get("path"), str)] if isinstance(bin_, list) else []
     input_changes = envmod.describe_input_change(gin if isinstance(gin, list) else None, bin_)
@@ -100,7 +103,12 @@ def diff_recordings(
         path=os.fspath(golden), layers=layers, golden_meta=report_meta(gmeta), live_device=bdev or "?",
         input_changes=input_changes, env_changes=env_changes, _order=order,
     )
+    b_modes = {"training": bmeta.get("training"), "training_differs": bmeta.get("training_differs")}
+    if isinstance(b_modes["training"], bool) and isinstance(b_modes["training_differs"], list):
+        report.mode_changes = [m.replace("the live model is", "the other recording was")
+                               for m in envmod.describe_training_change(gmeta, b_modes)]
     report.notes.append(f"live values read from the recording {os.fspath(other)}")
+    report.notes += selective_note(gmeta)
     report.notes += fp_notes
     report.notes += grad_notes
     if not report.ok:

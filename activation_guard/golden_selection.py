@@ -42,3 +42,13 @@ def refuse_strays(reader: GoldenReader) -> None:
         raise GoldenFormatError(reader.path, f"holds layer {stray.name or '<root>'!r} call {stray.call}, outside the "
                                              f"selection its metadata says it was recorded with (include={inc}, "
                                              f"exclude={exc}): the file was edited")
+
+
+def selective_note(meta: Mapping[str, Any]) -> list[str]:
+    """The report note for a golden recorded with a layer selection: an OK covers those layers
+    only (the model's output may not be one of them)."""
+    inc, exc = recorded_selection(meta)
+    if inc is None and exc is None:
+        return []
+    shown = " and ".join(f"{k}={v}" for k, v in (("include", inc), ("exclude", exc)) if v is not None)
+    return [f"the golden was recorded with {shown}: it holds only those layers' outputs"]

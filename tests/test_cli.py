@@ -416,3 +416,16 @@ def test_diff_names_a_missing_second_recording_as_the_recording(demo, tmp_path, 
     rc, _, err = run(capsys, "diff", demo.golden, tmp_path / "absent.h5")
     assert rc == 2 and f"recording {tmp_path / 'absent.h5'}: file does not exist" in err
     assert "re-record the golden" not in err
+
+
+def test_diff_reports_mode_changes_and_a_selective_golden_as_compare_does(tmp_path):
+    """diff said nothing of a recording made in another mode, nor of a golden that holds only some
+    layers (found by review); docs/cli.md says differences are reported first, as in compare."""
+    torch.manual_seed(0)
+    m, x = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.0)), torch.randn(2, 3)
+    ag.record(m.eval(), (x,), path=tmp_path / "a.h5", include=["0"])
+    ag.record(m.train(), (x,), path=tmp_path / "b.h5", include=["0"])
+    rep = diff(tmp_path / "a.h5", tmp_path / "b.h5")
+    assert rep.mode_changes == ["golden recorded in eval mode; the other recording was in training mode: dropout "
+                                "and batch-norm statistics differ"]
+    assert any("holds only those layers' outputs" in n for n in rep.notes)
