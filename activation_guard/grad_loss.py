@@ -63,7 +63,10 @@ class LossRule:
             return [loss.reshape(())], None
         gen = torch.Generator("cpu").manual_seed(self.seed)
         roots, grads = [], []
+        opaque = []  # containers walked by type only (a deque, a cache object): their tensors are not seen
         for leaf in flatten(output):
+            if leaf.kind == "object":
+                opaque.append(leaf.type_name)
             t = leaf.tensor
             if leaf.kind != "tensor" or t is None or not t.is_floating_point() or leaf.type_name != "Tensor":
                 continue
@@ -72,10 +75,13 @@ class LossRule:
                 roots.append(t)
                 grads.append(c.to(device=t.device, dtype=t.dtype))
         if not roots:
+            hidden = (f"; its output holds {', '.join(sorted(set(opaque)))}, which activation_guard compares by "
+                      f"type only and does not look into: return the tensors in a tuple, list, dict or dataclass, "
+                      f"or pass backward=<a loss function of the output>" if opaque else "")
             raise ActivationGuardError(
                 "option backward=True: no floating tensor in the model's output requires grad, so there is no "
                 "gradient to record (all parameters frozen, the output detached, or the call made under "
-                "torch.inference_mode()?)")
+                f"torch.inference_mode()?){hidden}")
         return roots, grads
 
 

@@ -12,6 +12,7 @@ import torch
 from models import build_cnn, cnn_input
 from test_calibrate import tiny_input, tiny_transformer
 from test_gradients_faults import with_scaled_backward
+from torch import nn
 
 import activation_guard as ag
 from activation_guard import tf32, visual
@@ -322,3 +323,21 @@ def test_gradients_of_layers_a_golden_never_recorded_are_not_unexpected_under_re
     assert report.ok, str(report)
     assert all(r.status != "unexpected" for r in report.layers)
     assert {r.name for r in report.layers if r.phase != "forward"} <= {"layers.0", "layers.1", "layers.2"}
+
+
+def test_backward_on_an_output_walked_by_type_only_says_so(tmp_path: Path) -> None:
+    """A deque output: its tensors are not seen, and 'all parameters frozen?' was the only hint
+    (found by review)."""
+    import collections
+
+    class Q(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            return collections.deque([self.lin(x)])
+
+    with pytest.raises(ag.ActivationGuardError, match=r"its output holds deque, which activation_guard compares by "
+                                                      r"type only.*backward=<a loss function"):
+        ag.record(Q(), torch.randn(2, 3), path=tmp_path / "g.h5", backward=True)
