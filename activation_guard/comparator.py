@@ -8,6 +8,10 @@ decision (:mod:`activation_guard.judges`), so a new rule never touches this modu
 Each call is compared as soon as the live layer returns (inside its forward hook, before an
 in-place op can change the output), reading only that call's golden values: memory stays near
 one layer's worth. :func:`activation_guard.diff` drives the same object from a second recording.
+
+A little over 400 lines: matching by paths carries the compatibility rules of older goldens
+(format-1 paths, the old empty-key encoding, containers once stored by type only) next to the
+matching they change; the judging itself is in :mod:`activation_guard.judges`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from .fingerprint_rule import FingerprintJudge
 from .golden_selection import Selection, recorded_selection, refuse_strays
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaf_paths import EMPTY_KEY, first_duplicate, is_fields, match_old_empty_keys
-from .leaves import Leaf, LeafTransform, UnsupportedTensorError, flatten, is_plain_tensor
+from .leaves import WALKED_SINCE, Leaf, LeafTransform, UnsupportedTensorError, flatten, is_plain_tensor
 from .rename import apply_rename, renamed_patterns
 from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
 from .replay_args import root_inputs_match
@@ -237,8 +241,15 @@ class Comparator:
         gpaths = {g.path for g in entry.leaves}
         if self.reader.version == 2 and any(EMPTY_KEY in p for p in live):
             live = match_old_empty_keys(live, gpaths)
+        walked: list[str] = []  # golden paths of containers once stored by type only (WALKED_SINCE)
         for g in entry.leaves:
             lv = live.get(g.path)
+            if lv is None and g.kind == "object" and g.type_name in WALKED_SINCE and _under_path(g.path, live):
+                walked.append(g.path)
+                results.append(LeafResult(g.path, "match", f"{g.type_name} object: compared by type only (a golden "
+                                                           f"from before its values were stored; re-record to compare "
+                                                           f"them)", type_name=g.type_name, type_only=True))
+                continue
             if lv is None:
                 if not is_fields(g.path):  # a named tuple's field names: compared where both sides have them
                     results.append(LeafResult(g.path, "structure",
@@ -249,6 +260,8 @@ class Comparator:
                 attribute(res, lv.dist)
             results.append(res)
         for leaf in leaves:
+            if walked and any(w == "" or leaf.path.startswith(w + "/") for w in walked):
+                continue  # inside a container the golden holds by type only
             if leaf.path not in gpaths and not is_fields(leaf.path):  # (older goldens have no field names)
                 results.append(LeafResult(leaf.path, "structure",
                                           f"{_out(leaf.path)} ({leaf.type_name}) is new in the live output"))
@@ -383,6 +396,11 @@ class Comparator:
             order[len(results)] = (at, c.position)
             results.append(lr)
         return results, order
+
+
+def _under_path(prefix: str, live: Mapping[str, Any]) -> bool:
+    """Some live leaf sits inside the container at golden path ``prefix``."""
+    return any(prefix == "" or p.startswith(prefix + "/") for p in live)
 
 
 def _out(path: str) -> str:

@@ -32,8 +32,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -62,6 +64,34 @@ MAX_BYTES_INLINE = 4096  # a longer bytes value is stored as its SHA-256
 # ``torch.float16`` where it returned ``torch.float32`` has changed
 _BY_REPR = (torch.dtype, torch.device, torch.layout, torch.memory_format, enum.Enum)
 EMPTY_PREFIX = "empty "  # type names of empty containers: a structure marker, not a value
+
+
+# walked like a list (found by review: a deque output was compared by type only). Goldens from
+# before store them as ``object`` leaves: the comparator compares those by type, with a note.
+SEQUENCES = (tuple, list, deque)
+WALKED_SINCE = ("deque", "SimpleNamespace")  # once recorded by type only
+
+
+def _type_name(obj: Any) -> str:
+    return "SimpleNamespace" if isinstance(obj, NamespaceView) else type(obj).__name__
+
+
+class NamespaceView(Mapping[str, Any]):
+    """A ``types.SimpleNamespace`` walked as the mapping of its attributes (its type name kept)."""
+
+    __slots__ = ("ns",)
+
+    def __init__(self, ns: SimpleNamespace):
+        self.ns = ns
+
+    def __getitem__(self, k: str) -> Any:
+        return vars(self.ns)[k]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(vars(self.ns))
+
+    def __len__(self) -> int:
+        return len(vars(self.ns))
 
 
 @dataclass
@@ -149,20 +179,23 @@ class _Walker:
         if depth >= MAX_DEPTH:
             self.leaf(path, legacy, "object", type_name=type(obj).__name__)
             return
+        if isinstance(obj, SimpleNamespace):  # its attributes, like a dict's str keys
+            obj = NamespaceView(obj)
         is_map = isinstance(obj, Mapping)
-        is_seq = isinstance(obj, (tuple, list))
+        is_seq = isinstance(obj, SEQUENCES)
         is_dc = dataclasses.is_dataclass(obj) and not isinstance(obj, type)
         if not (is_map or is_seq or is_dc):
             self.leaf(path, legacy, "object", type_name=type(obj).__name__)
             return
         if (is_map or is_seq) and not obj:
-            self.leaf(path, legacy, "object", type_name=f"{EMPTY_PREFIX}{type(obj).__name__}")
+            self.leaf(path, legacy, "object", type_name=f"{EMPTY_PREFIX}{_type_name(obj)}")
             return
-        first = self.seen.get(id(obj))
+        key = id(obj.ns) if isinstance(obj, NamespaceView) else id(obj)
+        first = self.seen.get(key)
         if first is not None:  # a repeated reference or a cycle: point at the first occurrence
-            self.leaf(path, legacy, "ref", type_name=type(obj).__name__, value=first)
+            self.leaf(path, legacy, "ref", type_name=_type_name(obj), value=first)
             return
-        self.seen[id(obj)] = path
+        self.seen[key] = path
         if is_map:
             self.mapping(obj, path, legacy, depth)
         elif is_seq:

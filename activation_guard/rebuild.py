@@ -11,13 +11,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from .leaf_paths import SUBCLASS_CTX, encode_key, encode_str_key, join_path
-from .leaves import MAX_DEPTH, UnsupportedTensorError, is_wrapper
+from .leaves import MAX_DEPTH, SEQUENCES, UnsupportedTensorError, is_wrapper
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], depth: int = 0) -> Any:
@@ -38,8 +39,10 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], depth: int = 0) -> 
         return obj
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(map_tensors(v, fn, depth + 1) for v in obj))
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, SEQUENCES):
         return type(obj)(map_tensors(v, fn, depth + 1) for v in obj)
+    if isinstance(obj, SimpleNamespace):
+        return type(obj)(**{k: map_tensors(v, fn, depth + 1) for k, v in vars(obj).items()})
     if isinstance(obj, np.ndarray):
         return obj.copy()
     if isinstance(obj, Mapping):
@@ -113,9 +116,10 @@ class _Rebuilder:
         if id(o) in seen:
             return seen[id(o)]
         is_map = isinstance(o, Mapping)
-        is_seq = isinstance(o, (tuple, list))
+        is_seq = isinstance(o, SEQUENCES)
+        is_ns = isinstance(o, SimpleNamespace)  # (leaves walks its attributes as str keys)
         is_dc = dataclasses.is_dataclass(o) and not isinstance(o, type)
-        if depth >= MAX_DEPTH or not (is_map or is_seq or is_dc):
+        if depth >= MAX_DEPTH or not (is_map or is_seq or is_dc or is_ns):
             if self.objects is not None and id(o) in self.objects:
                 given = self.objects[id(o)]
                 return _private(given) if self.copy_objects else given
@@ -132,7 +136,9 @@ class _Rebuilder:
             new.extend(self.walk(v, join_path(path, str(i)), depth + 1) for i, v in enumerate(o))
             return new
         seen[id(o)] = o  # other containers are rebuilt after their items (a cycle meets the original)
-        if is_map:
+        if is_ns:
+            new = type(o)(**{k: self.walk(v, join_path(path, encode_key(k)), depth + 1) for k, v in vars(o).items()})
+        elif is_map:
             items = {k: self.walk(v, join_path(path, encode_key(k)), depth + 1) for k, v in o.items()}
             ctor: Any = type(o)
             try:

@@ -472,3 +472,51 @@ def test_buffers_the_forward_updates_are_named_as_not_compared(tmp_path: Path) -
     ag.record(m, x, path=tmp_path / "e.h5")
     quiet = ag.compare(m, x, path=tmp_path / "e.h5")
     assert quiet.ok and not any("buffer" in n for n in quiet.notes)
+
+
+class _Containers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        import collections
+        import types
+
+        return collections.deque([self.a(x), types.SimpleNamespace(h=self.b(x) * 2, tag="t")])
+
+
+def test_deques_and_namespaces_are_walked_not_compared_by_type_only(tmp_path: Path) -> None:
+    """A deque or SimpleNamespace output was an opaque object: a 50% change to the code filling it
+    passed (found by review). Their values are compared now, and replay rebuilds them."""
+    torch.manual_seed(0)
+    m, x = _Containers(), torch.randn(2, 3)
+    ag.record(m, x, path=tmp_path / "g.h5")
+    ok = ag.compare(m, x, path=tmp_path / "g.h5", replay="all")
+    assert ok.ok and not ok.type_only_text()
+    m.forward = lambda x: __import__("collections").deque(  # type: ignore[method-assign]
+        [m.a(x), __import__("types").SimpleNamespace(h=m.b(x) * 3, tag="t")])
+    bad = ag.compare(m, x, path=tmp_path / "g.h5")
+    fd = bad.first_divergence
+    assert fd is not None and fd.name == "" and fd.path == "1/h" and fd.status == "diverged"
+
+
+def test_a_golden_holding_a_deque_by_type_only_still_compares_by_type(tmp_path: Path) -> None:
+    """Goldens recorded before deques were walked hold one object leaf: compared by type, with a
+    note to re-record, not failed as a changed structure."""
+    from golden_edit import index_dict, set_index
+
+    torch.manual_seed(0)
+    m, x = _Containers(), torch.randn(2, 3)
+    ag.record(m, x, path=tmp_path / "g.h5")
+    import h5py
+
+    with h5py.File(tmp_path / "g.h5", "r+") as f:
+        idx = index_dict(f)
+        root = idx["calls"][-1]
+        assert root["name"] == "" and all(leaf["path"].startswith(("0", "1/")) for leaf in root["leaves"])
+        root["leaves"] = [{"kind": "object", "path": "", "type": "deque"}]
+        set_index(f, idx)
+    rep = ag.compare(m, x, path=tmp_path / "g.h5")
+    assert rep.ok and rep.type_only_text() == "1 output compared by type only: deque"
+    assert "re-record to compare them" in rep.layers[-1].leaves[0].detail
