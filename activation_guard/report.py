@@ -376,10 +376,15 @@ class Report:
         return out
 
     def _totals(self) -> str:
+        return f"  totals: {self.totals_text()}"
+
+    def totals_text(self) -> str:
+        """"37 live layer calls; 37 match; backward: 93 gradients; 52 diverged, 41 match": the
+        counts every form of the report gives (forward calls and gradients apart)."""
         fwd = [layer for layer in self.layers if layer.phase == "forward"]
         c = Counter(layer.status for layer in fwd)
         parts = ", ".join(f"{c[k]} {k}" for k in STATUS_ORDER if c.get(k))
-        out = f"  totals: {self.live_count} live layer calls; {parts}"
+        out = f"{self.live_count} live layer calls; {parts}"
         if len(fwd) != len(self.layers):  # gradients (issue 14)
             g = Counter(layer.status for layer in self.layers if layer.phase != "forward")
             out += (f"; backward: {self.grad_count} gradients; "

@@ -416,8 +416,8 @@ def _banner(items: list[tuple[str, Report]], fd_ids: list[str], others: Sequence
     state = "ok" if nbad == 0 and not failing else "bad"
     if len(items) == 1 and not others:
         r = items[0][1]
-        counts = ", ".join(f"{v} {k}" for k, v in r.counts().items()) or "no layer calls"
-        summary = f"{'OK' if r.ok else 'DIVERGED'}: {len(r.layers)} layer calls, {counts}"
+        # the text report's totals: live layer calls, then gradients apart (not one count of both)
+        summary = f"{'OK' if r.ok else 'DIVERGED'}: {r.totals_text()}"
     else:
         rest = Counter(o.status for o in others if o.status not in FAILING_STATUSES)
         parts = [f"{len(items) - nbad} passed", f"{nbad + failing.pop('diverged', 0)} diverged"]

@@ -290,3 +290,23 @@ def test_the_log_axis_keeps_its_math_ticks(monkeypatch):
     visual.render_png(Report(path="g.h5", layers=[]))
     assert seen == [True]
     assert visual._lit("a$b") == r"a\$b"
+
+
+def test_the_banner_counts_layer_calls_and_gradients_apart_as_the_text_does(tmp_path):
+    """The banner read '130 layer calls, 52 diverged' where the text said 37 calls matched and 52 of
+    93 gradients diverged (found by review)."""
+    import re
+
+    import torch
+
+    import activation_guard as ag
+
+    torch.manual_seed(0)
+    m, x = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3)), torch.randn(2, 3)
+    ag.record(m, x, path=tmp_path / "g.h5", backward=True)
+    with torch.no_grad():
+        m[2].weight[0, 0] += 1e-3  # forward changes too; what matters is the counts' form
+    rep = ag.compare(m, x, path=tmp_path / "g.h5")
+    banner = re.search(r'<p class="state">([^<]*)', visual.html_page(rep))
+    assert banner is not None and banner.group(1).endswith(rep.totals_text()), banner.group(1)
+    assert "backward:" in banner.group(1) and "gradients" in banner.group(1)
