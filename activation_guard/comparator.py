@@ -34,7 +34,7 @@ from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaf_paths import EMPTY_KEY, first_duplicate, is_fields, match_old_empty_keys
 from .leaves import WALKED_SINCE, Leaf, LeafTransform, UnsupportedTensorError, flatten, is_plain_tensor
 from .rename import apply_rename, renamed_patterns
-from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
+from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own, string_hint
 from .replay_args import root_inputs_match
 from .results import LayerResult, LeafResult, Origin
 from .selection import Selector, selected
@@ -93,6 +93,7 @@ class Comparator:
         self.input_note = ""
         self.origin: Origin | None = None
         self.parents: dict[tuple[str, int], tuple[int, str | None]] = {}  # replay="all": call -> children, last
+        self.hints: dict[tuple[str, int], str] = {}  # replay="all": a failing own error's string-argument hint
 
     @staticmethod
     def default_filter(meta: Mapping[str, Any], spec: CompareSpec) -> Selection | None:
@@ -143,6 +144,8 @@ class Comparator:
             self.replayer.returned(frame, entry, output, stub=self.spec.replay == "all")
             if self.spec.replay == "all":
                 own = self.replayer.own(frame, entry, self._compare_call)
+                if own.layer is not None and not own.layer.ok:
+                    self.hints[(res.name, res.call)] = string_hint(entry, frame)
                 if own.layer is not None and (self.inputs_replaced or self.verify_inputs or self.partial_selection):
                     # the model's inputs changed (or could not be shown unchanged), or code outside the
                     # selected layers went unjudged: "each layer computes what it did" cannot make the
@@ -205,13 +208,16 @@ class Comparator:
         for r in self.results:
             if r.own_status is not None and r.own_status != "match":
                 parent = self.parents.get((r.name, r.call))
+                hint = self.hints.get((r.name, r.call), "")
                 if parent is not None:  # r: judged by its own error (replay="all")
                     children, last = parent
-                    return self.replayer.parent_origin(r.name, r.call, r.type_name, r,
-                                                       self.replayer.between.get((r.name, r.call)), last, children)
+                    found = self.replayer.parent_origin(r.name, r.call, r.type_name, r,
+                                                        self.replayer.between.get((r.name, r.call)), last, children)
+                    found.detail += hint
+                    return found
                 return Origin(r.name, r.call, "layer", r.own_max_abs_diff, type_name=r.type_name,
                               detail="re-run on the golden's own inputs it differs: its own computation changed"
-                                     + self.replayer.random_hint(r.name, r.call))
+                                     + self.replayer.random_hint(r.name, r.call) + hint)
         first = next((r for r in self.results if not r.ok), None)
         if first is not None and self.inputs_replaced:
             root = next((r for r in self.results if r.name == ""), None)

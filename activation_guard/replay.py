@@ -48,7 +48,7 @@ from .judges import Judge, LeafContext, StrictJudge
 from .leaves import UnsupportedTensorError, flatten, flatten_inputs
 from .ownfloor import OwnFloorJudge, judge_input
 from .rebuild import clone_inputs, rebuild_inputs
-from .replay_args import ArgsChanged, golden_inputs
+from .replay_args import ArgsChanged, golden_inputs, string_changes
 from .results import LayerResult, LeafResult, Origin
 from .selection import display_name
 from .shadow import float32_random, to_reference
@@ -264,6 +264,8 @@ class Replayer:
         """Why the first diverging call ``frame`` differs (see the module docstring). ``earlier``:
         the calls judged before it, for the ones that pass on a difference without failing."""
         found = self._attribute(frame, entry, res, compare, inputs_changed)
+        if (found.name, found.call) == (frame.name, frame.call) and found.kind in ("layer", "parent-code"):
+            found.detail += string_hint(entry, frame)  # its own code, blamed: unless a string it was given changed
         if found.kind in ("parent-code", "unknown") and not inputs_changed:
             # "children compute the same" assumes each child that passed returned the golden's values
             passed_on = unjudged_source(frame, found, earlier)
@@ -519,3 +521,13 @@ def unjudged_source(frame: Frame, found: Origin, earlier: Sequence[LayerResult])
                 f"{r.tolerance_source} (rtol={r.rtol:g}, atol={r.atol:g}); {display_name(frame.name)!r} goes on to use "
                 f"it and fails its own tolerance: the difference may come from here"))
     return None
+
+
+def string_hint(entry: CallEntry, frame: Frame) -> str:
+    """What to add to an origin that blames a call's own code when a plain string it was given
+    differs from the recording (:func:`.replay_args.string_changes`), or ""."""
+    strings = string_changes(entry, frame)
+    if not strings:
+        return ""
+    return (f"; but its string argument(s) differ from the recording ({', '.join(strings)}), which a replay passes "
+            f"as given: if one selects what it computes, its caller's code changed it")

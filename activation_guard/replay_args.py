@@ -29,6 +29,21 @@ class ArgsChanged(str):
     the golden's (a tensor argument dropped, added or retyped), which is its caller's doing."""
 
 
+def string_changes(entry: CallEntry, frame: Frame) -> list[str]:
+    """Plain string arguments that differ from the recorded call's. A replay passes them as given
+    (a request id or a path may differ every run), so a call re-run on a changed ``mode="b"``
+    differs, and the layer looks like its own code changed: the origin says which strings differ."""
+    recorded = {e.path: e for e in entry.inputs or () if e.kind == "str" and not stored_by_repr(e.type_name)}
+    if not recorded:
+        return []
+    out = []
+    for lv in flatten_inputs(frame.args, frame.kwargs):
+        g = recorded.get(lv.path)
+        if g is not None and lv.kind == "str" and lv.value != g.value:
+            out.append(f"{lv.path} {short(g.value)} -> {short(lv.value)}")
+    return out
+
+
 def golden_inputs(reader: GoldenReader, cache: GoldenCache, frame: Frame,
                   entry: CallEntry) -> dict[str, torch.Tensor] | str:
     """Golden tensors by input path, placed like the live ones, or why that is impossible."""
