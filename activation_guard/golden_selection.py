@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .errors import GoldenFormatError
+from .grad_loss import META_KEY as GRAD_META_KEY
 from .selection import Selector
 from .store import GoldenReader
 
@@ -32,7 +33,12 @@ def recorded_selection(meta: Mapping[str, Any]) -> Selection:
 def refuse_strays(reader: GoldenReader) -> None:
     """A golden whose index holds a call outside the selection its meta says it was recorded with
     was edited: the recorded selection is applied to the comparison by default, so those calls
-    (the model's output among them) would be neither compared nor reported missing."""
+    (the model's output among them) would be neither compared nor reported missing. Likewise a
+    golden whose index holds gradients but whose meta lost its record of them: gradients are
+    compared when the meta says how they were taken, so they would go unjudged, with no note."""
+    if reader.backward and not isinstance(reader.meta.get(GRAD_META_KEY), dict):
+        raise GoldenFormatError(reader.path, f"holds {len(reader.backward)} gradient entries but its metadata has no "
+                                             f"record of how they were taken: the file was edited")
     inc, exc = recorded_selection(reader.meta)
     if inc is None and exc is None:
         return

@@ -96,8 +96,10 @@ _SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1, "com
 
 
 @st.composite
-def leaf_dicts(draw: Any, inputs: bool = False) -> dict[str, Any]:
-    kind = draw(st.sampled_from(["tensor", "tensor", "none", "str", "object", "ref", "alias"]))
+def leaf_dicts(draw: Any, aliases: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A leaf record as the writer makes it; ``aliases``: the sections an alias may name (outputs
+    hold none: only inputs and gradients refer to stored values)."""
+    kind = draw(st.sampled_from(["tensor", "tensor", "none", "str", "object", "ref", *(["alias"] if aliases else [])]))
     e: dict[str, Any] = {"kind": kind, "path": draw(_names)}
     if kind == "tensor":
         dt = draw(_dtype)
@@ -118,7 +120,7 @@ def leaf_dicts(draw: Any, inputs: bool = False) -> dict[str, Any]:
         e.update(value=draw(_names), type=draw(st.sampled_from(["Tensor", "list"])))
     else:
         e.update(name=draw(_names), call=draw(st.integers(0, 3)), of=draw(_names),
-                 section=draw(st.sampled_from(rows.ALIAS_SECTIONS)))
+                 section=draw(st.sampled_from(aliases)))
         if draw(st.booleans()):
             e["py"] = "Parameter"
     return e
@@ -131,12 +133,14 @@ def index_dicts(draw: Any) -> dict[str, Any]:
         leaves = draw(st.lists(leaf_dicts(), max_size=3, unique_by=lambda e: e["path"]))
         c: dict[str, Any] = {"name": draw(_names), "call": i, "type": draw(_names), "leaves": leaves}
         if draw(st.booleans()):
-            c["inputs"] = draw(st.lists(leaf_dicts(), max_size=3))
+            c["inputs"] = draw(st.lists(leaf_dicts(aliases=("out", "in")), max_size=3))
         calls.append(c)
     index: dict[str, Any] = {"calls": calls}
     backward = []
     for i in range(draw(st.integers(0, 3))):
-        leaves = draw(st.lists(leaf_dicts().filter(lambda e: e["kind"] in ("tensor", "none", "alias")), max_size=2,
+        grads = ("grad-output", "grad-input", "grad-param")
+        leaves = draw(st.lists(leaf_dicts(aliases=grads).filter(lambda e: e["kind"] in ("tensor", "none", "alias")),
+                               max_size=2,
                                unique_by=lambda e: e["path"]))
         backward.append({"grad": draw(st.sampled_from(GRAD_KINDS)), "name": draw(_names), "call": i,
                          "type": "Linear", "leaves": leaves})
@@ -274,3 +278,30 @@ def test_an_edit_the_tables_cannot_hold_is_a_format_2_file(golden, tmp_path):
         assert int(f.attrs["ag_format_version"]) == 2
 
     refused(forged(golden, tmp_path / "g.h5", edit), ag.GoldenFormatError, "malformed shape")
+
+
+def test_counts_whose_int64_sum_wraps_to_the_row_count_are_refused(golden, tmp_path):
+    """Three extra calls claiming 2**63-1, 2**63-1 and 2 input leaves add up to 2**64: an int64 sum
+    wrapped to the true row count and the golden opened, then raised IndexError (found by review)."""
+    def edit(f: h5py.File) -> None:
+        t = f["calls"][()]
+        extra = np.repeat(t[:1], 3, axis=0)
+        extra[:, rows.CALL_COLUMNS.index("call")] = [100, 101, 102]
+        extra[:, rows.CALL_COLUMNS.index("leaves")] = 0
+        extra[:, rows.CALL_COLUMNS.index("inputs")] = [2**63 - 1, 2**63 - 1, 2]
+        put_table(f, "calls", np.concatenate([t, extra]))
+
+    refused(forged(golden, tmp_path / "g.h5", edit), ag.GoldenFormatError, "/calls lists")
+
+
+def test_an_alias_among_a_calls_outputs_is_refused_in_both_versions(golden, tmp_path):
+    """Only inputs and gradients refer to stored values; `diff` hit an assertion on such a golden
+    (found by review)."""
+    for version in (3, 2):
+        def edit(f: h5py.File, version: int = version) -> None:
+            idx = index_dict(f)
+            idx["calls"][1]["leaves"][0] = {"kind": "alias", "path": "", "name": "a", "call": 0, "section": "out",
+                                            "of": ""}
+            set_index(f, idx, force_v2=version == 2)
+
+        refused(forged(golden, tmp_path / f"v{version}.h5", edit), ag.GoldenFormatError, "is an alias")

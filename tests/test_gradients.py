@@ -508,3 +508,31 @@ def test_param_grads_follow_their_modules_last_gradient() -> None:
     got = capture(model, torch.randn(2, 3))
     assert got.order == [("output", "", 0), ("output", "b", 0), ("input", "b", 0), ("param", "b", 0),
                          ("output", "a", 0), ("param", "a", 0)]
+
+
+def test_gradients_without_their_meta_record_are_refused_not_skipped(tmp_path: Path) -> None:
+    """Gradients are compared when the meta says how they were taken: with that record deleted, a
+    changed backward passed with no note (found by review). Such a file was edited: refused."""
+    from golden_edit import set_json
+
+    model = shared_loop()
+    x = torch.randn(2, 6)
+    ag.record(model, x, path=tmp_path / "g.h5", backward=True)
+    with h5py.File(tmp_path / "g.h5", "r+") as f:
+        meta = json.loads(f["meta"][()].tobytes())
+        del meta["backward"]
+        set_json(f, "meta", meta)
+    with pytest.raises(ag.GoldenFormatError, match="gradient entries but its metadata has no record"):
+        ag.compare(model, x, path=tmp_path / "g.h5")
+
+
+def test_a_gradient_alias_to_a_layer_output_is_refused(tmp_path: Path) -> None:
+    ag.record(shared_loop(), torch.randn(2, 6), path=tmp_path / "g.h5", backward=True)
+    with h5py.File(tmp_path / "g.h5", "r+") as f:
+        index = index_dict(f)
+        first = index["calls"][0]
+        index["backward"][0]["leaves"][0] = {"kind": "alias", "path": "", "name": first["name"],
+                                             "call": first["call"], "section": "out", "of": ""}
+        set_index(f, index)
+    with pytest.raises(ag.GoldenFormatError, match="a gradient can only equal a gradient"):
+        ag.read_golden(tmp_path / "g.h5")

@@ -384,7 +384,8 @@ class GoldenReader:
         p = self.path
         label = where or entry.path
         entry = self.resolve(entry, label)
-        assert entry.kind == "tensor" and entry.dtype is not None
+        if entry.kind != "tensor" or entry.dtype is None:  # an alias that names a str or None value
+            raise GoldenFormatError(p, f"{label}: refers to a stored {entry.kind} value where a tensor is read")
         info = dtypes.BY_NAME[entry.dtype]
         try:
             if entry.pack is not None:

@@ -46,6 +46,7 @@ from .format import (
     CallEntry,
     LeafEntry,
     check_backward,
+    check_forward,
     parse_leaf,
     refuse_twice,
 )
@@ -210,7 +211,8 @@ class Tables:
         if np.any(n_in[backward] >= 0):
             raise self._fail(f"/calls row {int(backward[np.flatnonzero(n_in[backward] >= 0)[0]])}: a backward entry "
                              f"with inputs")
-        want = int(calls[:, CALL_COLUMNS.index("leaves")].sum() + np.maximum(n_in, 0).sum())
+        # (Python ints: int64 sums wrap, and counts near 2**63 could add up to the row count)
+        want = sum(calls[:, CALL_COLUMNS.index("leaves")].tolist()) + sum(np.maximum(n_in, 0).tolist())
         if want != leaves.shape[0]:
             raise self._fail(f"/calls lists {want} leaves, /leaves has {leaves.shape[0]} rows")
 
@@ -304,7 +306,9 @@ class Tables:
                 refuse_twice(p, leaves, name, call)
             if grad < 0:
                 raw = None if ni < 0 else range(r, r + ni)
-                forward.append(CallEntry(name, call, s[tsid], leaves, len(forward), None, raw, p, self))
+                entry = CallEntry(name, call, s[tsid], leaves, len(forward), None, raw, p, self)
+                check_forward(p, entry)
+                forward.append(entry)
                 r += max(ni, 0)
             else:
                 entry = CallEntry(name, call, s[tsid], leaves, len(backward), GRAD_KINDS[grad], None, p)
