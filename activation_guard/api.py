@@ -182,11 +182,11 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
                                                                wanted=lambda n: selected(n, inc, exc))
     on_enter, on_output = (rec.on_enter, rec.on_output) if grads is None else grads.callbacks(rec.on_enter,
                                                                                                  rec.on_output)
-    before = buffers.versions(model)
+    before = buffers.versions(target.modules)
     try:
         with hooked(target, on_output, inc, exc, on_enter=on_enter, on_abandon=rec.on_abandon) as state:
             out = run_forward(target, a, kw, state, grad=spec.grad or grads is not None)
-        state_notes = buffers.updated_note(model, before)
+        state_notes = buffers.updated_note(target.modules, before)
         if not writer.calls:
             raise nothing_selected(inc, exc, [n for n, _ in model.named_modules()])
         if grads is not None:  # gradients (issue 14): the one backward, after the forward
@@ -336,7 +336,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         comp.partial_selection = partial_selection(spec, target, golden_filter)
         stopped = False
         out = None
-        before = buffers.versions(model)
+        before = buffers.versions(target.modules)
         try:
             with hooked(target, on_output, spec.include, spec.exclude, on_enter=on_enter,
                         want_rng=comp.replayer is not None) as state:
@@ -345,7 +345,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
                 out = run_forward(target, a, kw, state, grad=spec.grad or grads is not None)
         except StopForward:
             stopped = True
-        state_notes = buffers.updated_note(model, before)
+        state_notes = buffers.updated_note(target.modules, before)
         if grads is not None and not stopped:  # gradients (issue 14): the one backward, after the forward
             grads.run(model, out, a, kw)
             out = grad_api.detached(out)
