@@ -26,11 +26,8 @@ def _buffers(modules: Modules) -> Iterator[tuple[str, torch.Tensor]]:
     """Every buffer once, by its dotted name, from the modules walked once (``Target.modules``):
     ``named_buffers()`` walks the model again, ~6,000 instructions per module, twice per run."""
     seen: set[int] = set()
-    for prefix, mod in modules:
-        bufs = mod._buffers
-        if not bufs:
-            continue
-        for k, buf in bufs.items():
+    for prefix, mod in [pm for pm in modules if pm[1]._buffers]:  # (most modules have none)
+        for k, buf in mod._buffers.items():
             if buf is None or id(buf) in seen:
                 continue
             seen.add(id(buf))
