@@ -333,6 +333,8 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         comp.inputs_changed = bool(input_changes)
         replaced = envmod.inputs_replaced(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs)
         comp.inputs_replaced, comp.verify_inputs = replaced is True, replaced is None
+        comp.objects_changed = envmod.objects_changed(inputs_raw if isinstance(inputs_raw, list) else None,
+                                                      live_inputs)
         comp.partial_selection = partial_selection(spec, target, golden_filter)
         stopped = False
         out = None

@@ -18,7 +18,7 @@ import torch
 
 from . import dtypes
 from ._version import __version__
-from .leaf_paths import stored_by_repr
+from .leaf_paths import encode_str_key, stored_by_repr
 from .leaves import flatten
 
 
@@ -137,8 +137,66 @@ def input_fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dic
                 e["type"] = leaf.type_name
             out.append(e)
         else:
-            out.append({"path": leaf.path, "kind": leaf.kind, "type": leaf.type_name})
+            e = {"path": leaf.path, "kind": leaf.kind, "type": leaf.type_name}
+            held = _held_tensors_digest(_at(args, kwargs, leaf.path)) if leaf.kind == "object" else None
+            if held is not None:  # a KV cache and the like: what it holds, not only its type
+                e["sha256"] = held
+            out.append(e)
     return out
+
+
+def _at(args: tuple[Any, ...], kwargs: dict[str, Any], path: str) -> Any:
+    """The input object at a leaf path of ``{"args": [...], "kwargs": {...}}`` (plain containers)."""
+    obj: Any = {"args": list(args), "kwargs": kwargs}
+    for comp in path.split("/") if path else ():
+        if isinstance(obj, (list, tuple)) and comp.isdigit():
+            obj = obj[int(comp)] if int(comp) < len(obj) else None
+        elif isinstance(obj, dict):
+            obj = next((v for k, v in obj.items() if isinstance(k, str) and encode_str_key(k) == comp), None)
+        else:
+            return None
+    return obj
+
+
+MAX_HELD_DEPTH = 4  # attribute levels searched for tensors inside an object input
+
+
+def _held_tensors_digest(obj: Any) -> str | None:
+    """SHA-256 over the tensors an opaque input object holds through its attributes (and lists,
+    tuples and dicts of them), in attribute order; None when it holds none. A changed KV cache
+    passed to the model was not an input change (found by review): the first layer that read it
+    was blamed instead."""
+    h = hashlib.sha256()
+    seen: set[int] = set()
+    found = False
+
+    def walk(o: Any, depth: int) -> None:
+        nonlocal found
+        if depth > MAX_HELD_DEPTH or id(o) in seen:
+            return
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            try:
+                raw = dtypes.tensor_bytes(o)
+            except Exception:
+                return
+            h.update(f"{o.dtype}{tuple(o.shape)}".encode())
+            h.update(raw.data)
+            found = True
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v, depth + 1)
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                h.update(repr(k).encode())
+                walk(v, depth + 1)
+        elif hasattr(o, "__dict__") and not isinstance(o, (type, torch.nn.Module)):
+            for k, v in vars(o).items():
+                h.update(k.encode())
+                walk(v, depth + 1)
+
+    walk(obj, 0)
+    return h.hexdigest() if found else None
 
 
 def _changed_inputs(golden: list[dict[str, Any]] | None,
@@ -154,8 +212,12 @@ def _changed_inputs(golden: list[dict[str, Any]] | None,
 def _same_input(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     if a == b:
         return True
+    if a is None or b is None:
+        return False
+    if a.get("kind") == b.get("kind") == "object" and "sha256" not in a:  # recorded before objects' tensors were
+        return a.get("type") == b.get("type")
     # a recording from before dtypes, devices, enums and bytes were stored by value: by type only
-    return (a is not None and b is not None and a.get("kind") == "object" and b.get("kind") == "str"
+    return (a.get("kind") == "object" and b.get("kind") == "str"
             and a.get("type") is not None and a.get("type") == b.get("type"))
 
 
@@ -166,6 +228,8 @@ def describe_input_change(golden: list[dict[str, Any]] | None, live: list[dict[s
             msgs.append(f"input {p} is new")
         elif b is None:
             msgs.append(f"input {p} is missing")
+        elif a.get("kind") == b.get("kind") == "object" and a.get("type") == b.get("type"):
+            msgs.append(f"input {p} ({a.get('type')}): the tensors it holds differ")
         elif a.get("kind") == "str" or b.get("kind") == "str":
             what = b.get("type") or a.get("type") or "str"
             msgs.append(f"input {p}: a different {what}" if what != "str" else f"input {p}: a different string")
@@ -174,6 +238,14 @@ def describe_input_change(golden: list[dict[str, Any]] | None, live: list[dict[s
         else:
             msgs.append(f"input {p}: same dtype and shape, different values")
     return msgs
+
+
+def objects_changed(golden: list[dict[str, Any]] | None, live: list[dict[str, Any]]) -> bool:
+    """An opaque input object (a KV cache) holds other tensors than the recording's. Replays get
+    the live object (an opaque object cannot be rebuilt from the golden), so a layer that reads it
+    differs on replay too: its own error then says nothing about its code."""
+    return any(a is not None and b is not None and a.get("kind") == b.get("kind") == "object"
+               for _, a, b in _changed_inputs(golden, live))
 
 
 def inputs_replaced(golden: list[dict[str, Any]] | None, live: list[dict[str, Any]]) -> bool | None:

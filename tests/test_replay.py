@@ -571,3 +571,40 @@ def test_origin_names_the_layer_that_passed_a_difference_on(tmp_path: Path) -> N
     moved = ag.compare(new, (x3,), path=tmp_path / "r.h5")
     assert moved.origin is not None and moved.origin.name == "proj2" and "not in the golden" in moved.origin.detail
     assert "computed what they computed before" not in str(moved)
+
+
+class _Cache:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.layers = [{"k": t}]
+
+
+class _ReadsCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.mix = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
+        return self.mix(self.lin(x) + cache.layers[0]["k"])
+
+
+def test_a_changed_cache_object_passed_to_the_model_is_an_input_change(tmp_path: Path) -> None:
+    """An opaque input (a KV cache) was recorded by type only: a changed one was not an input
+    change, and the first layer reading it was blamed (found by review). Its tensors are digested
+    now; a golden from before (no digest) still compares it by type."""
+    torch.manual_seed(0)
+    m, x, k = _ReadsCache(), torch.randn(2, 4), torch.randn(2, 4)
+    ag.record(m, (x,), {"cache": _Cache(k)}, path=tmp_path / "g.h5")
+    assert ag.compare(m, (x,), {"cache": _Cache(k.clone())}, path=tmp_path / "g.h5").ok
+    for replay in ("first", "all"):
+        rep = ag.compare(m, (x,), {"cache": _Cache(k * 1.05)}, path=tmp_path / "g.h5", replay=replay)
+        assert rep.input_changes == ["input kwargs/cache (_Cache): the tensors it holds differ"], replay
+        assert rep.origin is not None and rep.origin.kind == "inputs", (replay, rep.origin)
+    with h5py.File(tmp_path / "g.h5", "r+") as f:
+        from golden_edit import set_json
+
+        meta = json.loads(f["meta"][()].tobytes())
+        for e in meta["inputs"]:
+            e.pop("sha256", None) if e.get("kind") == "object" else None
+        set_json(f, "meta", meta)
+    old = ag.compare(m, (x,), {"cache": _Cache(k * 1.05)}, path=tmp_path / "g.h5")
+    assert not old.ok and old.input_changes == []
