@@ -34,21 +34,32 @@ def _buffers(modules: Modules) -> Iterator[tuple[str, torch.Tensor]]:
             yield (f"{prefix}.{k}" if prefix else k), buf
 
 
-def versions(modules: Modules) -> dict[str, tuple[int, torch.Tensor | None]]:
-    """Each buffer's version counter and, within :data:`SNAPSHOT_BYTES` in all, a copy of its bytes."""
-    out: dict[str, tuple[int, torch.Tensor | None]] = {}
+Snapshot = tuple[int, "int | None", "torch.Tensor | None"]  # (id, version counter, copy of the bytes)
+
+
+def versions(modules: Modules) -> dict[str, Snapshot]:
+    """Each buffer's identity, version counter (None where it has none: an inference-mode tensor)
+    and, within :data:`SNAPSHOT_BYTES` in all, a copy of its bytes."""
+    out: dict[str, Snapshot] = {}
     budget = SNAPSHOT_BYTES
     for name, buf in _buffers(modules):
+        copy = None
         try:
             raw = _bytes(buf)
-            copy = None
             if raw is not None and raw.numel() <= budget:
                 copy = raw.clone()
                 budget -= raw.numel()
-            out[name] = (buf._version, copy)
-        except (AttributeError, RuntimeError, TypeError):  # inference or meta tensors, tensor subclasses
-            continue
+        except (RuntimeError, TypeError):  # a tensor subclass, an odd layout: by its counter only
+            copy = None
+        out[name] = (id(buf), _version(buf), copy)
     return out
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return int(t._version)
+    except (AttributeError, RuntimeError):  # inference-mode tensors have no version counter
+        return None
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor | None:
@@ -57,21 +68,28 @@ def _bytes(t: torch.Tensor) -> torch.Tensor | None:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def updated_note(modules: Modules, before: dict[str, tuple[int, torch.Tensor | None]]) -> list[str]:
+def _changed(buf: torch.Tensor, was: Snapshot) -> bool:
+    """Its values changed: by its bytes where copied, else by its counter (same tensor) or identity
+    (a tensor put in its place, e.g. an equal clone, counts only if no copy can tell)."""
+    ident, version, copy = was
+    try:
+        if copy is not None:
+            now = _bytes(buf)
+            return now is None or now.numel() != copy.numel() or not torch.equal(now, copy)
+        if id(buf) != ident:
+            return True
+        return version is not None and _version(buf) != version
+    except (RuntimeError, TypeError):
+        return False
+
+
+def updated_note(modules: Modules, before: dict[str, Snapshot]) -> list[str]:
     """A note naming the buffers whose values the forward replaced, or nothing."""
     changed = []
     for name, buf in _buffers(modules):
         was = before.get(name)
-        if was is None:
-            changed.append(name)  # a buffer assigned during the forward
-            continue
-        version, copy = was
-        try:
-            now = _bytes(buf) if copy is not None else None
-            if buf._version != version or (now is not None and copy is not None and not torch.equal(now, copy)):
-                changed.append(name)
-        except (AttributeError, RuntimeError, TypeError):
-            continue
+        if was is None or _changed(buf, was):  # (None: a buffer assigned during the forward)
+            changed.append(name)
     if not changed:
         return []
     shown = ", ".join(repr(n) for n in changed[:4]) + (", ..." if len(changed) > 4 else "")

@@ -32,7 +32,7 @@ from .fingerprint_rule import FingerprintJudge
 from .golden_selection import Selection, recorded_selection, refuse_strays
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaf_paths import EMPTY_KEY, first_duplicate, is_fields, match_old_empty_keys
-from .leaves import WALKED_SINCE, Leaf, LeafTransform, UnsupportedTensorError, flatten, is_plain_tensor
+from .leaves import WALKED_SINCE, Leaf, LeafTransform, UnsupportedTensorError, flatten, is_plain_tensor, value_at
 from .rename import apply_rename, renamed_patterns
 from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own, string_hint
 from .replay_args import root_inputs_match
@@ -92,6 +92,7 @@ class Comparator:
         self.partial_selection = False
         self._root_seen = False
         self.input_note = ""
+        self._live_output: Any = None  # the output being compared, in a live run (not in diff)
         self.origin: Origin | None = None
         self.parents: dict[tuple[str, int], tuple[int, str | None]] = {}  # replay="all": call -> children, last
         self.hints: dict[tuple[str, int], str] = {}  # replay="all": a failing own error's string-argument hint
@@ -131,6 +132,7 @@ class Comparator:
 
     def _on_output(self, frame: Frame, output: Any) -> None:
         tname = type(frame.module).__name__
+        self._live_output = output  # (for older goldens' containers held by type only: value_at)
         if self.transform is not None:  # every call, whatever the golden holds (same order on every rank)
             leaves = flatten(output, fields=True)
             self.transform(frame.name, leaves)
@@ -251,7 +253,10 @@ class Comparator:
         walked: list[str] = []  # golden paths of containers once stored by type only (WALKED_SINCE)
         for g in entry.leaves:
             lv = live.get(g.path)
-            if lv is None and g.kind == "object" and g.type_name in WALKED_SINCE and _under_path(g.path, live):
+            if (lv is None and g.kind == "object" and g.type_name in WALKED_SINCE and self.reader.version < 3
+                    and type(value_at(self._live_output, g.path)).__name__ == g.type_name):
+                # an older golden's deque or namespace, still one live (checked by type: anything else
+                # there is a structure change, as before those were walked)
                 walked.append(g.path)
                 results.append(LeafResult(g.path, "match", f"{g.type_name} object: compared by type only (a golden "
                                                            f"from before its values were stored; re-record to compare "
@@ -403,11 +408,6 @@ class Comparator:
             order[len(results)] = (at, c.position)
             results.append(lr)
         return results, order
-
-
-def _under_path(prefix: str, live: Mapping[str, Any]) -> bool:
-    """Some live leaf sits inside the container at golden path ``prefix``."""
-    return any(prefix == "" or p.startswith(prefix + "/") for p in live)
 
 
 def _out(path: str) -> str:

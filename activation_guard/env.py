@@ -191,8 +191,12 @@ def _held_tensors_digest(obj: Any) -> str | None:
                 h.update(repr(k).encode())
                 walk(v, depth + 1)
         elif hasattr(o, "__dict__") and not isinstance(o, (type, torch.nn.Module)):
-            for k, v in vars(o).items():
-                h.update(k.encode())
+            try:
+                attrs = list(vars(o).items())
+            except TypeError:  # (a __dict__ that is not a dict)
+                return
+            for k, v in attrs:
+                h.update(repr(k).encode())
                 walk(v, depth + 1)
 
     walk(obj, 0)

@@ -66,10 +66,16 @@ _BY_REPR = (torch.dtype, torch.device, torch.layout, torch.memory_format, enum.E
 EMPTY_PREFIX = "empty "  # type names of empty containers: a structure marker, not a value
 
 
-# walked like a list (found by review: a deque output was compared by type only). Goldens from
-# before store them as ``object`` leaves: the comparator compares those by type, with a note.
-SEQUENCES = (tuple, list, deque)
+# a ``deque`` is walked like a list, a ``SimpleNamespace`` like a dict of its attributes (found by
+# review: they were compared by type only). Exactly those types: a subclass may have an __init__
+# that cannot rebuild it, and a namespace with a non-str attribute cannot be rebuilt either. Goldens
+# from before store them as ``object`` leaves: compared by type, with a note (comparator).
 WALKED_SINCE = ("deque", "SimpleNamespace")  # once recorded by type only
+
+
+def plain_namespace(obj: Any) -> bool:
+    """A ``types.SimpleNamespace`` (not a subclass) whose attribute names are all strings."""
+    return type(obj) is SimpleNamespace and all(type(k) is str for k in vars(obj))
 
 
 def _type_name(obj: Any) -> str:
@@ -179,10 +185,10 @@ class _Walker:
         if depth >= MAX_DEPTH:
             self.leaf(path, legacy, "object", type_name=type(obj).__name__)
             return
-        if isinstance(obj, SimpleNamespace):  # its attributes, like a dict's str keys
+        if plain_namespace(obj):  # its attributes, like a dict's str keys
             obj = NamespaceView(obj)
         is_map = isinstance(obj, Mapping)
-        is_seq = isinstance(obj, SEQUENCES)
+        is_seq = isinstance(obj, (tuple, list)) or type(obj) is deque
         is_dc = dataclasses.is_dataclass(obj) and not isinstance(obj, type)
         if not (is_map or is_seq or is_dc):
             self.leaf(path, legacy, "object", type_name=type(obj).__name__)
@@ -365,3 +371,28 @@ def flatten(obj: Any, prefix: str = "", *, fields: bool = False) -> list[Leaf]:
     if dup is not None:  # the encoding is injective, so this is a bug here: refuse rather than compare one of two
         raise PathCollisionError(f"two values in one output share the path {dup!r}; please report this")
     return w.out
+
+
+_MISSING = object()
+
+
+def value_at(obj: Any, path: str) -> Any:
+    """The value at leaf ``path`` inside ``obj`` (containers walked as :func:`flatten` walks them),
+    or None when there is none: the comparator's check that a container an older golden holds by
+    type only is still that container."""
+    for comp in path.split("/") if path else ():
+        if plain_namespace(obj):
+            obj = NamespaceView(obj)
+        if (isinstance(obj, (tuple, list)) or type(obj) is deque) and comp.isdigit():
+            i = int(comp)
+            obj = obj[i] if i < len(obj) else _MISSING
+        elif isinstance(obj, Mapping):
+            obj = next((v for k, v in obj.items() if encode_key(k) == comp), _MISSING)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            obj = next((getattr(obj, f.name, None) for f in dataclasses.fields(obj)
+                        if encode_str_key(f.name) == comp), _MISSING)
+        else:
+            return None
+        if obj is _MISSING:
+            return None
+    return obj

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import deque
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from .leaf_paths import SUBCLASS_CTX, encode_key, encode_str_key, join_path
-from .leaves import MAX_DEPTH, SEQUENCES, UnsupportedTensorError, is_wrapper
+from .leaves import MAX_DEPTH, UnsupportedTensorError, is_wrapper, plain_namespace
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], depth: int = 0) -> Any:
@@ -39,10 +40,12 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], depth: int = 0) -> 
         return obj
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(map_tensors(v, fn, depth + 1) for v in obj))
-    if isinstance(obj, SEQUENCES):
+    if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(v, fn, depth + 1) for v in obj)
-    if isinstance(obj, SimpleNamespace):
-        return type(obj)(**{k: map_tensors(v, fn, depth + 1) for k, v in vars(obj).items()})
+    if type(obj) is deque:
+        return deque((map_tensors(v, fn, depth + 1) for v in obj), maxlen=obj.maxlen)
+    if plain_namespace(obj):
+        return SimpleNamespace(**{k: map_tensors(v, fn, depth + 1) for k, v in vars(obj).items()})
     if isinstance(obj, np.ndarray):
         return obj.copy()
     if isinstance(obj, Mapping):
@@ -116,8 +119,8 @@ class _Rebuilder:
         if id(o) in seen:
             return seen[id(o)]
         is_map = isinstance(o, Mapping)
-        is_seq = isinstance(o, SEQUENCES)
-        is_ns = isinstance(o, SimpleNamespace)  # (leaves walks its attributes as str keys)
+        is_seq = isinstance(o, (tuple, list)) or type(o) is deque
+        is_ns = plain_namespace(o)  # (leaves walks its attributes as str keys)
         is_dc = dataclasses.is_dataclass(o) and not isinstance(o, type)
         if depth >= MAX_DEPTH or not (is_map or is_seq or is_dc or is_ns):
             if self.objects is not None and id(o) in self.objects:
@@ -137,7 +140,8 @@ class _Rebuilder:
             return new
         seen[id(o)] = o  # other containers are rebuilt after their items (a cycle meets the original)
         if is_ns:
-            new = type(o)(**{k: self.walk(v, join_path(path, encode_key(k)), depth + 1) for k, v in vars(o).items()})
+            new = SimpleNamespace(**{k: self.walk(v, join_path(path, encode_key(k)), depth + 1)
+                                     for k, v in vars(o).items()})
         elif is_map:
             items = {k: self.walk(v, join_path(path, encode_key(k)), depth + 1) for k, v in o.items()}
             ctor: Any = type(o)
@@ -147,7 +151,10 @@ class _Rebuilder:
                 new = items
         elif is_seq:
             parts = [self.walk(v, join_path(path, str(i)), depth + 1) for i, v in enumerate(o)]
-            new = type(o)(*parts) if isinstance(o, tuple) and hasattr(o, "_fields") else type(o)(parts)
+            if type(o) is deque:
+                new = deque(parts, maxlen=o.maxlen)
+            else:
+                new = type(o)(*parts) if isinstance(o, tuple) and hasattr(o, "_fields") else type(o)(parts)
         else:
             changes = {f.name: self.walk(getattr(o, f.name, None), join_path(path, encode_str_key(f.name)), depth + 1)
                        for f in dataclasses.fields(o) if f.init}

@@ -516,7 +516,93 @@ def test_a_golden_holding_a_deque_by_type_only_still_compares_by_type(tmp_path: 
         root = idx["calls"][-1]
         assert root["name"] == "" and all(leaf["path"].startswith(("0", "1/")) for leaf in root["leaves"])
         root["leaves"] = [{"kind": "object", "path": "", "type": "deque"}]
-        set_index(f, idx)
+        set_index(f, idx, force_v2=True)  # (format 3 writers never stored a deque by type)
     rep = ag.compare(m, x, path=tmp_path / "g.h5")
     assert rep.ok and rep.type_only_text() == "1 output compared by type only: deque"
     assert "re-record to compare them" in rep.layers[-1].leaves[0].detail
+
+
+
+def test_an_older_goldens_deque_held_by_type_does_not_pass_another_container(tmp_path: Path) -> None:
+    """The compatibility path once took any live container at that path as the deque and dropped
+    its leaves from the structure check: a layer returning a dict of other values passed (found by
+    review). It applies only when the live value there is still a deque."""
+    import collections
+
+    import h5py
+    from golden_edit import index_dict, set_index
+
+    torch.manual_seed(0)
+    lin, x = nn.Linear(3, 3), torch.randn(2, 3)
+
+    class Out(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = lin
+            self.as_dict = False
+
+        def forward(self, x: torch.Tensor) -> Any:
+            y = self.lin(x)
+            return {"a": y * 100} if self.as_dict else collections.deque([y, y * 2])
+
+    m = Out()
+    ag.record(m, x, path=tmp_path / "g.h5")
+    with h5py.File(tmp_path / "g.h5", "r+") as f:
+        idx = index_dict(f)
+        idx["calls"][-1]["leaves"] = [{"kind": "object", "path": "", "type": "deque"}]
+        set_index(f, idx, force_v2=True)
+    assert ag.compare(m, x, path=tmp_path / "g.h5").ok
+    m.as_dict = True
+    bad = ag.compare(m, x, path=tmp_path / "g.h5")
+    assert not bad.ok and bad.first_divergence is not None and bad.first_divergence.status == "structure"
+
+
+def test_deque_and_namespace_inputs_are_rebuilt_as_they_were(tmp_path: Path) -> None:
+    """compare_models copies inputs: a deque kept its maxlen, a namespace subclass or one with a
+    non-str attribute is shared as before, not rebuilt into a crash (found by review)."""
+    import collections
+    import types
+
+    class Cfg(types.SimpleNamespace):
+        def __init__(self, scale: float) -> None:
+            super().__init__(scale=scale, bias=torch.ones(3))
+
+    class Uses(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, q: Any, cfg: Any, ns: Any) -> torch.Tensor:
+            q.append(self.lin(q[-1]))
+            return q[0] + cfg.bias * cfg.scale + ns.t
+
+    odd = types.SimpleNamespace(t=torch.zeros(3))
+    odd.__dict__[1] = "x"
+    torch.manual_seed(0)
+    m = Uses()
+    args = (collections.deque([torch.randn(2, 3)], maxlen=1), Cfg(2.0), odd)
+    assert ag.compare_models(m, m, args).ok
+    ag.record(m, (collections.deque([torch.randn(2, 3)], maxlen=1), Cfg(2.0), odd), path=tmp_path / "g.h5")
+
+
+def test_buffers_made_in_inference_mode_or_replaced_by_equal_values_are_not_called_updated(tmp_path: Path) -> None:
+    """An inference-mode buffer has no version counter: it was taken for one assigned during the
+    forward, and every pass carried the note (found by review). So was a buffer replaced by an
+    equal clone."""
+    class Clones(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("s", torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.s = self.s.clone()
+            return x * self.s
+
+    with torch.inference_mode():
+        frozen = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).eval()
+    x = torch.randn(4, 3)
+    for m in (frozen, Clones()):
+        summary = ag.record(m, x, path=tmp_path / "g.h5")
+        assert not any("buffer" in n for n in summary.notes), summary.notes
+        rep = ag.compare(m, x, path=tmp_path / "g.h5")
+        assert rep.ok and not any("buffer" in n for n in rep.notes), rep.notes

@@ -608,3 +608,33 @@ def test_a_changed_cache_object_passed_to_the_model_is_an_input_change(tmp_path:
         set_json(f, "meta", meta)
     old = ag.compare(m, (x,), {"cache": _Cache(k * 1.05)}, path=tmp_path / "g.h5")
     assert not old.ok and old.input_changes == []
+
+
+class _AddsAfter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _Bump(), _Bump()
+        self.k = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) + self.k
+
+
+def test_a_parent_whose_own_code_changed_is_blamed_over_a_loose_child(tmp_path: Path) -> None:
+    """The parent adds 0.5 after its last child; the child passed a 1e-4 change under a looser
+    tolerances entry. The parent's replay (children returning the golden's values) differs by 0.5:
+    its own code, not the child (found by review of the fix above)."""
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = _AddsAfter()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.p(x)
+
+    torch.manual_seed(0)
+    m, x = Root(), torch.randn(3, 4)
+    ag.record(m, (x,), path=tmp_path / "g.h5")
+    m.p.b.v, m.p.k = 1e-4, 0.5
+    rep = ag.compare(m, (x,), path=tmp_path / "g.h5", tolerances={"p.b": {"atol": 1.0}})
+    assert rep.origin is not None and rep.origin.name == "p" and rep.origin.kind == "parent-code", rep.origin
