@@ -33,8 +33,9 @@ from .golden_selection import Selection, recorded_selection, refuse_strays
 from .judges import Judge, LeafContext, dtype_change_allowed
 from .leaf_paths import EMPTY_KEY, first_duplicate, is_fields, match_old_empty_keys
 from .leaves import WALKED_SINCE, Leaf, LeafTransform, UnsupportedTensorError, flatten, is_plain_tensor, value_at
+from .origin_hints import string_hint
 from .rename import apply_rename, renamed_patterns
-from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own, string_hint
+from .replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
 from .replay_args import root_inputs_match
 from .results import LayerResult, LeafResult, Origin
 from .selection import Selector, selected

@@ -21,13 +21,13 @@ values at the call's start and get their live values back, and objects passed as
 are deep-copied before the module can mutate them (:mod:`activation_guard.callstart` takes those
 snapshots).
 
-About 480 lines, over the ~400 we aim for: running a replay (as the capture saw the call, user
+About 500 lines, over the ~400 we aim for: running a replay (as the capture saw the call, user
 hooks included: :func:`call_as_captured`), judging the inputs a parent's code hands its children,
 and turning both into an origin are one sequence of decisions over the same call. The snapshot
 taken at each call's start (:mod:`.callstart`), the children standing in during a replay
 (:mod:`.children`), rebuilding arguments around golden tensors (:mod:`.rebuild`) and which golden
-tensors a call gets, or why its arguments do not line up (:mod:`.replay_args`), live in their own
-modules.
+tensors a call gets, or why its arguments do not line up (:mod:`.replay_args`), and what an origin
+says when a replay's assumptions do not hold (:mod:`.origin_hints`), live in their own modules.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, skeleto
 from .dtypes import dtype_name
 from .judges import Judge, LeafContext, StrictJudge
 from .leaves import UnsupportedTensorError, flatten, flatten_inputs
+from .origin_hints import string_hint, unjudged_source
 from .ownfloor import OwnFloorJudge, judge_input
 from .rebuild import clone_inputs, rebuild_inputs
-from .replay_args import ArgsChanged, golden_inputs, string_changes
+from .replay_args import ArgsChanged, golden_inputs
 from .results import LayerResult, LeafResult, Origin
 from .selection import display_name
 from .shadow import float32_random, to_reference
@@ -492,45 +493,3 @@ def _relative(name: str | None, parent: str) -> str:
     if name is None:
         return "?"
     return name[len(parent) + 1:] if parent and name.startswith(parent + ".") else display_name(name)
-
-
-def unjudged_source(frame: Frame, found: Origin, earlier: Sequence[LayerResult]) -> Origin | None:
-    """A call inside ``frame`` (or, for parent code between two children, the child that returned
-    just before) whose output reached the diverging call without being held to the tolerance it
-    failed: a layer not in the golden (renamed or new: it ran live in the replay too), or one that
-    passed under a looser ``tolerances`` entry with values that differ. The difference may come
-    from there, not from parent code or randomness (found by review: a changed layer under a
-    loosened tolerance was reported as its parent's code)."""
-    if found.kind == "parent-code" and found.child is not None:  # between two children: the one before
-        names = {found.previous} if found.previous is not None else set()
-    else:  # the call's own children (its replay ran them, or returned their golden outputs)
-        prefix = "" if frame.name == "" else frame.name + "."
-        names = {r.name for r in earlier if r.name != frame.name and r.name.startswith(prefix)}
-    for r in reversed(earlier):
-        if r.name not in names or r.phase != "forward":
-            continue
-        tname = r.type_name or "?"
-        if r.status == "unexpected":
-            return Origin(r.name, r.call, "unknown", type_name=tname, detail=(
-                f"not in the golden (renamed or new: see rename=), so nothing judged its output, which "
-                f"{display_name(frame.name)!r} goes on to use; the difference may come from there"))
-        if (r.status == "match" and r.max_abs_diff is not None and r.max_abs_diff > 0
-                and "tolerances[" in (r.tolerance_source or "")
-                # a parent whose own replay (its children returning the golden's values) differs
-                # by far more than the child passed on changed its own code (found by review)
-                and not (found.own_error is not None and found.own_error > 10 * r.max_abs_diff)):
-            return Origin(r.name, r.call, "unknown", r.max_abs_diff, type_name=tname, detail=(
-                f"its output differs from the golden's (max abs diff {r.max_abs_diff:.3g}) but passed under "
-                f"{r.tolerance_source} (rtol={r.rtol:g}, atol={r.atol:g}); {display_name(frame.name)!r} goes on to use "
-                f"it and fails its own tolerance: the difference may come from here"))
-    return None
-
-
-def string_hint(entry: CallEntry, frame: Frame) -> str:
-    """What to add to an origin that blames a call's own code when a plain string it was given
-    differs from the recording (:func:`.replay_args.string_changes`), or ""."""
-    strings = string_changes(entry, frame)
-    if not strings:
-        return ""
-    return (f"; but its string argument(s) differ from the recording ({', '.join(strings)}), which a replay passes "
-            f"as given: if one selects what it computes, its caller's code changed it")
