@@ -116,6 +116,10 @@ class ChildCall:
     # the RNG state the live call left (a training-mode child that drew random numbers): a stub
     # that does not run sets it, so the parent's later draws are the live run's
     rng_end: RngState | None = None
+    # its output shared memory with its input (a view, or the input itself: Identity, eval Dropout):
+    # in the parent's replay it runs and keeps its own output, so the parent's later in-place ops
+    # reach it as in the live run (a golden copy broke that: a false alarm, found by review)
+    aliased: bool = False
 
 
 class GoldenCache:
@@ -231,7 +235,7 @@ class ChildHooks:
 
     def _post(self, name: str, mod: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         i = self.active.pop()
-        if i is None:
+        if i is None or self.calls[i].aliased:
             return None
         golden = self.golden.get(i)
         live = {leaf.path: leaf.tensor for leaf in flatten(output) if leaf.kind == "tensor" and leaf.tensor is not None}

@@ -387,8 +387,9 @@ class Replayer:
                 # where it left the random stream (an eval-mode child may hold a training Dropout;
                 # a GPU one moves only the CUDA generator): its stub puts the stream there
                 end = rng_state()
+            aliased = stub and _shares_memory(frame, output)
             parent.data.children.append(ChildCall(frame.module, frame.name, entry,
-                                                  skeleton(output) if stub else None, end))
+                                                  skeleton(output) if stub and not aliased else None, end, aliased))
 
     def notes(self) -> list[str]:
         out = [f"{n} layer call(s) not replayed: {why}" for why, n in self.failures.items()]
@@ -493,3 +494,17 @@ def _relative(name: str | None, parent: str) -> str:
     if name is None:
         return "?"
     return name[len(parent) + 1:] if parent and name.startswith(parent + ".") else display_name(name)
+
+
+def _shares_memory(frame: Frame, output: Any) -> bool:
+    """Whether a call's output shares storage with one of its inputs (``replay="all"`` only)."""
+    try:
+        ins = {t.untyped_storage().data_ptr() for t in _plain_tensors(flatten_inputs(frame.args, frame.kwargs))}
+        ins.discard(0)
+        return bool(ins) and any(t.untyped_storage().data_ptr() in ins for t in _plain_tensors(flatten(output)))
+    except (RuntimeError, NotImplementedError, UnsupportedTensorError):  # no storage (a subclass, meta)
+        return False
+
+
+def _plain_tensors(leaves: Any) -> list[torch.Tensor]:
+    return [leaf.tensor for leaf in leaves if leaf.kind == "tensor" and type(leaf.tensor) is torch.Tensor]
