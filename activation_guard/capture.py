@@ -41,8 +41,11 @@ def _is_optimized(m: torch.nn.Module) -> bool:
 
 
 def _is_compiled(m: torch.nn.Module) -> bool:
-    """``module.compile()`` (in place) or the ``torch.compile`` wrapper."""
-    return getattr(m, "_compiled_call_impl", None) is not None or _is_optimized(m)
+    """``module.compile()`` (in place), the ``torch.compile`` wrapper, or a compiled bound forward
+    (``m.forward = torch.compile(m.forward)``: after a warm-up, dynamo ran it without the hooks
+    added later and its inner layers went silently uncaptured; found by review)."""
+    return (getattr(m, "_compiled_call_impl", None) is not None or _is_optimized(m)
+            or getattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable", None) is not None)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,25 @@ def test_in_place_compile_whole_or_submodule(golden: tuple[Path, list[str]], whe
         assert torch.allclose(model(x), build()[0](x))
 
 
+def test_a_compiled_bound_forward_is_a_compiled_region(golden: tuple[Path, list[str]]) -> None:
+    """`blk.forward = torch.compile(blk.forward)` run once before the hooks existed: dynamo skipped
+    them and the block's inner layers went uncaptured, with no note (found by review). It is now
+    captured as a compiled region; a bug inside is found at its layer."""
+    path, names = golden
+    model, x = build()
+    blk = model.blocks[1]
+    blk.forward = torch.compile(blk.forward, backend="eager")  # type: ignore[method-assign]
+    with torch.no_grad():
+        model(x)  # the warm-up
+    report = ag.compare(model, x, path=path)
+    assert report.ok, str(report)
+    assert _names(report) == names
+    bug = BUGS["layernorm-eps"]
+    bug.apply(model)
+    bad = ag.compare(model, x, path=path)
+    assert bad.first_divergence is not None and bad.first_divergence.name == bug.layer
+
+
 def test_a_bug_inside_a_compiled_submodule_is_found_at_its_layer(golden: tuple[Path, list[str]]) -> None:
     path, _ = golden
     model, x = build()
