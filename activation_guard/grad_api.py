@@ -188,6 +188,13 @@ class CompareGradients:
             return [f"backward: the golden's gradients were not compared: "
                     f"{'the forward stopped at its first divergence (fail_fast)' if stopped else 'no backward ran'}"]
         out = self.comparator.notes()
+        off = self.capture.no_autograd
+        if off:
+            shown = ", ".join(repr(n) for n in dict.fromkeys(off)) if len(set(off)) <= 5 else \
+                ", ".join(repr(n) for n in list(dict.fromkeys(off))[:5]) + ", ..."
+            out.append(f"backward: {len(off)} layer call(s) ran with autograd off ({shown}: inside torch.no_grad, or "
+                       f"an activation checkpoint with use_reentrant=True): their gradients are not compared, and a "
+                       f"change in their backward shows at the calls around them")
         left = self.capture.unadopted
         if left:
             shown = ", ".join(repr(n) for n in left[:5]) + (", ..." if len(left) > 5 else "")

@@ -40,7 +40,7 @@ The RNG state is restored after it (a checkpoint's recomputation may draw), grad
 training flag are never changed, every hook is removed, and the graph is freed (no
 ``retain_graph``).
 
-About 440 lines, most of them :class:`GradCapture`: its forward hooks, the graph walk and the
+About 450 lines, most of them :class:`GradCapture`: its forward hooks, the graph walk and the
 backward share one set of per-call records (the nodes each call created, the edges into its
 inputs, the gradients arriving), and each half is only correct given the other's order of
 events. The loss rule and the comparison live in :mod:`.grad_loss` and :mod:`.grad_compare`.
@@ -136,6 +136,15 @@ class GradCapture:
         self._tick = 0
         self._last: tuple[int, int] = (0, 0)
         self._fwd = 0
+        # calls that ran with autograd off although the forward had it on: their gradients never
+        # exist (a reentrant checkpoint re-runs them inside the backward, out of the capture's sight)
+        self.no_autograd: list[str] = []
+
+    @staticmethod
+    def _floating(output: Any) -> bool:
+        if type(output) is torch.Tensor:
+            return output.is_floating_point()
+        return any(leaf.tensor is not None and leaf.tensor.is_floating_point() for leaf in flatten(output))
 
     # ------------------------------------------------------------------ forward side
     def on_enter(self, frame: Frame) -> None:
@@ -169,6 +178,8 @@ class GradCapture:
                 outs = [(leaf.path, leaf.tensor) for leaf in flatten(output)
                         if leaf.tensor is not None and _wants(leaf.tensor)]
         if not outs:  # nothing of it is differentiated: no gradient flows through it
+            if not torch.is_grad_enabled() and self._floating(output):
+                self.no_autograd.append(name)  # torch.no_grad, or a reentrant activation checkpoint
             return
         targets: dict[tuple[int, int], list[str]] = {}
         for path, e in ins:

@@ -343,3 +343,26 @@ def test_backward_on_an_output_walked_by_type_only_says_so(tmp_path: Path) -> No
     with pytest.raises(ag.ActivationGuardError, match=r"its output holds Box, which activation_guard compares by "
                                                       r"type only.*backward=<a loss function"):
         ag.record(Q(), torch.randn(2, 3), path=tmp_path / "g.h5", backward=True)
+
+
+def test_calls_run_with_autograd_off_are_named_in_a_note(tmp_path: Path) -> None:
+    """Inside a reentrant activation checkpoint the block's calls run with autograd off: no
+    gradient of theirs is recorded, and a change in their backward was blamed on the calls around
+    them with no word of it (found by review)."""
+    import torch.utils.checkpoint as cp
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(4, 4)
+            self.blk = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return cp.checkpoint(self.blk, self.inp(x), use_reentrant=True)
+
+    torch.manual_seed(0)
+    m, x = M(), torch.randn(2, 4)
+    ag.record(m, x, path=tmp_path / "g.h5", backward=True)
+    rep = ag.compare(m, x, path=tmp_path / "g.h5")
+    assert rep.ok
+    assert "3 layer call(s) ran with autograd off ('blk.0', 'blk.1', 'blk'" in str(rep)
