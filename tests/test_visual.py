@@ -304,9 +304,15 @@ def test_the_banner_counts_layer_calls_and_gradients_apart_as_the_text_does(tmp_
     torch.manual_seed(0)
     m, x = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3)), torch.randn(2, 3)
     ag.record(m, x, path=tmp_path / "g.h5", backward=True)
-    with torch.no_grad():
-        m[2].weight[0, 0] += 1e-3  # forward changes too; what matters is the counts' form
+    from test_gradients_faults import with_scaled_backward
+
+    with_scaled_backward(m[1])  # the forward is unchanged; the backward through the Tanh is scaled
     rep = ag.compare(m, x, path=tmp_path / "g.h5")
     banner = re.search(r'<p class="state">([^<]*)', visual.html_page(rep))
     assert banner is not None and banner.group(1).endswith(rep.totals_text()), banner.group(1)
     assert "backward:" in banner.group(1) and "gradients" in banner.group(1)
+    fd = rep.first_divergence
+    assert fd is not None and fd.phase != "forward"
+    row = re.search(r'<tr class="first" id="[^"]+"[^>]*><td[^>]*>(\d+)</td>', visual.html_page(rep))
+    number = re.search(r"#(\d+) of \d+ in backward order", rep.headline())
+    assert row is not None and number is not None and row.group(1) == number.group(1)  # numbered as the text is
