@@ -105,8 +105,7 @@ def diff_recordings(
     )
     b_modes = {"training": bmeta.get("training"), "training_differs": bmeta.get("training_differs")}
     if isinstance(b_modes["training"], bool) and isinstance(b_modes["training_differs"], list):
-        report.mode_changes = [m.replace("the live model is", "the other recording was")
-                               for m in envmod.describe_training_change(gmeta, b_modes)]
+        report.mode_changes = envmod.describe_training_change(gmeta, b_modes, "the other recording was")
     report.notes.append(f"live values read from the recording {os.fspath(other)}")
     report.notes += selective_note(gmeta)
     report.notes += fp_notes

@@ -18,8 +18,8 @@ import torch
 
 from . import dtypes
 from ._version import __version__
-from .leaf_paths import encode_str_key, stored_by_repr
-from .leaves import flatten
+from .leaf_paths import stored_by_repr
+from .leaves import flatten, value_at
 
 
 def _safe(fn: Any, default: Any = None) -> Any:
@@ -119,7 +119,8 @@ def model_device(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
 def input_fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dict[str, Any]]:
     """Per input leaf: dtype, shape and a SHA-256 of the exact bytes (device independent)."""
     out = []
-    for leaf in flatten({"args": list(args), "kwargs": kwargs}):
+    walked = {"args": list(args), "kwargs": kwargs}
+    for leaf in flatten(walked):
         if leaf.kind == "tensor" and leaf.tensor is not None:
             t = leaf.tensor
             try:
@@ -138,24 +139,11 @@ def input_fingerprint(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dic
             out.append(e)
         else:
             e = {"path": leaf.path, "kind": leaf.kind, "type": leaf.type_name}
-            held = _held_tensors_digest(_at(args, kwargs, leaf.path)) if leaf.kind == "object" else None
+            held = _held_tensors_digest(value_at(walked, leaf.path)) if leaf.kind == "object" else None
             if held is not None:  # a KV cache and the like: what it holds, not only its type
                 e["sha256"] = held
             out.append(e)
     return out
-
-
-def _at(args: tuple[Any, ...], kwargs: dict[str, Any], path: str) -> Any:
-    """The input object at a leaf path of ``{"args": [...], "kwargs": {...}}`` (plain containers)."""
-    obj: Any = {"args": list(args), "kwargs": kwargs}
-    for comp in path.split("/") if path else ():
-        if isinstance(obj, (list, tuple)) and comp.isdigit():
-            obj = obj[int(comp)] if int(comp) < len(obj) else None
-        elif isinstance(obj, dict):
-            obj = next((v for k, v in obj.items() if isinstance(k, str) and encode_str_key(k) == comp), None)
-        else:
-            return None
-    return obj
 
 
 MAX_HELD_DEPTH = 4  # attribute levels searched for tensors inside an object input
@@ -372,13 +360,15 @@ def _mode(flag: bool) -> str:
     return "training" if flag else "eval"
 
 
-def describe_training_change(golden_meta: dict[str, Any], live: dict[str, Any]) -> list[str]:
-    """The first note of a report when the live model runs in another mode than the golden's."""
+def describe_training_change(golden_meta: dict[str, Any], live: dict[str, Any],
+                              live_is: str = "the live model is") -> list[str]:
+    """The first note of a report when the live model runs in another mode than the golden's
+    (``live_is``: how the other side is named, e.g. by ``diff``: "the other recording was")."""
     g = golden_meta.get("training")
     if not isinstance(g, bool):
         return []
     if g != live["training"]:
-        return [f"golden recorded in {_mode(g)} mode; the live model is in {_mode(live['training'])} mode: "
+        return [f"golden recorded in {_mode(g)} mode; {live_is} in {_mode(live['training'])} mode: "
                 f"dropout and batch-norm statistics differ"]
     gd = golden_meta.get("training_differs")
     if isinstance(gd, list) and gd != live["training_differs"]:

@@ -190,8 +190,8 @@ class CompareGradients:
         out = self.comparator.notes()
         off = self.capture.no_autograd
         if off:
-            shown = ", ".join(repr(n) for n in dict.fromkeys(off)) if len(set(off)) <= 5 else \
-                ", ".join(repr(n) for n in list(dict.fromkeys(off))[:5]) + ", ..."
+            names = list(dict.fromkeys(off))  # (a layer called twice is named once)
+            shown = ", ".join(repr(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
             out.append(f"backward: {len(off)} layer call(s) ran with autograd off ({shown}: inside torch.no_grad, or "
                        f"an activation checkpoint with use_reentrant=True): their gradients are not compared, and a "
                        f"change in their backward shows at the calls around them")

@@ -73,6 +73,11 @@ EMPTY_PREFIX = "empty "  # type names of empty containers: a structure marker, n
 WALKED_SINCE = ("deque", "SimpleNamespace")  # once recorded by type only
 
 
+def walked_sequence(obj: Any) -> bool:
+    """A tuple, a list (their subclasses too: named tuples) or exactly a ``deque``."""
+    return isinstance(obj, (tuple, list)) or type(obj) is deque
+
+
 def plain_namespace(obj: Any) -> bool:
     """A ``types.SimpleNamespace`` (not a subclass) whose attribute names are all strings."""
     return type(obj) is SimpleNamespace and all(type(k) is str for k in vars(obj))
@@ -188,7 +193,7 @@ class _Walker:
         if plain_namespace(obj):  # its attributes, like a dict's str keys
             obj = NamespaceView(obj)
         is_map = isinstance(obj, Mapping)
-        is_seq = isinstance(obj, (tuple, list)) or type(obj) is deque
+        is_seq = walked_sequence(obj)
         is_dc = dataclasses.is_dataclass(obj) and not isinstance(obj, type)
         if not (is_map or is_seq or is_dc):
             self.leaf(path, legacy, "object", type_name=type(obj).__name__)
@@ -383,7 +388,7 @@ def value_at(obj: Any, path: str) -> Any:
     for comp in path.split("/") if path else ():
         if plain_namespace(obj):
             obj = NamespaceView(obj)
-        if (isinstance(obj, (tuple, list)) or type(obj) is deque) and comp.isdigit():
+        if walked_sequence(obj) and comp.isdigit():
             i = int(comp)
             obj = obj[i] if i < len(obj) else _MISSING
         elif isinstance(obj, Mapping):

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .leaf_paths import SUBCLASS_CTX, encode_key, encode_str_key, join_path
-from .leaves import MAX_DEPTH, UnsupportedTensorError, is_wrapper, plain_namespace
+from .leaves import MAX_DEPTH, UnsupportedTensorError, is_wrapper, plain_namespace, walked_sequence
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any], depth: int = 0) -> Any:
@@ -119,7 +119,7 @@ class _Rebuilder:
         if id(o) in seen:
             return seen[id(o)]
         is_map = isinstance(o, Mapping)
-        is_seq = isinstance(o, (tuple, list)) or type(o) is deque
+        is_seq = walked_sequence(o)
         is_ns = plain_namespace(o)  # (leaves walks its attributes as str keys)
         is_dc = dataclasses.is_dataclass(o) and not isinstance(o, type)
         if depth >= MAX_DEPTH or not (is_map or is_seq or is_dc or is_ns):

@@ -77,6 +77,16 @@ class Report:
         """Live forward layer calls (gradient rows are counted by :attr:`grad_count`)."""
         return sum(1 for layer in self.layers if layer.position is not None and layer.phase == "forward")
 
+    def number(self, layer: LayerResult, live_count: int | None = None) -> int | None:
+        """A live row's 1-based number: in execution order, or for a gradient in backward order
+        (gradient rows follow the forward's). ``live_count``: :attr:`live_count`, when a caller
+        numbers many rows (it counts every row)."""
+        if layer.position is None:
+            return None
+        if layer.phase == "forward":
+            return layer.position + 1
+        return layer.position + 1 - (self.live_count if live_count is None else live_count)
+
     @property
     def grad_count(self) -> int:
         """Live gradient rows (calls' output/input gradients and modules' parameter gradients)."""
@@ -231,13 +241,13 @@ class Report:
             tail = f"; the forward matches ({n} layer calls)" if fwd_ok else ""
             if fd.position is None:
                 return f"{head}, #{(fd.golden_position or 0) + 1} in the golden's backward order: {why(fd)}{tail}"
-            return f"{head}, #{fd.position - n + 1} of {ng} in backward order: {why(fd)}{tail}"
+            return f"{head}, #{self.number(fd)} of {ng} in backward order: {why(fd)}{tail}"
         head = (f"activation_guard: first divergence at layer {display_name(fd.name)!r} ({fd.type_name or '?'}) "
                 f"call {fd.call}")
         if fd.position is None:
             return (f"{head}, #{(fd.golden_position or 0) + 1} in the golden's execution order: "
                     f"{WHY.get(fd.status, fd.status)} in the live run")
-        return f"{head}, #{fd.position + 1} of {n} in execution order: {WHY.get(fd.status, fd.status)}"
+        return f"{head}, #{self.number(fd)} of {n} in execution order: {WHY.get(fd.status, fd.status)}"
 
     def __str__(self) -> str:
         fd = self.first_divergence
@@ -357,13 +367,13 @@ class Report:
         out = ["", f"  context ({order}):", head]
         missing_row = (f"  > {'-':>5}  {row_name(fd)[-width:]:<{width}} {fd.call:>4}  "
                        f"missing    ({'did not run' if fd.phase == 'forward' else 'not computed'}; expected here)")
-        base = 0 if fd.phase == "forward" else self.live_count
+        n_live = self.live_count
         for j, layer in enumerate(live[lo:hi], start=lo):
             if insert_at == j:
                 out.append(missing_row)
             mark = ">" if layer is fd else " "
             nm = row_name(layer)[-width:]
-            row = (f"  {mark} {(layer.position or 0) - base + 1:>5}  {nm:<{width}} {layer.call:>4}  {layer.status:<10} "
+            row = (f"  {mark} {self.number(layer, n_live):>5}  {nm:<{width}} {layer.call:>4}  {layer.status:<10} "
                    f"{fmt_diff(layer.max_abs_diff):>9} {fmt_diff(layer.max_rel_diff):>9}")
             if calibrated:  # error as a multiple of the calibrated noise allowance (fails above 1)
                 row += f" {'-' if layer.error_multiple is None else f'{layer.error_multiple:.3g}':>10}"

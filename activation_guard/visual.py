@@ -299,7 +299,7 @@ def _head(columns: Sequence[tuple[str, str]], *, plain: Sequence[str] = ()) -> s
 def _layer_rows(report: Report, fd_id: str, calibrated: bool) -> list[str]:
     fd = report.first_divergence
     ordered = _live_layers(report) + [x for x in report.layers if x.position is None]
-    n_fwd = report.live_count  # gradients are numbered in backward order, as the text report numbers them
+    n_live = report.live_count
     rows = []
     for x in ordered:
         name = x.name or "<root>"
@@ -310,8 +310,7 @@ def _layer_rows(report: Report, fd_id: str, calibrated: bool) -> list[str]:
             worst = f"{idx}{gv} / {lv}"
         status = x.status if x is not fd else f'<span class="badge">FIRST</span> {_e(x.status)}'
         cells = [
-            _td("-" if x.position is None else str(x.position + 1 - (n_fwd if x.phase != "forward" else 0)), "num",
-                x.position, keyed=True),
+            _td("-" if x.position is None else str(report.number(x, n_live)), "num", x.position, keyed=True),
             f'<td class="name">{_e(name).replace(".", ".<wbr>")}{_phase_tag(x)}</td>',  # long names wrap at a dot
             _td(str(x.call), "num", x.call, keyed=True), _td(x.type_name),
             f'<td data-v="{_e(x.status)}">{status}</td>' if x is fd else _td(x.status),

@@ -291,7 +291,7 @@ def parse_leaf(p: str, e: Any, lname: str, call: int, section: str = "outputs") 
     return entry
 
 
-_ITEMSIZE = {name: info.storage.itemsize for name, info in dtypes.BY_NAME.items()}
+ITEMSIZE = {name: info.storage.itemsize for name, info in dtypes.BY_NAME.items()}  # stored bytes per element
 
 
 def _packed_tensor(e: dict[str, Any]) -> LeafEntry | None:
@@ -299,7 +299,7 @@ def _packed_tensor(e: dict[str, Any]) -> LeafEntry | None:
     get = e.get
     path, dt, shape, nbytes, crc, pk, off = (get("path"), get("dtype"), get("shape"), get("nbytes"), get("crc32"),
                                              get("pack"), get("offset"))
-    size = _ITEMSIZE.get(dt) if type(dt) is str else None
+    size = ITEMSIZE.get(dt) if type(dt) is str else None
     if (size is None or type(path) is not str or type(shape) is not list or len(shape) > 64 or type(nbytes) is not int
             or type(crc) is not int or type(pk) is not int or type(off) is not int or pk < 0 or off < 0):
         return None

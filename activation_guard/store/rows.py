@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes
 from ..errors import GoldenFormatError
 from .format import (
     GRAD_KINDS,
+    ITEMSIZE,
     LEAF_KINDS,
     ROW_TABLES,
     SECTIONS,
@@ -183,9 +183,8 @@ class Tables:
         self.path = path
         self.strings: list[str] = header["strings"]
         calls, leaves, dims = arrays["calls"], arrays["leaves"], arrays["dims"]
-        self.calls: list[list[int]] = []
         self._check_calls(calls, leaves)
-        self.calls = calls.tolist()
+        self.calls: list[list[int]] = calls.tolist()  # (the leaves' checks name a row's layer call from it)
         self._check_leaves(leaves, dims)
         self.leaves: list[list[int]] = leaves.tolist()
         self.dims: list[int] = dims.tolist()
@@ -282,7 +281,7 @@ class Tables:
         (The hot loop of opening a golden: entries are built positionally, a packed tensor leaf
         without its dict, and a call's inputs stay rows until replay reads them.)"""
         p, s, rows, dims, dim_start = self.path, self.strings, self.leaves, self.dims, self.dim_start
-        itemsize, prod, tensor = _ITEMSIZE, math.prod, _K_TENSOR
+        itemsize, prod, tensor = ITEMSIZE, math.prod, _K_TENSOR
         forward: list[CallEntry] = []
         backward: list[CallEntry] = []
         r = 0
@@ -359,5 +358,3 @@ def table_shape(header: dict[str, Any], name: str) -> tuple[int, ...]:
     n = header["rows"][name]
     return (n,) if name == "dims" else (n, len(CALL_COLUMNS if name == "calls" else LEAF_COLUMNS))
 
-
-_ITEMSIZE = {name: info.storage.itemsize for name, info in dtypes.BY_NAME.items()}
