@@ -11,7 +11,7 @@ and a compiled region whose inner hooks still did not fire is an error, never an
 Model-level conditions that would make call numbers meaningless are refused with the layer and
 the fix: two modules under one qualified name, and a module called from several threads.
 
-About 440 lines: eager and compiled capture share the hook pair and the call stack, and the
+About 460 lines: eager and compiled capture share the hook pair and the call stack, and the
 refusals must see the same module walk; splitting them would pass that state between modules.
 How the hooks go into a module's hook dicts (and out of a copy's) is :mod:`.hook_install`.
 """
