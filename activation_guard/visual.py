@@ -14,7 +14,7 @@ importing activation_guard never needs it. Without it, :func:`write_plot` raises
 The page is one file people open from a CI artefact, so it is self-contained: its stylesheet and
 its small script (``assets/report.css``, ``assets/report.js``, kept as files so they can be read
 and linted as what they are) are inlined, the plot is a base64 PNG. The module is nearly 500
-400 lines because the plot and the page are one presentation of a report with one optional
+lines because the plot and the page are one presentation of a report with one optional
 dependency; splitting them would put the page's plot call behind an import cycle.
 """
 
