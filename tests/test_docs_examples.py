@@ -65,6 +65,7 @@ REPORT = """activation_guard: first divergence at layer 'blocks.1.norm2' (LayerN
     REPORT.replace("platform linux, cuda None", "platform darwin, cuda 12.8"),
     REPORT.replace("  golden        :", "  golden    :").replace("\n", "\n  "),  # whitespace only
     REPORT.replace("-2.661974", "-2.661975").replace("-3.683e-09", "3.719e-09"),  # last digits, noise near 0
+    REPORT.replace("(0, 4, 19)", "(1, 0, 7)"),  # which of near-equal differences is the worst: another CPU's pick
 ])
 def test_check_forgives_what_depends_on_the_machine(changed: str) -> None:
     assert gen.same(REPORT, changed)
