@@ -12,7 +12,8 @@ A judge is built once per comparison and sees every leaf in execution order; it 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+import math
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -54,6 +55,16 @@ class Judge(Protocol):
         """The verdict for a live value whose bytes equal the golden's (the comparator's fast
         path: no golden tensor is built). ``view``: the live value's numpy view, when the caller
         has made one already."""
+        ...
+
+    #: whether ``identical_values`` may be called after the run, in any order: the comparator
+    #: then builds a bit-identical call's verdict only when a report reads it (a rule that
+    #: counts or notes what it judged, like the calibrated one, says False)
+    pure_identical: bool
+
+    def identical_values(self, ctx: LeafContext, shape: tuple[int, ...], first: Any) -> LeafResult:
+        """:meth:`identical` from the value's shape and first element (all a verdict on
+        bit-identical values needs)."""
         ...
 
     def notes(self) -> list[str]:
@@ -104,15 +115,21 @@ class StrictJudge:
                           f"(compared in {dtype_name(golden)})")
         return res
 
+    pure_identical = True
+
     def identical(self, ctx: LeafContext, live: torch.Tensor, view: np.ndarray | None = None) -> LeafResult:
-        tol = self.tolerance(ctx)
         arr = view if view is not None else numpy_view(live)
         if arr is not None:  # shape, size and first element from numpy: ~2x faster than from torch
-            shape, numel = arr.shape, arr.size
-            first = arr.item(0) if numel else None
+            shape = arr.shape
+            first = arr.item(0) if arr.size else None
         else:
-            shape, numel = tuple(live.shape), live.numel()
-            first = live.detach().reshape(-1)[0].item() if numel else None
+            shape = tuple(live.shape)
+            first = live.detach().reshape(-1)[0].item() if live.numel() else None
+        return self.identical_values(ctx, shape, first)
+
+    def identical_values(self, ctx: LeafContext, shape: tuple[int, ...], first: Any) -> LeafResult:
+        tol = self.tolerance(ctx)
+        numel = math.prod(shape)
         return LeafResult(
             ctx.path, "match", dtype=ctx.golden_dtype, live_dtype=ctx.live_dtype, shape=shape, live_shape=shape,
             numel=numel, max_abs_diff=0.0, max_rel_diff=0.0,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .env import recorded_device
-from .results import STATUS_ORDER, LayerResult, LeafResult, Origin, from_json_number, json_number
+from .results import STATUS_ORDER, IdenticalCall, LayerResult, LeafResult, Origin, from_json_number, json_number
 from .selection import display_name
 from .textfmt import (  # re-exported: the HTML page and the Markdown summary read values the same way
     GRAD_WHY,
@@ -123,7 +123,14 @@ class Report:
 
     def type_only(self) -> Counter[str]:
         """Outputs whose values were not compared (opaque objects: caches, generators), by type."""
-        return Counter(leaf.type_name or "?" for layer in self.layers for leaf in layer.leaves if leaf.type_only)
+        return Counter(leaf.type_name or "?" for layer in self._judged_leafwise() for leaf in layer.leaves
+                       if leaf.type_only)
+
+    def _judged_leafwise(self) -> list[LayerResult]:
+        """Rows whose leaves may say how they were judged: an IdenticalCall's one output was
+        compared byte for byte (never by type only, never by fingerprint), and reading its
+        leaves would build the numbers it keeps unbuilt until asked."""
+        return [layer for layer in self.layers if not isinstance(layer, IdenticalCall)]
 
     def type_only_text(self) -> str | None:
         """"3 outputs compared by type only: DynamicCache x2, Foo", or None: an OK always says
@@ -137,7 +144,7 @@ class Report:
 
     def estimated(self) -> list[LeafResult]:
         """Outputs judged against fingerprints (their numbers are estimates)."""
-        return [leaf for layer in self.layers for leaf in layer.leaves if leaf.estimate]
+        return [leaf for layer in self._judged_leafwise() for leaf in layer.leaves if leaf.estimate]
 
     def fingerprint_text(self) -> str | None:
         """"12 outputs checked by fingerprint (estimates)", or None: an OK says when a pass is a

@@ -233,6 +233,74 @@ class LayerResult:
                    detail=kw.pop("detail", "") or leaf.detail, **kw)
 
 
+# fields an IdenticalCall sets when it is made; every other field is built from its facts on first read
+_EAGER = ("name", "call", "status", "type_name", "position", "golden_position", "golden_name", "phase", "own_status")
+_FIELDS = tuple(LayerResult.__dataclass_fields__)
+_LAZY = frozenset(_FIELDS) - set(_EAGER)
+
+
+class IdenticalCall(LayerResult):
+    """A layer call whose one output was bit-identical to its golden: a ``LayerResult`` whose
+    numbers are built only when one is read.
+
+    Its verdict is settled when it is made (every byte equal: "match", zero differences, the
+    first element as the worst). A deep model makes thousands of these per compare, and building
+    two full result records for each was a quarter of compare's cost per layer call; most reports
+    are only asked ``ok``. It holds the few facts the numbers follow from (``build``: a function
+    returning the call's one ``LeafResult``, then its arguments), and fills every field from them
+    on first read, leaving fields already assigned (a replay's own error) as they are. It is a
+    ``LayerResult`` in every other way: same fields, ``to_dict``, equality.
+    """
+
+    __slots__ = ("_build",)
+    _build: tuple[Any, ...]
+
+    @classmethod
+    def made(cls, name: str, call: int, type_name: str, position: int, golden_position: int | None,
+             golden_name: str | None, build: tuple[Any, ...]) -> LayerResult:
+        if not SLOTS:  # Python 3.9: fields with defaults are class attributes there, which would hide the lazy ones
+            return LayerResult._from_leaf(name, call, type_name, build[0](*build[1:]), dict(
+                position=position, golden_position=golden_position, golden_name=golden_name))
+        self = cls.__new__(cls)
+        self.name, self.call, self.status, self.type_name = name, call, "match", type_name
+        self.position, self.golden_position, self.golden_name = position, golden_position, golden_name
+        self.phase, self.own_status = "forward", None
+        self._build = build
+        return self
+
+    @property
+    def built(self) -> bool:
+        """Whether its fields have been filled (reading any field but the eager ones fills them)."""
+        try:
+            object.__getattribute__(self, "leaves")
+        except AttributeError:
+            return False
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to any ``LayerResult`` with the same fields (the dataclass's own ``__eq__``
+        wants the same class, and which class holds a verdict is not part of it)."""
+        if not isinstance(other, LayerResult):
+            return NotImplemented
+        return tuple(getattr(self, f) for f in _FIELDS) == tuple(getattr(other, f) for f in _FIELDS)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as LayerResult
+
+    def __getattr__(self, attr: str) -> Any:  # only for fields not yet filled
+        if attr not in _LAZY:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")
+        build = object.__getattribute__(self, "_build")
+        leaf = build[0](*build[1:])
+        full = LayerResult._from_leaf(self.name, self.call, self.type_name, leaf, {})
+        for f in _LAZY:
+            try:
+                object.__getattribute__(self, f)
+            except AttributeError:
+                object.__setattr__(self, f, object.__getattribute__(full, f))
+        object.__delattr__(self, "_build")  # (it holds the judge and the golden's entry)
+        return object.__getattribute__(self, attr)
+
+
 def leaf_from_stats(path: str, dtype: str, live_dtype: str, shape: tuple[int, ...], st: TensorStats,
                     rtol: float, atol: float, source: str) -> LeafResult:
     """A leaf verdict from kernel statistics. ``detail`` stays empty: the mismatch count, new
