@@ -71,17 +71,27 @@ class Comparator:
         self.live_to_golden: dict[str, str] = {}
         self.golden_calls: dict[str, int] = {}
         rules = spec.rename
-        live_names = []
+        counts = self.golden_calls
+        if rules:
+            live_names = []
+            for c in reader.calls:
+                live = apply_rename(c.name, rules)
+                live_names.append(live)
+                prev = self.live_to_golden.get(live)
+                if prev is not None and prev != c.name:
+                    raise ValueError(f"rename maps golden layers {prev!r} and {c.name!r} both to {live!r}")
+                self.live_to_golden[live] = c.name
+        else:  # (the common case, per golden call on every compare: no rename to apply)
+            live_names = [c.name for c in reader.calls]
+            self.live_to_golden = dict(zip(live_names, live_names))
         for c in reader.calls:
-            live = apply_rename(c.name, rules)
-            live_names.append(live)
-            prev = self.live_to_golden.get(live)
-            if prev is not None and prev != c.name:
-                raise ValueError(f"rename maps golden layers {prev!r} and {c.name!r} both to {live!r}")
-            self.live_to_golden[live] = c.name
-            self.golden_calls[c.name] = max(self.golden_calls.get(c.name, 0), c.call + 1)
-        wanted = Selector(spec.include, spec.exclude, live_names)
-        self.golden_selected = [c for c, live in zip(reader.calls, live_names) if wanted(live)]
+            if c.call >= counts.get(c.name, 0):
+                counts[c.name] = c.call + 1
+        if spec.include is None and spec.exclude is None:
+            self.golden_selected = list(reader.calls)
+        else:
+            wanted = Selector(spec.include, spec.exclude, live_names)
+            self.golden_selected = [c for c, live in zip(reader.calls, live_names) if wanted(live)]
         self.golden_to_live = {g: live for live, g in self.live_to_golden.items()}
         self.replayer: Replayer | None = None  # replay on golden inputs (spec.replay), set by the caller
         self.inputs_changed = False  # the model's inputs differ from the recording's
