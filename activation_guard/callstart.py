@@ -50,10 +50,19 @@ SNAPSHOT_NUMEL = 1 << 14  # a buffer up to this size is copied at each call's st
 
 
 def remember_start(frame: Frame) -> None:
-    """At a call's start (compare with replay): see :class:`CallStart`."""
-    start = CallStart([], {})
-    for v in (*frame.args, *frame.kwargs.values()):
-        _scan(start, v, 0)
+    """At a call's start (compare with replay): see :class:`CallStart`. (Runs at every layer
+    call: plain tensor arguments, the common case, are taken without a call of :func:`_scan`.)"""
+    start = CallStart([], {}, [], [])
+    versions = start.versions
+    for group in (frame.args, frame.kwargs.values()):
+        for v in group:
+            if type(v) is torch.Tensor:
+                try:  # noqa: SIM105  (as in _scan)
+                    versions.append((v, v._version))
+                except RuntimeError:  # inference tensors have no version counter
+                    pass
+            else:
+                _scan(start, v, 0)
     own = frame.module._buffers
     if own:
         for name, b in own.items():
