@@ -28,7 +28,6 @@ the live floors are measured during ``compare(tolerance="calibrated")``.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 import torch
@@ -116,15 +115,11 @@ class CalibratedJudge:
         self.judged += 1
         return calibrated_verdict(ctx, golden, live, gf, lf)
 
-    pure_identical = False  # it counts what it judged, in order, for its notes
+    def identical_tolerance(self, ctx: LeafContext) -> None:
+        return None  # it counts what it judged, in order, for its notes
 
     def identical(self, ctx: LeafContext, live: torch.Tensor, view: np.ndarray | None = None) -> LeafResult:
-        return self._identical(ctx, self.strict.identical(ctx, live, view))
-
-    def identical_values(self, ctx: LeafContext, shape: tuple[int, ...], first: Any) -> LeafResult:
-        return self._identical(ctx, self.strict.identical_values(ctx, shape, first))
-
-    def _identical(self, ctx: LeafContext, res: LeafResult) -> LeafResult:
+        res = self.strict.identical(ctx, live, view)
         if ctx.golden_dtype not in CALIBRATED_DTYPES:
             return res
         rule = self.strict.tolerance(ctx).rule

@@ -31,7 +31,7 @@ from .dist_capture import attribute, shard_verdict
 from .dtypes import BY_NAME, dtype_name, numpy_view, tensor_bytes, tensor_from_bytes
 from .fingerprint_rule import FingerprintJudge
 from .golden_selection import Selection, recorded_selection, refuse_strays
-from .judges import Judge, LeafContext, dtype_change_allowed
+from .judges import Judge, LeafContext, dtype_change_allowed, identical_leaf
 from .leaf_paths import EMPTY_KEY, first_duplicate, is_fields, match_old_empty_keys
 from .leaves import WALKED_SINCE, Leaf, LeafTransform, UnsupportedTensorError, flatten, is_plain_tensor, value_at
 from .origin_hints import string_hint
@@ -205,17 +205,21 @@ class Comparator:
             self.seen.add((entry.name, call))
             type_changed = entry.type_name and entry.type_name != tname
             gname = entry.name if entry.name != name else None
-            if (single is not None and len(entry.leaves) == 1 and entry.leaves[0].path == "" and not type_changed
-                    and self.judge.pure_identical):
+            quick = None
+            if single is not None and len(entry.leaves) == 1 and entry.leaves[0].path == "":
                 g = entry.leaves[0]
                 same = self._same_bytes(g, single, "Tensor", name, entry)
-                if same is not None:  # the common case: its numbers are built only when read
-                    res = IdenticalCall.made(name, call, tname, pos, entry.position, gname,
-                                             (_identical_verdict, self.judge, name, entry.name, call, g.path,
-                                              g.dtype or "", g.shape or (), _first(same)))
-                    self.results.append(res)
-                    return res, entry
-            leaves = self._compare_call(entry, get_leaves(), name)
+                if same is not None:  # the common case: bit-identical
+                    dt = g.dtype or ""
+                    ctx = LeafContext(name, entry.name, call, g.path, dt, dt)
+                    tol = None if type_changed else self.judge.identical_tolerance(ctx)
+                    if tol is not None:  # its numbers are built only when a report reads them
+                        res = IdenticalCall.made(name, call, tname, pos, entry.position, gname,
+                                                 (identical_leaf, ctx, g.shape, _first(same), tol))
+                        self.results.append(res)
+                        return res, entry
+                    quick = self.judge.identical(ctx, single, same if isinstance(same, np.ndarray) else None)
+            leaves = [quick] if quick is not None else self._compare_call(entry, get_leaves(), name)
             res = LayerResult.from_leaves(name, call, tname, leaves, position=pos, golden_position=entry.position,
                                           golden_name=gname)
             if type_changed and res.ok:
@@ -450,14 +454,6 @@ def _first(same: np.ndarray | torch.Tensor) -> Any:
     if isinstance(same, np.ndarray):
         return same.item(0) if same.size else None
     return same.detach().reshape(-1)[0].item() if same.numel() else None
-
-
-def _identical_verdict(judge: Judge, name: str, golden_name: str, call: int, path: str, dtype: str,
-                       shape: tuple[int, ...], first: Any) -> LeafResult:
-    """The verdict of a bit-identical output, built when a report reads it, from what cannot
-    change after the call. (Plain values, not the golden's entry: that would keep the golden's
-    whole index alive as long as the report.)"""
-    return judge.identical_values(LeafContext(name, golden_name, call, path, dtype, dtype), shape, first)
 
 
 def _out(path: str) -> str:

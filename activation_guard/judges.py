@@ -57,14 +57,12 @@ class Judge(Protocol):
         has made one already."""
         ...
 
-    #: whether ``identical_values`` may be called after the run, in any order: the comparator
-    #: then builds a bit-identical call's verdict only when a report reads it (a rule that
-    #: counts or notes what it judged, like the calibrated one, says False)
-    pure_identical: bool
-
-    def identical_values(self, ctx: LeafContext, shape: tuple[int, ...], first: Any) -> LeafResult:
-        """:meth:`identical` from the value's shape and first element (all a verdict on
-        bit-identical values needs)."""
+    def identical_tolerance(self, ctx: LeafContext) -> Tolerance | None:
+        """The tolerance a bit-identical value's verdict names, when that verdict follows from it
+        alone: the comparator then keeps the call as plain facts (this tolerance, the value's
+        shape and first element) and builds its result only when a report reads it
+        (:class:`~activation_guard.results.IdenticalCall`). None for a rule that must see every
+        value as it comes (the calibrated one counts what it judged, for its notes)."""
         ...
 
     def notes(self) -> list[str]:
@@ -115,8 +113,6 @@ class StrictJudge:
                           f"(compared in {dtype_name(golden)})")
         return res
 
-    pure_identical = True
-
     def identical(self, ctx: LeafContext, live: torch.Tensor, view: np.ndarray | None = None) -> LeafResult:
         arr = view if view is not None else numpy_view(live)
         if arr is not None:  # shape, size and first element from numpy: ~2x faster than from torch
@@ -125,23 +121,29 @@ class StrictJudge:
         else:
             shape = tuple(live.shape)
             first = live.detach().reshape(-1)[0].item() if live.numel() else None
-        return self.identical_values(ctx, shape, first)
+        return identical_leaf(ctx, shape, first, self.tolerance(ctx))
 
-    def identical_values(self, ctx: LeafContext, shape: tuple[int, ...], first: Any) -> LeafResult:
-        tol = self.tolerance(ctx)
-        numel = math.prod(shape)
-        return LeafResult(
-            ctx.path, "match", dtype=ctx.golden_dtype, live_dtype=ctx.live_dtype, shape=shape, live_shape=shape,
-            numel=numel, max_abs_diff=0.0, max_rel_diff=0.0,
-            index=(0,) * len(shape) if numel else None, golden_value=first, live_value=first,
-            rtol=tol.rtol, atol=tol.atol, tolerance_source=tol.source,
-        )
+    def identical_tolerance(self, ctx: LeafContext) -> Tolerance:
+        return self.tolerance(ctx)
 
     def notes(self) -> list[str]:
         return []
 
     def close(self) -> None:
         pass
+
+
+def identical_leaf(ctx: LeafContext, shape: tuple[int, ...], first: Any, tol: Tolerance) -> LeafResult:
+    """The verdict on a value bit-identical to its golden: zero differences, its first element
+    as the worst, the tolerance that was in force. Built from plain values only, so that a
+    deferred row (:class:`~activation_guard.results.IdenticalCall`) holds no judge, spec or model."""
+    numel = math.prod(shape)
+    return LeafResult(
+        ctx.path, "match", dtype=ctx.golden_dtype, live_dtype=ctx.live_dtype, shape=shape, live_shape=shape,
+        numel=numel, max_abs_diff=0.0, max_rel_diff=0.0,
+        index=(0,) * len(shape) if numel else None, golden_value=first, live_value=first,
+        rtol=tol.rtol, atol=tol.atol, tolerance_source=tol.source,
+    )
 
 
 def is_exact_dtype(dtype_name: str) -> bool:

@@ -247,8 +247,10 @@ class IdenticalCall(LayerResult):
     first element as the worst). A deep model makes thousands of these per compare, and building
     two full result records for each was a quarter of compare's cost per layer call; most reports
     are only asked ``ok``. It holds the few facts the numbers follow from (``build``: a function
-    returning the call's one ``LeafResult``, then its arguments), and fills every field from them
-    on first read, leaving fields already assigned (a replay's own error) as they are. It is a
+    returning the call's one ``LeafResult``, then its arguments: plain values taken when the call
+    returned, the tolerance then in force among them, never the judge, spec or model), and fills
+    every field from them on first read, leaving fields already assigned (a replay's own error) as
+    they are. Two threads may fill one row at once: both build the same values. It is a
     ``LayerResult`` in every other way: same fields, ``to_dict``, equality.
     """
 
@@ -297,7 +299,6 @@ class IdenticalCall(LayerResult):
                 object.__getattribute__(self, f)
             except AttributeError:
                 object.__setattr__(self, f, object.__getattribute__(full, f))
-        object.__delattr__(self, "_build")  # (it holds the judge and the golden's entry)
         return object.__getattribute__(self, attr)
 
 

@@ -58,7 +58,8 @@ def value(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor
 
 
 def eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(StrictJudge, "pure_identical", False)
+    """The strict rule as a rule that cannot be deferred: every row built in the hook."""
+    monkeypatch.setattr(StrictJudge, "identical_tolerance", lambda self, ctx: None)
 
 
 def both(monkeypatch: pytest.MonkeyPatch, model: nn.Module, x: torch.Tensor, path, **kw) -> tuple[Report, Report]:
@@ -111,7 +112,7 @@ def test_reading_the_verdict_builds_nothing(tmp_path) -> None:
     assert (r.name, r.call, r.status, r.position, r.phase) == ("layers.2", 0, "match", 2, "forward")
     assert not r.built
     assert r.max_abs_diff == 0.0 and r.rtol is not None
-    assert r.built and not hasattr(r, "_build")  # its facts are dropped once its fields are filled
+    assert r.built
     assert r.leaves[0].shape == (3, 4) and r.numel == 12 and r.index == (0, 0)
     assert r.golden_value == r.live_value == model.layers[2].t[0, 0].item()
 
@@ -232,3 +233,92 @@ def test_calibrated_mode_builds_its_rows_eagerly(tmp_path) -> None:
     ag.record(model, x, path=path, calibrate=True)
     rep = ag.compare(model, x, path=path, tolerance="calibrated")
     assert rep.ok and not any(isinstance(r, IdenticalCall) for r in rep.layers)
+
+
+def test_two_threads_reading_one_report_both_get_its_numbers(tmp_path, monkeypatch) -> None:
+    """Found by review: the first build dropped the row's facts, and a second thread that had
+    found a field still empty then failed on them."""
+    import sys
+    import threading
+
+    monkeypatch.setattr(sys, "getswitchinterval", sys.getswitchinterval)
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        model = nn.Sequential(*[nn.ReLU() for _ in range(200)])
+        x = torch.randn(2, 3)
+        path = tmp_path / "g.h5"
+        ag.record(model, x, path=path)
+        with monkeypatch.context() as m:
+            eager(m)
+            want = ag.compare(model, x, path=path).to_dict()
+        errors: list[BaseException] = []
+        for _ in range(5):
+            rep = ag.compare(model, x, path=path)
+            got: list[dict] = []
+
+            def read(rep: Report = rep, got: list = got) -> None:
+                try:
+                    got.append(rep.to_dict())
+                except BaseException as e:  # (the test reports it)
+                    errors.append(e)
+
+            threads = [threading.Thread(target=read) for _ in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not errors, errors[0]
+            assert got == [want] * 3
+    finally:
+        sys.setswitchinterval(0.005)
+
+
+def test_a_report_holds_no_judge_spec_or_loss(tmp_path) -> None:
+    """Found by review: the rows held the judge, whose spec holds the ``backward=`` callable and
+    whatever it refers to (here, the model): a report kept them alive, and pickling failed on a lambda."""
+    import gc
+    import pickle
+    import weakref
+
+    class Loss:
+        def __init__(self, model: nn.Module):
+            self.model = model
+
+        def __call__(self, out: torch.Tensor) -> torch.Tensor:
+            return out.sum()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    x = torch.randn(2, 3)
+    path = tmp_path / "g.h5"
+    loss = Loss(model)
+    ag.record(model, x, path=path, backward=loss)
+    rep = ag.compare(model, x, path=path, backward=loss)
+    rep.output = None
+    assert rep.ok and any(isinstance(r, IdenticalCall) and not r.built for r in rep.layers)
+    alive = weakref.ref(loss), weakref.ref(model)
+    del loss, model
+    gc.collect()
+    assert alive[0]() is None and alive[1]() is None
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    ag.record(model, x, path=tmp_path / "g2.h5", backward=lambda out: out.sum())
+    rep = ag.compare(model, x, path=tmp_path / "g2.h5", backward=lambda out: out.sum())
+    rep.output = None
+    back = pickle.loads(pickle.dumps(rep))  # (a report returned from a worker process)
+    assert back.to_dict() == rep.to_dict()
+
+
+def test_the_tolerance_shown_is_the_one_in_force_during_the_compare(tmp_path, monkeypatch) -> None:
+    """Found by review: a deferred row resolved its tolerance when read, so a default changed
+    during the compare and restored before the report was read showed the restored numbers."""
+    from unittest import mock
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    x = torch.randn(2, 3)
+    path = tmp_path / "g.h5"
+    ag.record(model, x, path=path)
+    with mock.patch.dict(ag.DTYPE_DEFAULTS, {"float32": (1e-2, 1e-2)}):
+        rep = ag.compare(model, x, path=path)
+    assert any(isinstance(r, IdenticalCall) for r in rep.layers)
+    assert {(r.rtol, r.atol) for r in rep.layers} == {(1e-2, 1e-2)}
