@@ -127,10 +127,11 @@ class Report:
                        if leaf.type_only)
 
     def _judged_leafwise(self) -> list[LayerResult]:
-        """Rows whose leaves may say how they were judged: an IdenticalCall's one output was
-        compared byte for byte (never by type only, never by fingerprint), and reading its
-        leaves would build the numbers it keeps unbuilt until asked."""
-        return [layer for layer in self.layers if not isinstance(layer, IdenticalCall)]
+        """Rows whose leaves may say how they were judged: all but the unbuilt IdenticalCalls,
+        whose one output was compared byte for byte (never by type only, never by fingerprint),
+        and whose leaves would be built by reading them. (A built one is read: a user may have
+        given it other leaves.)"""
+        return [layer for layer in self.layers if not (isinstance(layer, IdenticalCall) and not layer.built)]
 
     def type_only_text(self) -> str | None:
         """"3 outputs compared by type only: DynamicCache x2, Foo", or None: an OK always says

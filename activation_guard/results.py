@@ -288,6 +288,9 @@ class IdenticalCall(LayerResult):
 
     __hash__ = None  # type: ignore[assignment]  # mutable, as LayerResult
 
+    def __repr__(self) -> str:  # as a LayerResult's: which class holds a verdict is not part of it
+        return "LayerResult" + LayerResult.__repr__(self)[len(type(self).__qualname__):]
+
     def __getattr__(self, attr: str) -> Any:  # only for fields not yet filled
         if attr not in _LAZY:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")

@@ -83,6 +83,14 @@ def test_check_catches_drift(changed: str) -> None:
     assert not gen.same(REPORT, changed)
 
 
+def test_only_the_worst_elements_index_is_masked() -> None:
+    """A sample's or a mismatch list's "first at index" is deterministic: it is compared."""
+    line = "  samples       : 3 of 64 sampled elements outside tolerance; first at index (0, 0, 24): golden 1.0"
+    assert not gen.same(line, line.replace("(0, 0, 24)", "(0, 1, 24)"))
+    worst = "  max abs diff  : 4.43e-03 at index (0, 4, 19): golden -2.666404, live -2.661974"
+    assert gen.same(worst, worst.replace("(0, 4, 19)", "(1, 0, 3)"))
+
+
 def test_normalize_hides_scratch_and_temporary_paths_durations_and_workers() -> None:
     scratch = Path(tempfile.gettempdir()) / "ag-docs-abc123"
     tmp = tempfile.gettempdir()
