@@ -14,6 +14,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from .selection import few
+
 # copies of buffers to look for in-place writes (BatchNorm updates its running statistics in its
 # native kernel without bumping their version counters); beyond this, version counters only
 SNAPSHOT_BYTES = 64 * 1024 * 1024
@@ -92,6 +94,6 @@ def updated_note(modules: Modules, before: dict[str, Snapshot]) -> list[str]:
             changed.append(name)
     if not changed:
         return []
-    shown = ", ".join(repr(n) for n in changed[:4]) + (", ..." if len(changed) > 4 else "")
+    shown = few(changed, 4)
     return [f"the forward updated {len(changed)} buffer(s) of the model in place ({shown}): their new values are "
             f"not compared (what the next forward starts from, e.g. BatchNorm running statistics in training mode)"]

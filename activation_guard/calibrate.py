@@ -52,6 +52,7 @@ from .floors import (
 from .judges import PRECISION, LeafContext, StrictJudge
 from .kernel import CHUNK, compare_tensors
 from .results import LeafResult, leaf_from_stats
+from .selection import few
 from .shadow import ShadowRun
 
 __all__ = [
@@ -146,7 +147,7 @@ class CalibratedJudge:
             out.append(f"tolerances[{pat!r}] judged {n} output(s) strictly with its own numbers (explicit "
                        f"per-layer tolerances override calibration)")
         if self.fallbacks:
-            shown = "; ".join(self.fallbacks[:5]) + ("; ..." if len(self.fallbacks) > 5 else "")
+            shown = few(self.fallbacks, sep="; ", show=str)
             out.append(f"{len(self.fallbacks)} outputs had no noise floor and used strict tolerances ({shown})")
         spec = self.strict.resolver.spec
         given = [k for k in ("rtol", "atol") if getattr(spec, k) is not None]

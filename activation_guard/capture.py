@@ -31,7 +31,7 @@ import torch
 from .errors import ActivationGuardError, UnsupportedModelError
 from .gcpause import frozen_gc
 from .hook_install import drop, install
-from .selection import Selector
+from .selection import Selector, few
 
 ORIG_MOD = "_orig_mod"  # the eager module inside torch.compile's OptimizedModule wrapper
 
@@ -347,7 +347,7 @@ def hook_notes(target: Target) -> list[str]:
                    "change in the output the caller receives is not compared")
     inner = [n for n in hooked_names if n]
     if inner:
-        shown = ", ".join(repr(n) for n in inner[:5]) + (", ..." if len(inner) > 5 else "")
+        shown = few(inner)
         out.append(f"{len(inner)} layer(s) have forward hooks of their own ({shown}), which run after their outputs "
                    f"are read: what those hooks change is judged in the layers that receive it")
     return out

@@ -20,6 +20,7 @@ from . import dtypes
 from ._version import __version__
 from .leaf_paths import stored_by_repr
 from .leaves import flatten, value_at
+from .selection import few
 
 
 def _safe(fn: Any, default: Any = None) -> Any:
@@ -373,7 +374,7 @@ def describe_training_change(golden_meta: dict[str, Any], live: dict[str, Any],
     gd = golden_meta.get("training_differs")
     if isinstance(gd, list) and gd != live["training_differs"]:
         changed = sorted(set(map(str, gd)) ^ set(live["training_differs"]))
-        shown = ", ".join(repr(n) for n in changed[:5]) + (", ..." if len(changed) > 5 else "")
+        shown = few(changed)
         return [f"modules switched between training and eval mode since the golden was recorded: {shown} "
                 f"(dropout and batch-norm behave differently)"]
     return []

@@ -27,7 +27,7 @@ from .grad_store import CALIBRATION_KEY, GradRecorder, grad_floors
 from .gradients import Event, GradCapture
 from .judges import Judge
 from .results import LayerResult, Origin
-from .selection import selected
+from .selection import few, selected
 from .shadow import ShadowRun
 from .spec import CompareSpec, RecordSpec
 from .store import GoldenReader, GoldenWriter
@@ -191,13 +191,13 @@ class CompareGradients:
         off = self.capture.no_autograd
         if off:
             names = list(dict.fromkeys(off))  # (a layer called twice is named once)
-            shown = ", ".join(repr(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+            shown = few(names)
             out.append(f"backward: {len(off)} layer call(s) ran with autograd off ({shown}: inside torch.no_grad, or "
                        f"an activation checkpoint with use_reentrant=True): their gradients are not compared, and a "
                        f"change in their backward shows at the calls around them")
         left = self.capture.unadopted
         if left:
-            shown = ", ".join(repr(n) for n in left[:5]) + (", ..." if len(left) > 5 else "")
+            shown = few(left)
             out.append(f"backward: the golden holds no gradients for {len(left)} parameter(s) of modules that never "
                        f"ran ({shown}; an nn.ParameterList, or weights used through F.linear): they were not "
                        f"compared; re-record to compare them")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Sequence
+from typing import Any, Callable
 
 from .errors import SelectionError
 
@@ -78,12 +79,18 @@ def unmatched(patterns: Sequence[str] | None, names: Iterable[str]) -> list[str]
     return [p for p in patterns if not any(matches(n, p) for n in names)]
 
 
+def few(items: Sequence[Any], limit: int = 5, *, sep: str = ", ", show: Callable[[Any], str] = repr) -> str:
+    """The first ``limit`` of ``items`` as a note names them, "..." standing for the rest (the
+    note gives the count)."""
+    return sep.join(show(x) for x in items[:limit]) + (sep + "..." if len(items) > limit else "")
+
+
 def nothing_selected(include: Sequence[str] | None, exclude: Sequence[str] | None,
                      names: Sequence[str]) -> SelectionError:
     """The error for an include/exclude selection that matched no layer call: a check of
     nothing would pass vacuously (usually a typo in a pattern)."""
     names = [n for n in names if n]  # the root ("") is no pattern target
-    shown = ", ".join(repr(n) for n in names[:6]) + (", ..." if len(names) > 6 else "")
+    shown = few(names, 6)
     inc = None if include is None else list(include)
     exc = None if exclude is None else list(exclude)
     return SelectionError(
