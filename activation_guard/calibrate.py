@@ -116,7 +116,7 @@ class CalibratedJudge:
         self.judged += 1
         return calibrated_verdict(ctx, golden, live, gf, lf)
 
-    def identical_tolerance(self, ctx: LeafContext) -> None:
+    def identical_tolerance(self, name: str, dtype: str) -> None:
         return None  # it counts what it judged, in order, for its notes
 
     def identical(self, ctx: LeafContext, live: torch.Tensor, view: np.ndarray | None = None) -> LeafResult:

@@ -42,6 +42,7 @@ from .results import IdenticalCall, LayerResult, LeafResult, Origin
 from .selection import Selector, selected
 from .spec import CompareSpec
 from .store import CallEntry, GoldenReader, LeafEntry
+from .tolerances import Tolerance
 
 
 class StopForward(Exception):
@@ -211,13 +212,14 @@ class Comparator:
                 same = self._same_bytes(g, single, "Tensor", name, entry)
                 if same is not None:  # the common case: bit-identical
                     dt = g.dtype or ""
-                    ctx = LeafContext(name, entry.name, call, g.path, dt, dt)
-                    tol = None if type_changed else self.judge.identical_tolerance(ctx)
+                    tol = None if type_changed else self.judge.identical_tolerance(name, dt)
                     if tol is not None:  # its numbers are built only when a report reads them
                         res = IdenticalCall.made(name, call, tname, pos, entry.position, gname,
-                                                 (identical_leaf, ctx, g.shape, _first(same), tol))
+                                                 (_identical_row, name, entry.name, call, g.path, dt, g.shape,
+                                                  _first(same), tol))
                         self.results.append(res)
                         return res, entry
+                    ctx = LeafContext(name, entry.name, call, g.path, dt, dt)
                     quick = self.judge.identical(ctx, single, same if isinstance(same, np.ndarray) else None)
             leaves = [quick] if quick is not None else self._compare_call(entry, get_leaves(), name)
             res = LayerResult.from_leaves(name, call, tname, leaves, position=pos, golden_position=entry.position,
@@ -454,6 +456,12 @@ def _first(same: np.ndarray | torch.Tensor) -> Any:
     if isinstance(same, np.ndarray):
         return same.item(0) if same.size else None
     return same.detach().reshape(-1)[0].item() if same.numel() else None
+
+
+def _identical_row(name: str, golden_name: str, call: int, path: str, dtype: str, shape: tuple[int, ...], first: Any,
+                   tol: Tolerance) -> LeafResult:
+    """An IdenticalCall's one leaf, from the plain values its row holds."""
+    return identical_leaf(LeafContext(name, golden_name, call, path, dtype, dtype), shape, first, tol)
 
 
 def _out(path: str) -> str:

@@ -57,12 +57,13 @@ class Judge(Protocol):
         has made one already."""
         ...
 
-    def identical_tolerance(self, ctx: LeafContext) -> Tolerance | None:
-        """The tolerance a bit-identical value's verdict names, when that verdict follows from it
-        alone: the comparator then keeps the call as plain facts (this tolerance, the value's
-        shape and first element) and builds its result only when a report reads it
-        (:class:`~activation_guard.results.IdenticalCall`). None for a rule that must see every
-        value as it comes (the calibrated one counts what it judged, for its notes)."""
+    def identical_tolerance(self, name: str, dtype: str) -> Tolerance | None:
+        """The tolerance a bit-identical value of ``dtype`` in layer ``name`` (live) has its
+        verdict name, when that verdict follows from it alone: the comparator then keeps the call
+        as plain facts (this tolerance, the value's shape and first element) and builds its result
+        only when a report reads it (:class:`~activation_guard.results.IdenticalCall`). None for a
+        rule that must see every value as it comes (the calibrated one counts what it judged, for
+        its notes)."""
         ...
 
     def notes(self) -> list[str]:
@@ -86,13 +87,15 @@ class StrictJudge:
 
     def tolerance(self, ctx: LeafContext) -> Tolerance:
         gdt, ldt = ctx.golden_dtype, ctx.live_dtype
-        info = BY_NAME.get(gdt)
-        kind = info.kind if info is not None else "float"
         if gdt != ldt and dtype_change_allowed(gdt, ldt):
             low = gdt if PRECISION[gdt] < PRECISION[ldt] else ldt
             tol = self.resolver.resolve(ctx.name, low, "float")
             return Tolerance(tol.rtol, tol.atol, tol.source + f" (dtype change {gdt}->{ldt})", tol.rule)
-        return self.resolver.resolve(ctx.name, gdt, kind)
+        return self._same_dtype(ctx.name, gdt)
+
+    def _same_dtype(self, name: str, dtype: str) -> Tolerance:
+        info = BY_NAME.get(dtype)
+        return self.resolver.resolve(name, dtype, info.kind if info is not None else "float")
 
     def judge(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
         tol = self.tolerance(ctx)
@@ -123,8 +126,8 @@ class StrictJudge:
             first = live.detach().reshape(-1)[0].item() if live.numel() else None
         return identical_leaf(ctx, shape, first, self.tolerance(ctx))
 
-    def identical_tolerance(self, ctx: LeafContext) -> Tolerance:
-        return self.tolerance(ctx)
+    def identical_tolerance(self, name: str, dtype: str) -> Tolerance:
+        return self._same_dtype(name, dtype)
 
     def notes(self) -> list[str]:
         return []

@@ -55,7 +55,7 @@ class OwnFloorJudge:
     def identical(self, ctx: LeafContext, live: torch.Tensor, view: np.ndarray | None = None) -> LeafResult:
         return self.calibrated.identical(ctx, live, view)
 
-    def identical_tolerance(self, ctx: LeafContext) -> None:
+    def identical_tolerance(self, name: str, dtype: str) -> None:
         return None
 
     def notes(self) -> list[str]:

@@ -59,7 +59,7 @@ def value(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor
 
 def eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """The strict rule as a rule that cannot be deferred: every row built in the hook."""
-    monkeypatch.setattr(StrictJudge, "identical_tolerance", lambda self, ctx: None)
+    monkeypatch.setattr(StrictJudge, "identical_tolerance", lambda self, name, dtype: None)
 
 
 def both(monkeypatch: pytest.MonkeyPatch, model: nn.Module, x: torch.Tensor, path, **kw) -> tuple[Report, Report]:
