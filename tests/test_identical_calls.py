@@ -240,7 +240,7 @@ def test_two_threads_reading_one_report_both_get_its_numbers(tmp_path, monkeypat
     import sys
     import threading
 
-    monkeypatch.setattr(sys, "getswitchinterval", sys.getswitchinterval)
+    before = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as possible
     try:
         model = nn.Sequential(*[nn.ReLU() for _ in range(200)])
@@ -269,7 +269,7 @@ def test_two_threads_reading_one_report_both_get_its_numbers(tmp_path, monkeypat
             assert not errors, errors[0]
             assert got == [want] * 3
     finally:
-        sys.setswitchinterval(0.005)
+        sys.setswitchinterval(before)
 
 
 def test_a_report_holds_no_judge_spec_or_loss(tmp_path) -> None:
