@@ -219,8 +219,7 @@ class Comparator:
                                                   _first(same), tol))
                         self.results.append(res)
                         return res, entry
-                    ctx = LeafContext(name, entry.name, call, g.path, dt, dt)
-                    quick = self.judge.identical(ctx, single, same if isinstance(same, np.ndarray) else None)
+                    quick = _identical_now(self.judge, name, entry, g, single, same)
             leaves = [quick] if quick is not None else self._compare_call(entry, get_leaves(), name)
             res = LayerResult.from_leaves(name, call, tname, leaves, position=pos, golden_position=entry.position,
                                           golden_name=gname)
@@ -328,10 +327,7 @@ class Comparator:
                          judge: Judge) -> LeafResult | None:
         """:meth:`_same_bytes`, then the judge's verdict on the bit-identical value."""
         same = self._same_bytes(g, t, type_name, name, entry)
-        if same is None:
-            return None
-        ctx = LeafContext(name, entry.name, entry.call, g.path, g.dtype or "", g.dtype or "")
-        return judge.identical(ctx, t, same if isinstance(same, np.ndarray) else None)
+        return None if same is None else _identical_now(judge, name, entry, g, t, same)
 
     def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
         t = lv.tensor
@@ -448,6 +444,14 @@ class Comparator:
 
 def _leaf_label(name: str, call: int, path: str) -> str:
     return LeafContext(name, name, call, path, "", "").label
+
+
+def _identical_now(judge: Judge, name: str, entry: CallEntry, g: LeafEntry, t: torch.Tensor,
+                   same: np.ndarray | torch.Tensor) -> LeafResult:
+    """The judge's verdict on a value :meth:`Comparator._same_bytes` found bit-identical, built now."""
+    dt = g.dtype or ""
+    return judge.identical(LeafContext(name, entry.name, entry.call, g.path, dt, dt), t,
+                           same if isinstance(same, np.ndarray) else None)
 
 
 def _first(same: np.ndarray | torch.Tensor) -> Any:
