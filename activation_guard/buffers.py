@@ -28,7 +28,9 @@ def _buffers(modules: Modules) -> Iterator[tuple[str, torch.Tensor]]:
     """Every buffer once, by its dotted name, from the modules walked once (``Target.modules``):
     ``named_buffers()`` walks the model again, ~6,000 instructions per module, twice per run."""
     seen: set[int] = set()
-    for prefix, mod in [pm for pm in modules if pm[1]._buffers]:  # (most modules have none)
+    for prefix, mod in modules:
+        if not mod._buffers:  # (most modules have none)
+            continue
         for k, buf in mod._buffers.items():
             if buf is None or id(buf) in seen:
                 continue
