@@ -9,9 +9,10 @@ Each call is compared as soon as the live layer returns (inside its forward hook
 in-place op can change the output), reading only that call's golden values: memory stays near
 one layer's worth. :func:`activation_guard.diff` drives the same object from a second recording.
 
-A little over 400 lines: matching by paths carries the compatibility rules of older goldens
-(format-1 paths, the old empty-key encoding, containers once stored by type only) next to the
-matching they change; the judging itself is in :mod:`activation_guard.judges`.
+About 480 lines: matching by paths carries the compatibility rules of older goldens (format-1
+paths, the old empty-key encoding, containers once stored by type only) next to the matching they
+change, and the bit-identical fast path (deferred rows: :class:`~activation_guard.results.IdenticalCall`)
+sits in the matching it short-cuts; the judging itself is in :mod:`activation_guard.judges`.
 """
 
 from __future__ import annotations
