@@ -66,6 +66,7 @@ REPORT = """activation_guard: first divergence at layer 'blocks.1.norm2' (LayerN
     REPORT.replace("  golden        :", "  golden    :").replace("\n", "\n  "),  # whitespace only
     REPORT.replace("-2.661974", "-2.661975").replace("-3.683e-09", "3.719e-09"),  # last digits, noise near 0
     REPORT.replace("(0, 4, 19)", "(1, 0, 7)"),  # which of near-equal differences is the worst: another CPU's pick
+    REPORT.replace("4.43e-03", "4.56e-03"),  # a largest difference moved 3% (seen: 1.01 -> 1.04e-02)
 ])
 def test_check_forgives_what_depends_on_the_machine(changed: str) -> None:
     assert gen.same(REPORT, changed)
@@ -76,6 +77,8 @@ def test_check_forgives_what_depends_on_the_machine(changed: str) -> None:
     REPORT + "\n  what          : 509 / 512 elements (99.4%) outside tolerance",  # a line added
     REPORT.replace("live run on cpu", "live run on cuda"),  # a word
     REPORT.replace("509 / 512", "480 / 512"),  # a count
+    REPORT.replace("509 / 512", "499 / 512"),  # a count, by 2%: whole numbers agree within 1%
+    REPORT.replace("4.43e-03", "4.70e-03"),  # a measured number, by 6%
     REPORT.replace("4.43e-03", "4.43e-02"),  # a number, beyond noise
     REPORT.replace("(0, 4, 19)", "(0, 4)"),  # a column
 ])
