@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import native
+from .native import Native
 from .seeded_hash import (
     HASH31,
     V_BIT,
@@ -291,6 +293,18 @@ class _Sketcher:
         self.window += K
         self.max_window = max(self.max_window, self.window)
 
+    def add_with(self, native: Native, offset: int, x: torch.Tensor, stats: torch.Tensor) -> None:
+        """:meth:`add` and the chunk's statistics in one compiled pass (:mod:`.native`): the same
+        hashes, window and routing order, so the same routed sums bit for bit. ``x`` is float32 or
+        float64, contiguous."""
+        K = -(-x.numel() // self.buckets)
+        if self.window and self.window + K > FLUSH_BLOCKS:
+            self.fold()
+        w, route = self._hashes(offset // self.buckets, K)
+        native.chunk(x, self.rows, self.buckets, w, route, self.ws.route, stats)
+        self.window += K
+        self.max_window = max(self.max_window, self.window)
+
     def fold(self) -> None:
         """Apply the XOR permutation and the in-block signs: bucket b of row r gets
         sum_m u[b ^ m] * (routed[m, +, b ^ m] - routed[m, -, b ^ m])."""
@@ -339,9 +353,17 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
     # nan, +inf, -inf counts, then two position-hash sums per kind
     nonfinite = torch.zeros(9, dtype=torch.int64, device=dev) if masked else _zeros9(dev)
     longest = 0
+    fast = None if masked or dev.type != "cpu" else native.get()
     for off, piece in flat_chunks(bits, chunk, dev):
         m = piece.numel()
         src = piece.view(dtype)
+        if fast is not None:  # one compiled pass: float32 and float64 read in place, others widened first
+            x = src if dtype in (torch.float32, torch.float64) else ws.x[:m].copy_(src)
+            longest = max(longest, m)
+            stats = torch.empty(5, dtype=torch.float64, device=dev)
+            sk.add_with(fast, off, x, stats)
+            parts.append(stats)
+            continue
         if dtype == torch.float64:
             x = src
         else:

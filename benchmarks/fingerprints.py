@@ -34,7 +34,7 @@ from unittest import mock
 import torch
 
 import activation_guard as ag
-from activation_guard import fingerprint_worker
+from activation_guard import fingerprint_worker, native
 from activation_guard.fingerprint import FingerprintParams, compute_fingerprint, should_fingerprint
 from activation_guard.leaves import flatten
 
@@ -121,9 +121,14 @@ def measure(name: str, model: torch.nn.Module, args: tuple[Any, ...], d: str, re
         for t in leaves:
             compute_fingerprint(t, params)
 
+    def kernel_torch() -> None:  # the same, with the compiled pass switched off (native.py)
+        with mock.patch.object(native, "get", return_value=None):
+            kernel()
+
     med = _interleaved({
         "forward": forward,
         "kernel": kernel,
+        "kernel torch": kernel_torch,
         "record full": lambda: ag.record(model, args, path=full),
         "record fp inline": _worker("off", lambda: ag.record(model, args, path=fp, fingerprint=True)),
         "record fp worker": _worker("on", lambda: ag.record(model, args, path=fp, fingerprint=True)),
@@ -132,7 +137,7 @@ def measure(name: str, model: torch.nn.Module, args: tuple[Any, ...], d: str, re
     }, repeat)
     auto = "worker" if fingerprint_worker.wanted() else "inline"
     med["record fp"] = med[f"record fp {auto}"]
-    return {**med, "auto": auto, "full_bytes": s_full.file_bytes, "fp_bytes": s_fp.file_bytes,
+    return {**med, "auto": auto, "pass": native.status(), "full_bytes": s_full.file_bytes, "fp_bytes": s_fp.file_bytes,
             "layer_calls": s_fp.layer_calls, "outputs": s_fp.leaves, "fingerprints": s_fp.fingerprints,
             "raw_bytes": s_full.nbytes,
             "elements": sum(t.numel() for t in leaves)}
@@ -159,6 +164,8 @@ def report(out: Callable[[str], None], name: str, note: str, r: dict[str, Any],
         f"{wrk:.1f} ms = {wrk / f:.2f}x (CPU {cw:.0f} ms);  auto: {r['auto']}")
     out(f"   forward          {fwd * 1e3:7.1f} ms;  fingerprint kernel alone {r['kernel'] * 1e3:.1f} ms "
         f"= {r['kernel'] / fwd:.2f}x forward ({r['kernel'] / max(r['elements'], 1) * 1e9:.1f} ns per element)")
+    out(f"   kernel pass      {r['pass']};  torch ops {r['kernel torch'] * 1e3:.1f} ms = "
+        f"{r['kernel torch'] / fwd:.2f}x forward, {r['kernel torch'] / r['kernel']:.2f}x the kernel's time")
     targets.append((f"{name}: fingerprint golden <= {SIZE_TARGET:.0%} of full", f"{size:.2%}", size <= SIZE_TARGET))
     q = r["record fp"] / fwd
     targets.append((f"{name}: record with fingerprints <= {TIME_TARGET:g}x the plain forward", f"{q:.2f}x",

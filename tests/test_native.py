@@ -1,0 +1,203 @@
+"""The compiled fingerprint pass (native.py, csrc/fpchunk.c) against the torch ops it replaces.
+
+The sketch must be the torch path's bit for bit (same hashes, same order of additions), the
+statistics equal within their rounding depth, min, max, samples, counts and depth equal; so a
+golden recorded on a machine with a compiler compares clean on one without, and the reverse.
+Where no compiler is found the tests of the compiled pass skip, and the fallback tests still run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from activation_guard import api, native, sketch
+from activation_guard.fingerprint import Fingerprint, FingerprintParams, compute_fingerprint
+
+HAVE = native.get() is not None
+needs_native = pytest.mark.skipif(not HAVE, reason=f"no compiled pass here: {native.status()}")
+
+
+@pytest.fixture
+def torch_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The torch ops path for the duration of a test, then whatever this process had."""
+    monkeypatch.setenv(native.ENV, "0")
+    native.reset()
+    yield
+    monkeypatch.undo()
+    native.reset()
+
+
+def both(t: torch.Tensor, params: FingerprintParams | None = None, chunk: int = sketch.CHUNK
+         ) -> tuple[Fingerprint, Fingerprint]:
+    """The fingerprint of ``t`` by the compiled pass, then by torch ops."""
+    fast = compute_fingerprint(t, params, chunk=chunk)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(native.ENV, "0")
+        native.reset()
+        try:
+            assert native.get() is None
+            slow = compute_fingerprint(t, params, chunk=chunk)
+        finally:
+            mp.undo()
+            native.reset()
+    return fast, slow
+
+
+def assert_same(fast: Fingerprint, slow: Fingerprint) -> None:
+    assert fast.sketch.tobytes() == slow.sketch.tobytes()  # bit for bit
+    assert (fast.min, fast.max, fast.count, fast.nan, fast.posinf, fast.neginf) == (
+        slow.min, slow.max, slow.count, slow.nan, slow.posinf, slow.neginf)
+    assert fast.samples.tobytes() == slow.samples.tobytes() and fast.depth == slow.depth
+    assert fast.nonfinite_hash == slow.nonfinite_hash
+    eps = 2.0**-52
+    for a, b, size in ((fast.sum, slow.sum, fast.abs_sum), (fast.abs_sum, slow.abs_sum, fast.abs_sum),
+                       (fast.sq_sum, slow.sq_sum, fast.sq_sum)):
+        assert abs(a - b) <= 2 * fast.depth * eps * size + 1e-300, (a, b)  # both within their rounding bound
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64])
+@pytest.mark.parametrize("shape", [(1031,), (64, 129), (4, 1, 513), (3, 70000)])
+def test_compiled_pass_matches_torch_ops(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    t = (torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))) * 3).to(dtype)
+    assert_same(*both(t))
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 5000), buckets=st.sampled_from([16, 64, 256]), rows=st.sampled_from([1, 3, 5]),
+       chunk=st.sampled_from([1024, 2048]), seed=st.integers(0, 2**31), f64=st.booleans(),
+       strided=st.booleans())
+def test_compiled_pass_matches_torch_ops_everywhere(n: int, buckets: int, rows: int, chunk: int, seed: int,
+                                                  f64: bool, strided: bool) -> None:
+    """Any length (partial last block, several chunks and folds), parameters and layout."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(2 * n if strided else n, generator=g, dtype=torch.float64 if f64 else torch.float32)
+    t = t[::2] if strided else t
+    p = FingerprintParams(seed=seed, rows=rows, buckets=buckets, samples=8)
+    assert_same(*both(t, p, chunk=max(chunk, buckets)))
+
+
+@needs_native
+def test_nonfinite_values_take_the_masked_torch_pass_and_agree() -> None:
+    t = torch.randn(50000)
+    t[[3, 40000]] = float("nan")
+    t[7] = float("inf")
+    t[49999] = float("-inf")
+    fast, slow = both(t)
+    assert (fast.nan, fast.posinf, fast.neginf) == (2, 1, 1)
+    assert_same(fast, slow)
+
+
+@needs_native
+def test_status_names_the_compiled_pass_and_the_env_switch_turns_it_off(torch_path: None) -> None:
+    assert native.get() is None
+    assert native.status() == f"torch ops (disabled by {native.ENV}=0)"
+
+
+def test_without_a_compiler_the_torch_path_runs_and_says_why(monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.delenv(native.ENV, raising=False)
+    native.reset()
+    try:
+        assert native.get() is None
+        assert native.status() == "torch ops (no C compiler found ($CC, cc, gcc, clang))"
+        t = torch.randn(3000)
+        assert compute_fingerprint(t).count == 3000
+    finally:
+        monkeypatch.undo()
+        native.reset()
+
+
+def test_a_failing_build_falls_back_and_names_the_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cc = tmp_path / "broken-cc"
+    cc.write_text("#!/bin/sh\necho 'broken-cc: cannot build' >&2\nexit 3\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.delenv(native.ENV, raising=False)
+    native.reset()
+    try:
+        assert native.get() is None
+        assert native.status() == f"torch ops (the build with {cc} failed (exit 3): broken-cc: cannot build)"
+    finally:
+        monkeypatch.undo()
+        native.reset()
+
+
+@needs_native
+@pytest.mark.parametrize("bad", ["meta stats", "int stats", "short w", "short route", "strided x", "small routed",
+                                 "buckets"])
+def test_bad_arguments_are_refused_before_reaching_c(bad: str) -> None:
+    """The C side trusts its pointers: a wrong tensor must raise, not write out of bounds."""
+    lib = native.get()
+    assert lib is not None
+    rows, buckets, n = 3, 16, 160
+    K = n // buckets
+    args = dict(x=torch.randn(n), w=torch.ones(rows, K + buckets - 1, dtype=torch.float64),
+                route=torch.zeros(rows, K, dtype=torch.int64),
+                routed=torch.zeros(rows * 2 * buckets, buckets, dtype=torch.float64),
+                stats=torch.empty(5, dtype=torch.float64))
+    lib.chunk(args["x"], rows, buckets, args["w"], args["route"], args["routed"], args["stats"])  # well formed: runs
+    assert args["stats"][0].item() == pytest.approx(args["x"].double().sum().item())
+    b = buckets
+    if bad == "meta stats":
+        args["stats"] = torch.empty(5, dtype=torch.float64, device="meta")
+    elif bad == "int stats":
+        args["stats"] = torch.empty(5, dtype=torch.int64)
+    elif bad == "short w":
+        args["w"] = args["w"][:, :-1]
+    elif bad == "short route":
+        args["route"] = args["route"][:2]
+    elif bad == "strided x":
+        args["x"] = torch.randn(2 * n)[::2]
+    elif bad == "small routed":
+        args["routed"] = args["routed"][:-1]
+    else:
+        b = 8192
+    with pytest.raises(ValueError, match="wrong dtype, device, shape or layout"):
+        lib.chunk(args["x"], rows, b, args["w"], args["route"], args["routed"], args["stats"])
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 512)
+        self.b = nn.Linear(512, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+@needs_native
+def test_goldens_cross_between_the_two_passes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recorded by one pass, compared by the other: the unchanged model passes both ways with
+    every layer fingerprinted, and a 1% weight change fails at its layer."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(256, 64)
+    for record_native in (True, False):
+        path = tmp_path / f"g{record_native}.h5"
+        monkeypatch.setenv(native.ENV, "1" if record_native else "0")
+        native.reset()
+        api.record(model, (x,), path=path, fingerprint=True)
+        monkeypatch.setenv(native.ENV, "0" if record_native else "1")
+        native.reset()
+        assert (native.get() is None) == record_native
+        report = api.compare(model, (x,), path=path)
+        assert report.ok and report.counts()["match"] >= 3 and report.estimated(), str(report)
+        with torch.no_grad():
+            model.b.weight.mul_(1.01)
+        report = api.compare(model, (x,), path=path)
+        with torch.no_grad():
+            model.b.weight.div_(1.01)
+        first = report.first_divergence
+        assert not report.ok and first is not None and first.name == "b", str(report)
+    monkeypatch.undo()
+    native.reset()
