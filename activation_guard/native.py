@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "fpchunk.c"
-VERSION = 1  # ag_version() of the source this module speaks to
+VERSION = 2  # ag_version() of the source this module speaks to
 ENV = "ACTIVATION_GUARD_NATIVE"
-FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c99"]
+FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu99", "-Wno-psabi"]
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _ARGTYPES = [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P]
@@ -83,7 +83,9 @@ def compiler() -> str | None:
     return next((p for p in (shutil.which(c) for c in ("cc", "gcc", "clang")) if p), None)
 
 
-def _build() -> tuple[Native | None, str]:
+def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
+    """A fresh build (``extra_flags`` for tests: ``-DAG_NO_AVX2`` builds the baseline only), and
+    what happened; :func:`get` keeps the first one of the process."""
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None, f"disabled by {ENV}={os.environ[ENV]}"
     if sys.platform == "win32":
@@ -94,8 +96,8 @@ def _build() -> tuple[Native | None, str]:
     with tempfile.TemporaryDirectory(prefix="activation_guard-native-") as tmp:
         lib = Path(tmp) / "fpchunk.so"
         try:
-            r = subprocess.run([cc, *FLAGS, "-o", str(lib), str(SOURCE), "-lm"], capture_output=True, text=True,
-                               timeout=120)
+            r = subprocess.run([cc, *FLAGS, *extra_flags, "-o", str(lib), str(SOURCE), "-lm"],
+                               capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as e:
             return None, f"the build with {cc} failed: {e}"
         if r.returncode != 0:
@@ -107,20 +109,21 @@ def _build() -> tuple[Native | None, str]:
             return None, f"the built library did not load: {e}"
     if dll.ag_version() != VERSION:
         return None, f"the built library speaks version {dll.ag_version()}, this module {VERSION}"
+    simd = "_avx2" if dll.ag_avx2() else ""
     fns = []
     for name in ("ag_chunk_f32", "ag_chunk_f64"):
-        fn = getattr(dll, name)
+        fn = getattr(dll, name + simd)
         fn.argtypes = _ARGTYPES
         fn.restype = None
         fns.append(fn)
-    return Native(*fns), f"built with {cc}"
+    return Native(*fns), f"built with {cc}{', AVX2' if simd else ''}"
 
 
 def get() -> Native | None:
     """The compiled pass, built on first call (once per process); None where it is not available."""
     with _lock:
         if "native" not in _state:
-            _state["native"], _state["why"] = _build()
+            _state["native"], _state["why"] = build()
         return _state["native"]  # type: ignore[return-value]
 
 

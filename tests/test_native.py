@@ -8,6 +8,7 @@ Where no compiler is found the tests of the compiled pass skip, and the fallback
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,6 +87,31 @@ def test_compiled_pass_matches_torch_ops_everywhere(n: int, buckets: int, rows: 
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_every_build_computes_the_same_bits(dtype: torch.dtype) -> None:
+    """The baseline build (two-lane vectors) and the AVX2 one (four lanes) sum each lane in the
+    same order: statistics and sketch agree bit for bit, so a golden does not depend on the CPU."""
+    base, why = native.build(("-DAG_NO_AVX2",))
+    assert base is not None and "AVX2" not in why, why
+    fast = native.get()
+    assert fast is not None
+    rows, buckets, n = 5, 64, 64 * 700 + 13  # a partial last block: the scalar tail too
+    K = -(-n // buckets)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(n, generator=g) * 10).to(dtype)
+    w = torch.randint(0, 2, (rows, K + buckets - 1), generator=g).double() * 2 - 1
+    route = torch.randint(0, 2 * buckets, (rows, K), generator=g) + (torch.arange(rows) * 2 * buckets).view(-1, 1)
+    out = []
+    for lib in (base, fast):
+        routed = torch.zeros(rows * 2 * buckets, buckets, dtype=torch.float64)
+        stats = torch.empty(5, dtype=torch.float64)
+        lib.chunk(x, rows, buckets, w, route, routed, stats)
+        out.append((routed.numpy().tobytes(), stats.numpy().tobytes()))
+    assert out[0] == out[1]
+    assert torch.frombuffer(bytearray(out[0][1]), dtype=torch.float64)[3].item() == x.double().min().item()
+
+
+@needs_native
 def test_nonfinite_values_take_the_masked_torch_pass_and_agree() -> None:
     t = torch.randn(50000)
     t[[3, 40000]] = float("nan")
@@ -100,6 +126,9 @@ def test_nonfinite_values_take_the_masked_torch_pass_and_agree() -> None:
 def test_status_names_the_compiled_pass_and_the_env_switch_turns_it_off(torch_path: None) -> None:
     assert native.get() is None
     assert native.status() == f"torch ops (disabled by {native.ENV}=0)"
+    native.reset()
+    os.environ[native.ENV] = "1"
+    assert native.status().startswith("compiled C pass (built with ")
 
 
 def test_without_a_compiler_the_torch_path_runs_and_says_why(monkeypatch: pytest.MonkeyPatch,
