@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -75,12 +76,16 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def compiler() -> str | None:
-    """The C compiler to build with: ``$CC``, else ``cc``, ``gcc`` or ``clang`` on the PATH."""
-    cc = os.environ.get("CC")
+def compiler() -> list[str] | None:
+    """The C compiler's command line: ``$CC`` (which may carry arguments: ``ccache gcc``), else
+    ``cc``, ``gcc`` or ``clang`` on the PATH."""
+    cc = os.environ.get("CC", "").strip()
     if cc:
-        return shutil.which(cc)
-    return next((p for p in (shutil.which(c) for c in ("cc", "gcc", "clang")) if p), None)
+        argv = shlex.split(cc)
+        found = shutil.which(argv[0])
+        return [found, *argv[1:]] if found else None
+    found = next((p for p in (shutil.which(c) for c in ("cc", "gcc", "clang")) if p), None)
+    return [found] if found else None
 
 
 def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
@@ -90,13 +95,14 @@ def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
         return None, f"disabled by {ENV}={os.environ[ENV]}"
     if sys.platform == "win32":
         return None, "not built on Windows (the torch path runs)"
-    cc = compiler()
-    if cc is None:
+    argv = compiler()
+    if argv is None:
         return None, "no C compiler found ($CC, cc, gcc, clang)"
+    cc = " ".join(argv)
     with tempfile.TemporaryDirectory(prefix="activation_guard-native-") as tmp:
         lib = Path(tmp) / "fpchunk.so"
         try:
-            r = subprocess.run([cc, *FLAGS, *extra_flags, "-o", str(lib), str(SOURCE), "-lm"],
+            r = subprocess.run([*argv, *FLAGS, *extra_flags, "-o", str(lib), str(SOURCE), "-lm"],
                                capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.SubprocessError) as e:
             return None, f"the build with {cc} failed: {e}"

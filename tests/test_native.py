@@ -146,6 +146,16 @@ def test_without_a_compiler_the_torch_path_runs_and_says_why(monkeypatch: pytest
         native.reset()
 
 
+@needs_native
+def test_cc_may_carry_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CC="gcc -m64"`` is a compiler and its arguments, as make reads it."""
+    found = native.compiler()
+    assert found is not None
+    monkeypatch.setenv("CC", f"{Path(found[0]).name} -DAG_NO_AVX2")
+    lib, why = native.build()
+    assert lib is not None and why == f"built with {found[0]} -DAG_NO_AVX2", why
+
+
 def test_a_failing_build_falls_back_and_names_the_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     cc = tmp_path / "broken-cc"
     cc.write_text("#!/bin/sh\necho 'broken-cc: cannot build' >&2\nexit 3\n")
