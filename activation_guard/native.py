@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "fpchunk.c"
-VERSION = 2  # ag_version() of the source this module speaks to
+VERSION = 3  # ag_version() of the source this module speaks to
 ENV = "ACTIVATION_GUARD_NATIVE"
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu99", "-Wno-psabi"]
 _P = ctypes.c_void_p
@@ -48,6 +48,7 @@ class Native:
 
     f32: Callable[..., None]
     f64: Callable[..., None]
+    fold_fn: Callable[..., None]
 
     def chunk(self, x: torch.Tensor, rows: int, buckets: int, w: torch.Tensor, route: torch.Tensor,
               routed: torch.Tensor, stats: torch.Tensor) -> None:
@@ -70,6 +71,18 @@ class Native:
             raise ValueError("native fingerprint chunk: arguments of the wrong dtype, device, shape or layout")
         fn(x.data_ptr(), x.numel(), rows, buckets, w.data_ptr(), w.stride(0), route.data_ptr(), route.stride(0),
            routed.data_ptr(), stats.data_ptr())
+
+
+    def fold(self, rows: int, buckets: int, routed: torch.Tensor, u: torch.Tensor, total: torch.Tensor) -> None:
+        """sketch.py's fold of the routing matrix into ``total`` (the same bits), and ``routed`` zeroed."""
+        ok = (0 < buckets <= 4096 and rows > 0
+              and all(t.dtype == torch.float64 and t.device.type == "cpu" and t.is_contiguous()
+                      for t in (routed, u, total))
+              and routed.numel() == rows * 2 * buckets * buckets and u.numel() == rows * buckets
+              and total.numel() == rows * buckets)
+        if not ok:
+            raise ValueError("native fingerprint fold: arguments of the wrong dtype, device, shape or layout")
+        self.fold_fn(rows, buckets, routed.data_ptr(), u.data_ptr(), total.data_ptr())
 
 
 _lock = threading.Lock()
@@ -122,7 +135,10 @@ def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
         fn.argtypes = _ARGTYPES
         fn.restype = None
         fns.append(fn)
-    return Native(*fns), f"built with {cc}{', AVX2' if simd else ''}"
+    fold = dll.ag_fold
+    fold.argtypes = [_I, _I, _P, _P, _P]
+    fold.restype = None
+    return Native(*fns, fold), f"built with {cc}{', AVX2' if simd else ''}"
 
 
 def get() -> Native | None:

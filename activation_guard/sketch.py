@@ -250,8 +250,10 @@ def workspace(dev: torch.device, rows: int, buckets: int, chunk: int) -> Workspa
 class _Sketcher:
     """Per-call state of the CountSketch on one device."""
 
-    def __init__(self, seed: int, rows: int, buckets: int, dev: torch.device, ws: Workspace):
+    def __init__(self, seed: int, rows: int, buckets: int, dev: torch.device, ws: Workspace,
+                 native: Native | None = None):
         self.seed, self.rows, self.buckets, self.dev, self.ws = seed, rows, buckets, dev, ws
+        self.native = native  # the compiled fold too, when the chunks go through it
         self.keys, self.u, self.xor, self.row_base = _constants(seed, rows, buckets, dev)
         ws.total.zero_()
         self.window = 0  # blocks routed since the last fold
@@ -307,14 +309,21 @@ class _Sketcher:
 
     def fold(self) -> None:
         """Apply the XOR permutation and the in-block signs: bucket b of row r gets
-        sum_m u[b ^ m] * (routed[m, +, b ^ m] - routed[m, -, b ^ m])."""
+        sum_m u[b ^ m] * (routed[m, +, b ^ m] - routed[m, -, b ^ m]), summed over m in order (a
+        cumulative sum: ``sum(1)`` may pair terms otherwise), which the compiled fold does too."""
         R, B = self.rows, self.buckets
         ws = self.ws
+        if self.native is not None:
+            self.native.fold(R, B, ws.route, self.u, ws.total)
+            self.window = 0
+            self.folds += 1
+            return
         g = ws.route.view(R, B, 2, B)
         torch.sub(g[:, :, 0, :], g[:, :, 1, :], out=ws.fold_a)
         ws.fold_a.mul_(self.u)
         torch.gather(ws.fold_a, 2, self.xor, out=ws.fold_b)
-        ws.total.add_(ws.fold_b.sum(1))
+        torch.cumsum(ws.fold_b, 1, out=ws.fold_a)  # over m in order, as the compiled fold sums (a sum(1) may not)
+        ws.total.add_(ws.fold_a[:, -1, :])
         ws.route.zero_()
         self.window = 0
         self.folds += 1
@@ -348,12 +357,12 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
     bits = bits_view(real)
     dtype = real.dtype
     n = real.numel()
-    sk = _Sketcher(seed, rows, buckets, dev, ws)
+    fast = None if masked or dev.type != "cpu" else native.get()
+    sk = _Sketcher(seed, rows, buckets, dev, ws, fast)
     parts: list[torch.Tensor] = []
     # nan, +inf, -inf counts, then two position-hash sums per kind
     nonfinite = torch.zeros(9, dtype=torch.int64, device=dev) if masked else _zeros9(dev)
     longest = 0
-    fast = None if masked or dev.type != "cpu" else native.get()
     for off, piece in flat_chunks(bits, chunk, dev):
         m = piece.numel()
         src = piece.view(dtype)
@@ -389,6 +398,8 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
         sk.add(off, x)
     if sk.window:
         sk.fold()
+    if fast is not None and type(bits) is torch.Tensor:
+        return _host_result(bits, parts, ws, sk, seed, samples, per, max(sk.depth(), longest + len(parts)) + 2)
     if len(parts) == 1:
         stats = parts[0]
     elif parts:
@@ -411,6 +422,34 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
         hashes=tuple(int(v) for v in rest[3:9]),
         samples=rest[9:].copy(),
         depth=depth,
+    )
+
+
+def _host_result(bits: torch.Tensor, parts: list[torch.Tensor], ws: Workspace, sk: _Sketcher, seed: int,
+                 samples: int, per: int, depth: int) -> KernelResult:
+    """The compiled pass's result, read in place with numpy: everything is on the host already, so
+    the packing of :func:`_run` (half a dozen small torch ops, ~14 us each with cold caches, on
+    every fingerprinted leaf) is skipped. Chunk statistics add in chunk order (one term per chunk,
+    as the depth counts)."""
+    total, abs_total, sq_total, lo, hi = 0.0, 0.0, 0.0, math.inf, -math.inf
+    for p in parts:
+        c = p.numpy()
+        total += float(c[0])
+        abs_total += float(c[1])
+        sq_total += float(c[2])
+        lo, hi = min(lo, float(c[3])), max(hi, float(c[4]))
+    n = bits.numel()
+    pos = _sample_flat(seed, n // per, samples, per) if n else ()
+    if pos:
+        arr = bits.numpy()
+        got = arr.reshape(1) if arr.ndim == 0 else arr[np.unravel_index(np.asarray(pos, dtype=np.int64), arr.shape)]
+        picked = got.astype(np.int64)  # sign-extended from signed widths, as torch's .to(int64)
+    else:
+        picked = np.zeros(0, dtype=np.int64)
+    return KernelResult(
+        sum=total, abs_sum=abs_total, sq_sum=sq_total, min=lo, max=hi,
+        sketch=ws.total.numpy().copy(), all_finite=math.isfinite(total),
+        counts=(0, 0, 0), hashes=(0,) * 6, samples=picked, depth=depth,
     )
 
 

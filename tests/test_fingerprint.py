@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from activation_guard import native, sketch
 from activation_guard import seeded_hash as sh
-from activation_guard import sketch
 from activation_guard.fingerprint import (
     Fingerprint,
     FingerprintError,
@@ -713,11 +713,13 @@ CUDA_OPS = {
     "aten::mul", "aten::add", "aten::sub", "aten::rsub", "aten::abs", "aten::sum", "aten::dot", "aten::aminmax",
     "aten::min", "aten::max", "aten::stack", "aten::cat", "aten::isfinite", "aten::all", "aten::index_add_",
     "aten::gather", "aten::index", "aten::bitwise_and", "aten::bitwise_xor", "aten::bitwise_right_shift",
-    "aten::index_select", "aten::new_zeros", "aten::eq", "aten::ne", "aten::abs_", "aten::add_", "aten::mul_",
+    "aten::cumsum", "aten::index_select", "aten::new_zeros", "aten::eq", "aten::ne", "aten::abs_", "aten::add_",
+    "aten::mul_",
 }
 
 
 def test_device_path_moves_only_the_fingerprint_and_uses_cuda_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "get", lambda: None)  # the torch-ops path, which is what runs on a GPU
     transfers: list[int] = []
     real_to_host = sketch.to_host
 
@@ -742,6 +744,7 @@ def test_device_path_moves_only_the_fingerprint_and_uses_cuda_ops(monkeypatch: p
 
 
 def test_device_path_with_nonfinite_values_syncs_only_in_its_second_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "get", lambda: None)  # the torch-ops path, which is what runs on a GPU
     transfers: list[int] = []
     real_to_host = sketch.to_host
     monkeypatch.setattr(sketch, "to_host", lambda t: transfers.append(t.numel()) or real_to_host(t))

@@ -65,7 +65,7 @@ def assert_same(fast: Fingerprint, slow: Fingerprint) -> None:
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64])
-@pytest.mark.parametrize("shape", [(1031,), (64, 129), (4, 1, 513), (3, 70000)])
+@pytest.mark.parametrize("shape", [(), (1,), (1031,), (64, 129), (4, 1, 513), (3, 70000)])
 def test_compiled_pass_matches_torch_ops(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     t = (torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))) * 3).to(dtype)
     assert_same(*both(t))

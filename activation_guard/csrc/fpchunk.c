@@ -101,6 +101,28 @@ DEFINE_CHUNK(ag_chunk_f32_avx2, float, v4, v4i, 4, AVX2_ATTR)
 DEFINE_CHUNK(ag_chunk_f64_avx2, double, v4, v4i, 4, AVX2_ATTR)
 #endif
 
+/* sketch.py's fold in one pass: bucket b of row r gets
+ *   total[r][b] += sum over m = 0..B-1, in that order, of (P[r][m][b ^ m] - N[r][m][b ^ m]) * u[r][b ^ m]
+ * where P and N are the two halves of routed[r][m] (blocks with sign bit v = 0 and 1); then routed
+ * is zeroed for the next window. The same operations in the same order as the torch fold (a
+ * subtraction, a multiply, then a sum over m): the same bits. */
+void ag_fold(int64_t rows, int64_t B, double *restrict routed, const double *restrict u, double *restrict total) {
+    double acc[4096];
+    for (int64_t r = 0; r < rows; r++) {
+        const double *ur = u + r * B;
+        for (int64_t b = 0; b < B; b++) acc[b] = 0.0;
+        for (int64_t m = 0; m < B; m++) {
+            const double *pos = routed + ((r * B + m) * 2) * B, *neg = pos + B;
+            for (int64_t b = 0; b < B; b++) {
+                int64_t j = b ^ m;
+                acc[b] += (pos[j] - neg[j]) * ur[j];
+            }
+        }
+        for (int64_t b = 0; b < B; b++) total[r * B + b] += acc[b];
+    }
+    memset(routed, 0, (size_t)(rows * 2 * B * B) * sizeof(double));
+}
+
 /* Whether this CPU runs the AVX2 functions (native.py then picks them; both compute the same bits). */
 int ag_avx2(void) {
 #if AG_AVX2
@@ -112,4 +134,4 @@ int ag_avx2(void) {
 }
 
 /* The build's interface version: native.py refuses a library whose number differs. */
-int ag_version(void) { return 2; }
+int ag_version(void) { return 3; }
