@@ -138,7 +138,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
     fold = dll.ag_fold
     fold.argtypes = [_I, _I, _P, _P, _P]
     fold.restype = None
-    return Native(*fns, fold), f"built with {cc}{', AVX2' if simd else ''}"
+    return Native(fns[0], fns[1], fold), f"built with {cc}{', AVX2' if simd else ''}"
 
 
 def get() -> Native | None:
