@@ -439,10 +439,11 @@ def _host_result(bits: torch.Tensor, parts: list[torch.Tensor], ws: Workspace, s
         sq_total += float(c[2])
         lo, hi = min(lo, float(c[3])), max(hi, float(c[4]))
     n = bits.numel()
-    pos = _sample_flat(seed, n // per, samples, per) if n else ()
-    if pos:
+    pos = _sample_array(seed, n // per, samples, per) if n else None
+    if pos is not None and pos.size:
         arr = bits.numpy()
-        got = arr.reshape(1) if arr.ndim == 0 else arr[np.unravel_index(np.asarray(pos, dtype=np.int64), arr.shape)]
+        flat = arr.reshape(-1) if arr.flags.c_contiguous else None  # a view, never a copy
+        got = flat[pos] if flat is not None else arr[np.unravel_index(pos, arr.shape)]
         picked = got.astype(np.int64)  # sign-extended from signed widths, as torch's .to(int64)
     else:
         picked = np.zeros(0, dtype=np.int64)
@@ -457,6 +458,13 @@ def _host_result(bits: torch.Tensor, parts: list[torch.Tensor], ws: Workspace, s
 def _sample_flat(seed: int, elements: int, samples: int, per: int) -> tuple[int, ...]:
     """Flat positions of the sampled values: each sampled element's ``per`` real components."""
     return tuple(p * per + c for p in sample_positions(seed, elements, samples) for c in range(per))
+
+
+@functools.lru_cache(maxsize=1024)
+def _sample_array(seed: int, elements: int, samples: int, per: int) -> np.ndarray:
+    a = np.asarray(_sample_flat(seed, elements, samples, per), dtype=np.int64)
+    a.flags.writeable = False  # shared by every call with these arguments
+    return a
 
 
 @functools.lru_cache(maxsize=16)
