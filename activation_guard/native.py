@@ -112,20 +112,12 @@ def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
     if argv is None:
         return None, "no C compiler found ($CC, cc, gcc, clang)"
     cc = " ".join(argv)
-    with tempfile.TemporaryDirectory(prefix="activation_guard-native-") as tmp:
-        lib = Path(tmp) / "fpchunk.so"
-        try:
-            r = subprocess.run([*argv, *FLAGS, *extra_flags, "-o", str(lib), str(SOURCE), "-lm"],
-                               capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.SubprocessError) as e:
-            return None, f"the build with {cc} failed: {e}"
-        if r.returncode != 0:
-            first = (r.stderr.strip().splitlines() or ["no message"])[0]
-            return None, f"the build with {cc} failed (exit {r.returncode}): {first}"
-        try:
-            dll = ctypes.CDLL(str(lib))  # mapped: the file can go with the folder
-        except OSError as e:
-            return None, f"the built library did not load: {e}"
+    try:
+        dll = _compile_and_load(argv, extra_flags)
+    except _BuildError as e:
+        return None, f"the build with {cc} failed: {e}"
+    except OSError as e:  # no writable temporary folder, a noexec one, a library that does not map
+        return None, f"the build with {cc} could not be loaded: {e}"
     if dll.ag_version() != VERSION:
         return None, f"the built library speaks version {dll.ag_version()}, this module {VERSION}"
     simd = "_avx2" if dll.ag_avx2() else ""
@@ -139,6 +131,24 @@ def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
     fold.argtypes = [_I, _I, _P, _P, _P]
     fold.restype = None
     return Native(fns[0], fns[1], fold), f"built with {cc}{', AVX2' if simd else ''}"
+
+
+class _BuildError(Exception):
+    """The compiler did not produce the library (its first line of complaint)."""
+
+
+def _compile_and_load(argv: list[str], extra_flags: tuple[str, ...]) -> ctypes.CDLL:
+    with tempfile.TemporaryDirectory(prefix="activation_guard-native-") as tmp:
+        lib = Path(tmp) / "fpchunk.so"
+        try:
+            r = subprocess.run([*argv, *FLAGS, *extra_flags, "-o", str(lib), str(SOURCE), "-lm"],
+                               capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise _BuildError(str(e)) from e
+        if r.returncode != 0:
+            first = (r.stderr.strip().splitlines() or ["no message"])[0]
+            raise _BuildError(f"exit {r.returncode}: {first}")
+        return ctypes.CDLL(str(lib))  # mapped: the file can go with the folder
 
 
 def get() -> Native | None:

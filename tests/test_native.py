@@ -147,6 +147,17 @@ def test_without_a_compiler_the_torch_path_runs_and_says_why(monkeypatch: pytest
 
 
 @needs_native
+def test_a_library_that_does_not_load_falls_back_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A temporary folder mounted noexec: the build succeeds and the load fails."""
+    def noexec(path: str) -> None:
+        raise OSError(f"{path}: failed to map segment from shared object")
+
+    monkeypatch.setattr(native.ctypes, "CDLL", noexec)
+    lib, why = native.build()
+    assert lib is None and "could not be loaded" in why and "failed to map segment" in why, why
+
+
+@needs_native
 def test_cc_may_carry_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     """``CC="gcc -m64"`` is a compiler and its arguments, as make reads it."""
     found = native.compiler()
@@ -165,7 +176,7 @@ def test_a_failing_build_falls_back_and_names_the_compiler(monkeypatch: pytest.M
     native.reset()
     try:
         assert native.get() is None
-        assert native.status() == f"torch ops (the build with {cc} failed (exit 3): broken-cc: cannot build)"
+        assert native.status() == f"torch ops (the build with {cc} failed: exit 3: broken-cc: cannot build)"
     finally:
         monkeypatch.undo()
         native.reset()
