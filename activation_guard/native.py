@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "fpchunk.c"
-VERSION = 3  # ag_version() of the source this module speaks to
+VERSION = 4  # ag_version() of the source this module speaks to
 ENV = "ACTIVATION_GUARD_NATIVE"
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu99", "-Wno-psabi"]
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_ARGTYPES = [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P]
+_ARGTYPES = [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P]
 
 
 @dataclass(frozen=True)
@@ -51,13 +51,16 @@ class Native:
     fold_fn: Callable[..., None]
 
     def chunk(self, x: torch.Tensor, rows: int, buckets: int, w: torch.Tensor, route: torch.Tensor,
-              routed: torch.Tensor, stats: torch.Tensor) -> None:
+              routed: torch.Tensor, stats: torch.Tensor, scratch: torch.Tensor) -> None:
         """Statistics of ``x`` into ``stats`` (sum, sum of absolute values, sum of squares, min, max)
         and each row's signed blocks added to ``routed`` at their routes. The C side trusts the
-        pointers and strides it is given, so they are checked here, once per chunk."""
+        pointers and strides it is given, so they are checked here, once per chunk (the route
+        values are not: they are sketch.py's own hashes, ``row * 2B + bucket`` by construction).
+        ``scratch``: at least ``buckets`` float64 values the C side may overwrite."""
         fn = self.f32 if x.dtype == torch.float32 else self.f64
         K = (x.numel() + buckets - 1) // buckets
         ok = (x.is_contiguous() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+              and x.data_ptr() % x.element_size() == 0 and _scratch_ok(scratch, buckets)
               and w.dtype == torch.float64 and w.device.type == "cpu" and w.stride(1) == 1
               and w.shape[0] >= rows and w.shape[1] >= K + buckets - 1
               and route.dtype == torch.int64 and route.device.type == "cpu" and route.stride(1) == 1
@@ -70,71 +73,98 @@ class Native:
         if not ok:  # not an assert: it must hold under python -O, the C side trusts these pointers
             raise ValueError("native fingerprint chunk: arguments of the wrong dtype, device, shape or layout")
         fn(x.data_ptr(), x.numel(), rows, buckets, w.data_ptr(), w.stride(0), route.data_ptr(), route.stride(0),
-           routed.data_ptr(), stats.data_ptr())
+           routed.data_ptr(), stats.data_ptr(), scratch.data_ptr())
 
 
-    def fold(self, rows: int, buckets: int, routed: torch.Tensor, u: torch.Tensor, total: torch.Tensor) -> None:
+    def fold(self, rows: int, buckets: int, routed: torch.Tensor, u: torch.Tensor, total: torch.Tensor,
+             scratch: torch.Tensor) -> None:
         """sketch.py's fold of the routing matrix into ``total`` (the same bits), and ``routed`` zeroed."""
         ok = (0 < buckets <= 4096 and rows > 0
               and all(t.dtype == torch.float64 and t.device.type == "cpu" and t.is_contiguous()
                       for t in (routed, u, total))
               and routed.numel() == rows * 2 * buckets * buckets and u.numel() == rows * buckets
-              and total.numel() == rows * buckets)
+              and total.numel() == rows * buckets and _scratch_ok(scratch, buckets))
         if not ok:
             raise ValueError("native fingerprint fold: arguments of the wrong dtype, device, shape or layout")
-        self.fold_fn(rows, buckets, routed.data_ptr(), u.data_ptr(), total.data_ptr())
+        self.fold_fn(rows, buckets, routed.data_ptr(), u.data_ptr(), total.data_ptr(), scratch.data_ptr())
+
+
+def _scratch_ok(t: torch.Tensor, buckets: int) -> bool:
+    return t.dtype == torch.float64 and t.device.type == "cpu" and t.is_contiguous() and t.numel() >= buckets
 
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def compiler() -> list[str] | None:
+class _BuildError(Exception):
+    """Why there is no library: the message ends up in :func:`status`."""
+
+
+# Flags that make GCC link crtfastmath.o, whose constructor turns on flush-to-zero for the thread
+# that loads the library: the model's own subnormal arithmetic would change after the first
+# fingerprint (a false alarm against a golden recorded without it).
+FAST_MATH = ("-ffast-math", "-Ofast", "-funsafe-math-optimizations")
+
+
+def compiler() -> list[str]:
     """The C compiler's command line: ``$CC`` (which may carry arguments: ``ccache gcc``), else
-    ``cc``, ``gcc`` or ``clang`` on the PATH."""
+    ``cc``, ``gcc`` or ``clang`` on the PATH. Raises :class:`_BuildError` saying what is wrong."""
     cc = os.environ.get("CC", "").strip()
-    if cc:
+    if not cc:
+        found = next((p for p in (shutil.which(c) for c in ("cc", "gcc", "clang")) if p), None)
+        if found is None:
+            raise _BuildError("no C compiler found ($CC, cc, gcc, clang)")
+        return [found]
+    try:
         argv = shlex.split(cc)
-        found = shutil.which(argv[0])
-        return [found, *argv[1:]] if found else None
-    found = next((p for p in (shutil.which(c) for c in ("cc", "gcc", "clang")) if p), None)
-    return [found] if found else None
+    except ValueError as e:
+        raise _BuildError(f"cannot read $CC={cc!r}: {e}") from e
+    found = shutil.which(argv[0])
+    if found is None:
+        raise _BuildError(f"$CC={cc!r}: {argv[0]!r} was not found on the PATH")
+    bad = [a for a in argv[1:] if a in FAST_MATH]
+    if bad:
+        raise _BuildError(f"$CC={cc!r} carries {' '.join(bad)}, which would turn on flush-to-zero for the "
+                          "whole process (the model's own arithmetic): not built")
+    return [found, *argv[1:]]
 
 
 def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
     """A fresh build (``extra_flags`` for tests: ``-DAG_NO_AVX2`` builds the baseline only), and
-    what happened; :func:`get` keeps the first one of the process."""
+    what happened; :func:`get` keeps the first one of the process. Never raises: whatever goes
+    wrong leaves the torch path and says why."""
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None, f"disabled by {ENV}={os.environ[ENV]}"
     if sys.platform == "win32":
         return None, "not built on Windows (the torch path runs)"
-    argv = compiler()
-    if argv is None:
-        return None, "no C compiler found ($CC, cc, gcc, clang)"
+    try:
+        argv = compiler()
+    except _BuildError as e:
+        return None, str(e)
     cc = " ".join(argv)
     try:
         dll = _compile_and_load(argv, extra_flags)
+        if dll.ag_version() != VERSION:
+            return None, f"the built library speaks version {dll.ag_version()}, this module {VERSION}"
+        simd = "_avx2" if dll.ag_avx2() else ""
+        fns = []
+        for name in ("ag_chunk_f32", "ag_chunk_f64"):
+            fn = getattr(dll, name + simd)
+            fn.argtypes = _ARGTYPES
+            fn.restype = None
+            fns.append(fn)
+        fold = dll.ag_fold
+        fold.argtypes = [_I, _I, _P, _P, _P, _P]
+        fold.restype = None
     except _BuildError as e:
         return None, f"the build with {cc} failed: {e}"
-    except OSError as e:  # no writable temporary folder, a noexec one, a library that does not map
+    except (OSError, AttributeError) as e:  # no writable temporary folder, a noexec one, a missing symbol
         return None, f"the build with {cc} could not be loaded: {e}"
-    if dll.ag_version() != VERSION:
-        return None, f"the built library speaks version {dll.ag_version()}, this module {VERSION}"
-    simd = "_avx2" if dll.ag_avx2() else ""
-    fns = []
-    for name in ("ag_chunk_f32", "ag_chunk_f64"):
-        fn = getattr(dll, name + simd)
-        fn.argtypes = _ARGTYPES
-        fn.restype = None
-        fns.append(fn)
-    fold = dll.ag_fold
-    fold.argtypes = [_I, _I, _P, _P, _P]
-    fold.restype = None
     return Native(fns[0], fns[1], fold), f"built with {cc}{', AVX2' if simd else ''}"
 
 
-class _BuildError(Exception):
-    """The compiler did not produce the library (its first line of complaint)."""
+BUILD_TIMEOUT = 30  # seconds: a build takes ~0.2 s; a compiler that hangs must not hold fingerprints up long
 
 
 def _compile_and_load(argv: list[str], extra_flags: tuple[str, ...]) -> ctypes.CDLL:
@@ -142,12 +172,13 @@ def _compile_and_load(argv: list[str], extra_flags: tuple[str, ...]) -> ctypes.C
         lib = Path(tmp) / "fpchunk.so"
         try:
             r = subprocess.run([*argv, *FLAGS, *extra_flags, "-o", str(lib), str(SOURCE), "-lm"],
-                               capture_output=True, text=True, timeout=120)
+                               capture_output=True, text=True, timeout=BUILD_TIMEOUT)
         except (OSError, subprocess.SubprocessError) as e:
             raise _BuildError(str(e)) from e
         if r.returncode != 0:
-            first = (r.stderr.strip().splitlines() or ["no message"])[0]
-            raise _BuildError(f"exit {r.returncode}: {first}")
+            lines = r.stderr.strip().splitlines() or ["no message"]
+            said = next((x for x in lines if "error" in x.lower()), lines[-1])
+            raise _BuildError(f"exit {r.returncode}: {said.strip()}")
         return ctypes.CDLL(str(lib))  # mapped: the file can go with the folder
 
 
@@ -163,6 +194,19 @@ def status() -> str:
     """Which fingerprint pass runs, and why: for reports, benchmarks and bug reports."""
     native = get()
     return f"compiled C pass ({_state['why']})" if native else f"torch ops ({_state['why']})"
+
+
+def _after_fork_in_child() -> None:
+    """A fork while another thread was building leaves the child's lock held forever: the child
+    starts over with a fresh lock (and builds again if the build had not finished)."""
+    global _lock
+    _lock = threading.Lock()
+    if "why" not in _state:
+        _state.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def reset() -> None:

@@ -303,7 +303,7 @@ class _Sketcher:
         if self.window and self.window + K > FLUSH_BLOCKS:
             self.fold()
         w, route = self._hashes(offset // self.buckets, K)
-        native.chunk(x, self.rows, self.buckets, w, route, self.ws.route, stats)
+        native.chunk(x, self.rows, self.buckets, w, route, self.ws.route, stats, self.ws.a)
         self.window += K
         self.max_window = max(self.max_window, self.window)
 
@@ -314,7 +314,7 @@ class _Sketcher:
         R, B = self.rows, self.buckets
         ws = self.ws
         if self.native is not None:
-            self.native.fold(R, B, ws.route, self.u, ws.total)
+            self.native.fold(R, B, ws.route, self.u, ws.total, ws.a)
             self.window = 0
             self.folds += 1
             return
@@ -367,7 +367,8 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
         m = piece.numel()
         src = piece.view(dtype)
         if fast is not None:  # one compiled pass: float32 and float64 read in place, others widened first
-            x = src if dtype in (torch.float32, torch.float64) else ws.x[:m].copy_(src)
+            aligned = src.data_ptr() % src.element_size() == 0  # (torch.frombuffer can make it odd)
+            x = src if dtype in (torch.float32, torch.float64) and aligned else ws.x[:m].copy_(src)
             longest = max(longest, m)
             stats = torch.empty(5, dtype=torch.float64, device=dev)
             sk.add_with(fast, off, x, stats)

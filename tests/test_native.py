@@ -9,6 +9,8 @@ Where no compiler is found the tests of the compiled pass skip, and the fallback
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,7 +107,7 @@ def test_every_build_computes_the_same_bits(dtype: torch.dtype) -> None:
     for lib in (base, fast):
         routed = torch.zeros(rows * 2 * buckets, buckets, dtype=torch.float64)
         stats = torch.empty(5, dtype=torch.float64)
-        lib.chunk(x, rows, buckets, w, route, routed, stats)
+        lib.chunk(x, rows, buckets, w, route, routed, stats, torch.empty(buckets, dtype=torch.float64))
         out.append((routed.numpy().tobytes(), stats.numpy().tobytes()))
     assert out[0] == out[1]
     assert torch.frombuffer(bytearray(out[0][1]), dtype=torch.float64)[3].item() == x.double().min().item()
@@ -138,7 +140,8 @@ def test_without_a_compiler_the_torch_path_runs_and_says_why(monkeypatch: pytest
     native.reset()
     try:
         assert native.get() is None
-        assert native.status() == "torch ops (no C compiler found ($CC, cc, gcc, clang))"
+        assert native.status() == f"torch ops ($CC={str(tmp_path / 'no-such-cc')!r}: " \
+                                  f"{str(tmp_path / 'no-such-cc')!r} was not found on the PATH)"
         t = torch.randn(3000)
         assert compute_fingerprint(t).count == 3000
     finally:
@@ -182,9 +185,66 @@ def test_a_failing_build_falls_back_and_names_the_compiler(monkeypatch: pytest.M
         native.reset()
 
 
+@pytest.mark.parametrize(("cc", "says"), [
+    ('gcc "-DX', "cannot read $CC='gcc \"-DX': No closing quotation"),
+    ("ccache-that-is-not-here gcc", "'ccache-that-is-not-here' was not found on the PATH"),
+    ("cc -O2 -ffast-math", "carries -ffast-math, which would turn on flush-to-zero"),
+    ("cc -Ofast", "carries -Ofast"),
+])
+def test_a_cc_that_cannot_be_used_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch, cc: str,
+                                                               says: str) -> None:
+    """Never an exception from a fingerprint: the torch path, and status() says why."""
+    monkeypatch.setenv("CC", cc)
+    monkeypatch.delenv(native.ENV, raising=False)
+    lib, why = native.build()
+    assert lib is None and says in why, why
+
+
+def test_a_fork_during_the_build_leaves_the_child_a_free_lock() -> None:
+    saved_lock, saved = native._lock, dict(native._state)
+    try:
+        native._lock.acquire()  # as if another thread were building when the process forked
+        native._state.clear()
+        native._after_fork_in_child()
+        assert not native._lock.locked() and native._state == {}
+    finally:
+        saved_lock.release()
+        native._lock = saved_lock
+        native._state.clear()
+        native._state.update(saved)
+
+
+@needs_native
+def test_a_thread_with_the_smallest_stack_survives(tmp_path: Path) -> None:
+    """The C side keeps no large array on its stack (a review crashed a 32 KiB-stack thread)."""
+    script = tmp_path / "small_stack.py"
+    script.write_text(
+        "import threading, torch\n"
+        "from activation_guard.fingerprint import compute_fingerprint, FingerprintParams\n"
+        "threading.stack_size(32768)\n"
+        "out = []\n"
+        "p = FingerprintParams(buckets=4096, rows=1)\n"
+        "t = threading.Thread(target=lambda: out.append(compute_fingerprint(torch.randn(300000), p)))\n"
+        "t.start(); t.join()\n"
+        "print(out[0].count)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert r.returncode == 0 and r.stdout.strip() == "300000", (r.returncode, r.stderr[-2000:])
+
+
+@needs_native
+def test_a_misaligned_tensor_is_widened_first_and_agrees() -> None:
+    """``torch.frombuffer`` at an odd offset gives float32 values the C side must not read in place."""
+    raw = bytearray(4 * 50001 + 1)
+    t = torch.frombuffer(raw, dtype=torch.float32, offset=1, count=50001)
+    t.copy_(torch.randn(50001))
+    assert t.data_ptr() % 4 != 0
+    assert_same(*both(t))
+
+
 @needs_native
 @pytest.mark.parametrize("bad", ["meta stats", "int stats", "short w", "short route", "strided x", "small routed",
-                                 "buckets"])
+                                 "small scratch", "misaligned x", "buckets"])
 def test_bad_arguments_are_refused_before_reaching_c(bad: str) -> None:
     """The C side trusts its pointers: a wrong tensor must raise, not write out of bounds."""
     lib = native.get()
@@ -194,8 +254,9 @@ def test_bad_arguments_are_refused_before_reaching_c(bad: str) -> None:
     args = dict(x=torch.randn(n), w=torch.ones(rows, K + buckets - 1, dtype=torch.float64),
                 route=torch.zeros(rows, K, dtype=torch.int64),
                 routed=torch.zeros(rows * 2 * buckets, buckets, dtype=torch.float64),
-                stats=torch.empty(5, dtype=torch.float64))
-    lib.chunk(args["x"], rows, buckets, args["w"], args["route"], args["routed"], args["stats"])  # well formed: runs
+                stats=torch.empty(5, dtype=torch.float64), scratch=torch.empty(buckets, dtype=torch.float64))
+    lib.chunk(args["x"], rows, buckets, args["w"], args["route"], args["routed"], args["stats"],
+              args["scratch"])  # well formed: runs
     assert args["stats"][0].item() == pytest.approx(args["x"].double().sum().item())
     b = buckets
     if bad == "meta stats":
@@ -210,10 +271,14 @@ def test_bad_arguments_are_refused_before_reaching_c(bad: str) -> None:
         args["x"] = torch.randn(2 * n)[::2]
     elif bad == "small routed":
         args["routed"] = args["routed"][:-1]
+    elif bad == "small scratch":
+        args["scratch"] = args["scratch"][:-1]
+    elif bad == "misaligned x":
+        args["x"] = torch.frombuffer(bytearray(4 * n + 1), dtype=torch.float32, offset=1, count=n)
     else:
         b = 8192
     with pytest.raises(ValueError, match="wrong dtype, device, shape or layout"):
-        lib.chunk(args["x"], rows, b, args["w"], args["route"], args["routed"], args["stats"])
+        lib.chunk(args["x"], rows, b, args["w"], args["route"], args["routed"], args["stats"], args["scratch"])
 
 
 class Net(nn.Module):

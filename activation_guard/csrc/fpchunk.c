@@ -8,10 +8,14 @@
  * routing matrix is bit-identical to the torch path's. The chunk statistics are kept in eight
  * lanes (lane l sums the elements with index l mod 8: another order than torch's, within the same
  * rounding depth, sketch.py's bound), in GNU C vectors of four lanes (AVX2) or two (any other
- * CPU): each lane is its own chain of additions in element order, so every build computes the same
- * bits (-ffp-contract=off: no fused multiply-add either). Built at run time by native.py with the system C compiler; nothing here
- * calls back into Python, and ctypes releases the GIL around the call, so a fingerprint worker
- * thread runs beside the forward.
+ * CPU). Each lane is its own chain of additions in a fixed order (block by block; in the last,
+ * partial block its scalar tail first), so every build computes the same bits (-ffp-contract=off:
+ * no fused multiply-add either).
+ *
+ * Built at run time by native.py with the system C compiler. Scratch memory comes from the
+ * caller (B doubles): no large array on the stack, which a thread with a small stack would not
+ * survive. Nothing here calls back into Python, and ctypes releases the GIL around the call, so
+ * a fingerprint worker thread runs beside the forward.
  */
 #include <math.h>
 #include <stdint.h>
@@ -39,7 +43,7 @@ typedef int64_t v2i __attribute__((vector_size(16), aligned(8), may_alias));
 #define DEFINE_CHUNK(NAME, T, V, VI, W, ATTR)                                                          \
     ATTR void NAME(const T *restrict x, int64_t n, int64_t rows, int64_t B, const double *restrict w, \
                    int64_t w_stride, const int64_t *restrict route, int64_t route_stride,             \
-                   double *restrict routed, double *restrict stats) {                                 \
+                   double *restrict routed, double *restrict stats, double *restrict buf) {           \
         enum { NV = LANES / W };                                                                       \
         const VI absmask = (VI){0} + INT64_MAX;                                                        \
         V s[NV], a[NV], q[NV], lo[NV], hi[NV];                                                         \
@@ -47,7 +51,6 @@ typedef int64_t v2i __attribute__((vector_size(16), aligned(8), may_alias));
             s[v] = a[v] = q[v] = (V){0};                                                               \
             lo[v] = (V){0} + INFINITY; hi[v] = (V){0} - INFINITY;                                      \
         }                                                                                              \
-        double buf[4096 + LANES] __attribute__((aligned(32)));                                         \
         int64_t K = (n + B - 1) / B;                                                                   \
         for (int64_t k = 0; k < K; k++) {                                                              \
             const T *xb = x + k * B;                                                                   \
@@ -106,8 +109,8 @@ DEFINE_CHUNK(ag_chunk_f64_avx2, double, v4, v4i, 4, AVX2_ATTR)
  * where P and N are the two halves of routed[r][m] (blocks with sign bit v = 0 and 1); then routed
  * is zeroed for the next window. The same operations in the same order as the torch fold (a
  * subtraction, a multiply, then a sum over m): the same bits. */
-void ag_fold(int64_t rows, int64_t B, double *restrict routed, const double *restrict u, double *restrict total) {
-    double acc[4096];
+void ag_fold(int64_t rows, int64_t B, double *restrict routed, const double *restrict u, double *restrict total,
+             double *restrict acc) {
     for (int64_t r = 0; r < rows; r++) {
         const double *ur = u + r * B;
         for (int64_t b = 0; b < B; b++) acc[b] = 0.0;
@@ -134,4 +137,4 @@ int ag_avx2(void) {
 }
 
 /* The build's interface version: native.py refuses a library whose number differs. */
-int ag_version(void) { return 3; }
+int ag_version(void) { return 4; }
