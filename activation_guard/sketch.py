@@ -14,8 +14,12 @@ bucket ``j XOR m_r[k]``. The signs multiply a whole block at once through a stri
 ``w``; blocks are routed to their masks with one ``index_add_`` per row and chunk, and the in-block XOR
 permutation is applied once per few million elements on a ``B x B`` matrix, not per element.
 
-A little over 400 lines: the chunking, the kernel and its hash cache are one hot loop, tuned
-together (docs/performance.md, "Fingerprint goldens"); the hashing itself is in :mod:`.seeded_hash`.
+On the CPU the per-chunk work and the fold go to the compiled pass of :mod:`.native` where it
+was built (the same hashes, windows and order of additions: the same sketch bit for bit); the
+torch ops below are the path for GPUs and for CPUs without a C compiler.
+
+About 500 lines: the chunking, the kernel and its hash cache are one hot loop, tuned together
+(docs/performance.md, "Fingerprint goldens"); the hashing itself is in :mod:`.seeded_hash`.
 """
 
 from __future__ import annotations
@@ -399,7 +403,7 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
         sk.add(off, x)
     if sk.window:
         sk.fold()
-    if fast is not None and type(bits) is torch.Tensor:
+    if fast is not None and type(bits) is torch.Tensor and bits.device.type == "cpu":  # (MPS: chunks came over)
         return _host_result(bits, parts, ws, sk, seed, samples, per, max(sk.depth(), longest + len(parts)) + 2)
     if len(parts) == 1:
         stats = parts[0]
