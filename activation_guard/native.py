@@ -2,8 +2,8 @@
 
 Fingerprinting in torch ops reads every element ~13 times (a float64 copy, min/max, three sums,
 and per sketch row a signed copy and an ``index_add_`` of 64-element slices); one fused C pass
-(``csrc/fpchunk.c``) reads each block once. The kernel alone went from 2.24x to 0.94x a plain
-forward on the ``wide`` benchmark and from 0.96x to 0.43x on GPT-2 small (docs/performance.md).
+(``csrc/fpchunk.c``) reads each block once. The kernel alone went from 2.29x to 0.66x a plain
+forward on the ``wide`` benchmark and from 0.96x to 0.26x on GPT-2 small (docs/performance.md).
 It is an accelerator, never a requirement:
 
 - no compiler, a failed build or ``ACTIVATION_GUARD_NATIVE=0`` leaves the torch path, which
@@ -11,7 +11,7 @@ It is an accelerator, never a requirement:
   bound); :func:`status` says which path runs and why;
 - the library is built into a fresh private temporary folder per process and unlinked once
   loaded: no shared cache to go stale, to race on under xdist, or for another user to plant a
-  library in. A build takes ~0.3 s (plain C, no torch headers).
+  library in. A build takes ~0.2 s (plain C, no torch headers).
 
 The call goes through ctypes, which releases the GIL: the fingerprint worker thread then runs
 beside the forward on another core.
@@ -44,7 +44,7 @@ _ARGTYPES = [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P]
 
 @dataclass(frozen=True)
 class Native:
-    """The loaded library's two entry points (float32 and float64 chunks)."""
+    """The loaded library's entry points: a chunk of float32 or float64 values, and the fold."""
 
     f32: Callable[..., None]
     f64: Callable[..., None]
@@ -74,7 +74,6 @@ class Native:
             raise ValueError("native fingerprint chunk: arguments of the wrong dtype, device, shape or layout")
         fn(x.data_ptr(), x.numel(), rows, buckets, w.data_ptr(), w.stride(0), route.data_ptr(), route.stride(0),
            routed.data_ptr(), stats.data_ptr(), scratch.data_ptr())
-
 
     def fold(self, rows: int, buckets: int, routed: torch.Tensor, u: torch.Tensor, total: torch.Tensor,
              scratch: torch.Tensor) -> None:
