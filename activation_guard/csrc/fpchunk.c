@@ -115,15 +115,15 @@ void ag_fold(int64_t rows, int64_t B, double *restrict routed, const double *res
         const double *ur = u + r * B;
         for (int64_t b = 0; b < B; b++) acc[b] = 0.0;
         for (int64_t m = 0; m < B; m++) {
-            const double *pos = routed + ((r * B + m) * 2) * B, *neg = pos + B;
+            double *pos = routed + ((r * B + m) * 2) * B, *neg = pos + B;
             for (int64_t b = 0; b < B; b++) {
                 int64_t j = b ^ m;
                 acc[b] += (pos[j] - neg[j]) * ur[j];
             }
+            memset(pos, 0, (size_t)(2 * B) * sizeof(double)); /* zeroed while it is in L1 */
         }
         for (int64_t b = 0; b < B; b++) total[r * B + b] += acc[b];
     }
-    memset(routed, 0, (size_t)(rows * 2 * B * B) * sizeof(double));
 }
 
 /* Whether this CPU runs the AVX2 functions (native.py then picks them; both compute the same bits). */
