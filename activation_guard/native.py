@@ -1,6 +1,6 @@
 """The optional compiled fingerprint pass: built at first use with the system C compiler.
 
-Fingerprinting in torch ops reads every element ~13 times (a float64 copy, min/max, three sums,
+Fingerprinting in torch ops reads every element ~15 times (a float64 copy, min/max, three sums,
 and per sketch row a signed copy and an ``index_add_`` of 64-element slices); one fused C pass
 (``csrc/fpchunk.c``) reads each block once. The kernel alone went from 2.29x to 0.66x a plain
 forward on the ``wide`` benchmark and from 0.96x to 0.26x on GPT-2 small (docs/performance.md).
@@ -125,7 +125,7 @@ def compiler() -> list[str]:
     bad = [a for a in argv[1:] if a in FAST_MATH]
     if bad:
         raise _BuildError(f"$CC={cc!r} carries {' '.join(bad)}, which would turn on flush-to-zero for the "
-                          "whole process (the model's own arithmetic): not built")
+                          "thread that loads the library (maybe the model's own): not built")
     return [found, *argv[1:]]
 
 

@@ -75,7 +75,8 @@ def test_compiled_pass_matches_torch_ops(dtype: torch.dtype, shape: tuple[int, .
        strided=st.booleans())
 def test_compiled_pass_matches_torch_ops_everywhere(n: int, buckets: int, rows: int, chunk: int, seed: int,
                                                   f64: bool, strided: bool) -> None:
-    """Any length (partial last block, several chunks and folds), parameters and layout."""
+    """Any length (partial last block, several chunks; one fold: several are the next test's),
+    parameters and layout."""
     g = torch.Generator().manual_seed(seed)
     t = torch.randn(2 * n if strided else n, generator=g, dtype=torch.float64 if f64 else torch.float32)
     t = t[::2] if strided else t
@@ -106,6 +107,28 @@ def test_every_build_computes_the_same_bits(dtype: torch.dtype) -> None:
         out.append((routed.numpy().tobytes(), stats.numpy().tobytes()))
     assert out[0] == out[1]
     assert torch.frombuffer(bytearray(out[0][1]), dtype=torch.float64)[3].item() == x.double().min().item()
+
+
+@needs_native
+@pytest.mark.parametrize(("dtype", "buckets"), [(torch.float32, 16), (torch.float64, 16), (torch.bfloat16, 32)])
+def test_several_fold_windows_match_torch_ops(dtype: torch.dtype, buckets: int) -> None:
+    """A window holds FLUSH_BLOCKS blocks (262,144 values at 16 buckets): 600,000 values take three
+    folds, the compiled fold's and cumsum's sums over m in order agree at each, and the depth
+    counts them alike."""
+    t = torch.randn(600_000, generator=torch.Generator().manual_seed(5)).to(dtype)
+    p = FingerprintParams(buckets=buckets, rows=3, samples=16)
+    folds = []
+    real_fold = sketch._Sketcher.fold
+
+    def counting(self: sketch._Sketcher) -> None:
+        folds.append(self.window)
+        real_fold(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sketch._Sketcher, "fold", counting)
+        fast, slow = both(t, p)
+    assert len(folds) == 2 * -(-600_000 // (sketch.FLUSH_BLOCKS * buckets))  # each path folds that often
+    assert_same(fast, slow)
 
 
 @needs_native

@@ -1,6 +1,6 @@
 /* One fused pass over a chunk of a fingerprinted tensor: statistics and CountSketch routing.
  *
- * The torch path (sketch.py) takes ~13 passes over every element (a float64 copy, min/max, three
+ * The torch path (sketch.py) takes ~15 passes over every element (a float64 copy, min/max, three
  * sums, then per sketch row a signed copy and an index_add_ of 64-element slices); this reads each
  * block of B elements once, keeps it in L1 and does all of that on it. The hashes (signs w and
  * routes) still come from sketch.py, so both paths route every element to the same bucket with
