@@ -288,8 +288,7 @@ class _Sketcher:
         if pad:
             x = torch.cat([x, x.new_zeros(pad)])
         K = x.numel() // B
-        if self.window and self.window + K > FLUSH_BLOCKS:
-            self.fold()
+        self._reserve(K)
         w, route = self._hashes(offset // B, K)
         signs = torch.as_strided(w, (R, K, B), (K + B - 1, 1, 1))  # signs[r, k, j] = w[r, k + j]
         z = self.ws.z[: K * B].view(K, B)
@@ -297,18 +296,22 @@ class _Sketcher:
         for r in range(R):  # row by row: z stays cache resident between the multiply and the add
             torch.mul(xv, signs[r], out=z)
             self.ws.route.index_add_(0, route[r], z)
-        self.window += K
-        self.max_window = max(self.max_window, self.window)
 
-    def add_with(self, native: Native, offset: int, x: torch.Tensor, stats: torch.Tensor) -> None:
-        """:meth:`add` and the chunk's statistics in one compiled pass (:mod:`.native`): the same
-        hashes, window and routing order, so the same routed sums bit for bit. ``x`` is float32 or
-        float64, contiguous."""
+    def add_with_stats(self, offset: int, x: torch.Tensor, stats: torch.Tensor) -> None:
+        """:meth:`add` and the chunk's statistics in one pass of the compiled library this sketcher
+        was given: the same hashes, window and routing order, so the same routed sums bit for bit.
+        ``x`` is float32 or float64, contiguous."""
+        assert self.native is not None
         K = -(-x.numel() // self.buckets)
+        self._reserve(K)
+        w, route = self._hashes(offset // self.buckets, K)
+        self.native.chunk(x, self.rows, self.buckets, w, route, self.ws.route, stats, self.ws.a)
+
+    def _reserve(self, K: int) -> None:
+        """Make room for ``K`` more blocks in the fold window (folding first when they would pass
+        ``FLUSH_BLOCKS``) and count them: one rule for both paths, so they fold at the same blocks."""
         if self.window and self.window + K > FLUSH_BLOCKS:
             self.fold()
-        w, route = self._hashes(offset // self.buckets, K)
-        native.chunk(x, self.rows, self.buckets, w, route, self.ws.route, stats, self.ws.a)
         self.window += K
         self.max_window = max(self.max_window, self.window)
 
@@ -319,17 +322,15 @@ class _Sketcher:
         R, B = self.rows, self.buckets
         ws = self.ws
         if self.native is not None:
-            self.native.fold(R, B, ws.route, self.u, ws.total, ws.a)
-            self.window = 0
-            self.folds += 1
-            return
-        g = ws.route.view(R, B, 2, B)
-        torch.sub(g[:, :, 0, :], g[:, :, 1, :], out=ws.fold_a)
-        ws.fold_a.mul_(self.u)
-        torch.gather(ws.fold_a, 2, self.xor, out=ws.fold_b)
-        torch.cumsum(ws.fold_b, 1, out=ws.fold_a)  # over m in order, as the compiled fold sums (a sum(1) may not)
-        ws.total.add_(ws.fold_a[:, -1, :])
-        ws.route.zero_()
+            self.native.fold(R, B, ws.route, self.u, ws.total, ws.a)  # zeroes the routing matrix too
+        else:
+            g = ws.route.view(R, B, 2, B)
+            torch.sub(g[:, :, 0, :], g[:, :, 1, :], out=ws.fold_a)
+            ws.fold_a.mul_(self.u)
+            torch.gather(ws.fold_a, 2, self.xor, out=ws.fold_b)
+            torch.cumsum(ws.fold_b, 1, out=ws.fold_a)  # over m in order, as the compiled fold (a sum(1) may not)
+            ws.total.add_(ws.fold_a[:, -1, :])
+            ws.route.zero_()
         self.window = 0
         self.folds += 1
 
@@ -371,12 +372,12 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
     for off, piece in flat_chunks(bits, chunk, dev):
         m = piece.numel()
         src = piece.view(dtype)
+        longest = max(longest, m)
         if fast is not None:  # one compiled pass: float32 and float64 read in place, others widened first
             aligned = src.data_ptr() % src.element_size() == 0  # (torch.frombuffer can make it odd)
             x = src if dtype in (torch.float32, torch.float64) and aligned else ws.x[:m].copy_(src)
-            longest = max(longest, m)
             stats = torch.empty(5, dtype=torch.float64, device=dev)
-            sk.add_with(fast, off, x, stats)
+            sk.add_with_stats(off, x, stats)
             parts.append(stats)
             continue
         if dtype == torch.float64:
@@ -384,7 +385,6 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
         else:
             x = ws.x[:m]
             x.copy_(src)  # exact: every float dtype converts to float64 exactly
-        longest = max(longest, m)
         if masked:
             fin = torch.isfinite(x)
             if not bool(fin.all()):
