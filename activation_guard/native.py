@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "fpchunk.c"
-VERSION = 4  # ag_version() of the source this module speaks to
+VERSION = 5  # ag_version() of the source this module speaks to
 ENV = "ACTIVATION_GUARD_NATIVE"
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu99", "-Wno-psabi"]
 _P = ctypes.c_void_p
@@ -130,7 +130,8 @@ def compiler() -> list[str]:
 
 
 def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
-    """A fresh build (``extra_flags`` for tests: ``-DAG_NO_AVX2`` builds the baseline only), and
+    """A fresh build (``extra_flags`` for tests: ``-DAG_NO_AVX512``, ``-DAG_NO_AVX2`` leave out the
+    wider vector functions, ``-DAG_NO_CONVERT`` converts floats through memory), and
     what happened; :func:`get` keeps the first one of the process. Never raises: whatever goes
     wrong leaves the torch path and says why."""
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
@@ -146,10 +147,10 @@ def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
         dll = _compile_and_load(argv, extra_flags)
         if dll.ag_version() != VERSION:
             return None, f"the built library speaks version {dll.ag_version()}, this module {VERSION}"
-        simd = "_avx2" if dll.ag_avx2() else ""
+        simd = dll.ag_simd()
         fns = []
         for name in ("ag_chunk_f32", "ag_chunk_f64"):
-            fn = getattr(dll, name + simd)
+            fn = getattr(dll, name + _SIMD_SUFFIX[simd])
             fn.argtypes = _ARGTYPES
             fn.restype = None
             fns.append(fn)
@@ -160,8 +161,12 @@ def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
         return None, f"the build with {cc} failed: {e}"
     except (OSError, AttributeError) as e:  # no writable temporary folder, a noexec one, a missing symbol
         return None, f"the build with {cc} could not be loaded: {e}"
-    return Native(fns[0], fns[1], fold), f"built with {cc}{', AVX2' if simd else ''}"
+    return Native(fns[0], fns[1], fold), f"built with {cc}{_SIMD_SAYS[simd]}"
 
+
+# ag_simd(): the widest vector functions the CPU runs and the build has (all compute the same bits)
+_SIMD_SUFFIX = {0: "", 1: "_avx2", 2: "_avx512"}
+_SIMD_SAYS = {0: "", 1: ", AVX2", 2: ", AVX-512"}
 
 BUILD_TIMEOUT = 30  # seconds: a build takes ~0.2 s; a compiler that hangs must not hold fingerprints up long
 

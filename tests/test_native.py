@@ -84,28 +84,40 @@ def test_compiled_pass_matches_torch_ops_everywhere(n: int, buckets: int, rows: 
     assert_same(*both(t, p, chunk=max(chunk, buckets)))
 
 
-@needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_every_build_computes_the_same_bits(dtype: torch.dtype) -> None:
-    """The baseline build (two-lane vectors) and the AVX2 one (four lanes) sum each lane in the
-    same order: statistics and sketch agree bit for bit, so a golden does not depend on the CPU."""
-    base, why = native.build(("-DAG_NO_AVX2",))
-    assert base is not None and "AVX2" not in why, why
+@pytest.fixture(scope="module")
+def every_build() -> list[native.Native]:
+    """The baseline build (two-lane vectors), one without AVX-512 (four lanes on an AVX2 CPU), one
+    converting floats through memory, and the one this process uses (eight lanes on an AVX-512 CPU)."""
+    libs = []
+    for flags in (("-DAG_NO_AVX2",), ("-DAG_NO_AVX512",), ("-DAG_NO_CONVERT",)):
+        lib, why = native.build(flags)
+        assert lib is not None, why
+        libs.append(lib)
     fast = native.get()
     assert fast is not None
-    rows, buckets, n = 5, 64, 64 * 700 + 13  # a partial last block: the scalar tail too
+    return [*libs, fast]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows", [5, 3, 7])  # five: rows routed beside the statistics; others row by row
+def test_every_build_computes_the_same_bits(every_build: list[native.Native], dtype: torch.dtype,
+                                            rows: int) -> None:
+    """Every vector width sums each lane in the same order and routes each element alone: statistics
+    and sketch agree bit for bit, so a golden does not depend on the CPU or the compiler."""
+    buckets, n = 64, 64 * 700 + 13  # a partial last block: the scalar tail too
     K = -(-n // buckets)
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(3 + rows)
     x = (torch.randn(n, generator=g) * 10).to(dtype)
     w = torch.randint(0, 2, (rows, K + buckets - 1), generator=g).double() * 2 - 1
     route = torch.randint(0, 2 * buckets, (rows, K), generator=g) + (torch.arange(rows) * 2 * buckets).view(-1, 1)
     out = []
-    for lib in (base, fast):
+    for lib in every_build:
         routed = torch.zeros(rows * 2 * buckets, buckets, dtype=torch.float64)
         stats = torch.empty(5, dtype=torch.float64)
         lib.chunk(x, rows, buckets, w, route, routed, stats, torch.empty(buckets, dtype=torch.float64))
         out.append((routed.numpy().tobytes(), stats.numpy().tobytes()))
-    assert out[0] == out[1]
+    assert all(o == out[0] for o in out[1:])
     assert torch.frombuffer(bytearray(out[0][1]), dtype=torch.float64)[3].item() == x.double().min().item()
 
 
