@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "fpchunk.c"
-VERSION = 5  # ag_version() of the source this module speaks to
+VERSION = 6  # ag_version() of the source this module speaks to
 ENV = "ACTIVATION_GUARD_NATIVE"
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu99", "-Wno-psabi"]
 _P = ctypes.c_void_p
@@ -49,6 +49,8 @@ class Native:
     f32: Callable[..., None]
     f64: Callable[..., None]
     fold_fn: Callable[..., None]
+    leaf_fn: Callable[..., None]
+    simd: int  # ag_simd(): which chunk functions ag_leaf calls (all compute the same bits)
 
     def chunk(self, x: torch.Tensor, rows: int, buckets: int, w: torch.Tensor, route: torch.Tensor,
               routed: torch.Tensor, stats: torch.Tensor, scratch: torch.Tensor) -> None:
@@ -74,6 +76,34 @@ class Native:
             raise ValueError("native fingerprint chunk: arguments of the wrong dtype, device, shape or layout")
         fn(x.data_ptr(), x.numel(), rows, buckets, w.data_ptr(), w.stride(0), route.data_ptr(), route.stride(0),
            routed.data_ptr(), stats.data_ptr(), scratch.data_ptr())
+
+    def leaf(self, x: torch.Tensor, chunk: int, flush: int, rows: int, buckets: int, w: torch.Tensor,
+             route: torch.Tensor, routed: torch.Tensor, u: torch.Tensor, total: torch.Tensor, stats: torch.Tensor,
+             info: torch.Tensor, scratch: torch.Tensor) -> None:
+        """A whole contiguous leaf in one call: its chunks as :meth:`chunk` takes them, the fold rule
+        of ``sketch._Sketcher._reserve`` with ``flush`` blocks per window, and the chunk statistics
+        summed in chunk order into ``stats``; ``info`` gets the folds and the widest window (the
+        rounding depth). ``w`` and ``route``: the hash tables of the leaf's blocks from block 0."""
+        n = x.numel()
+        K = (n + buckets - 1) // buckets
+        ok = (x.is_contiguous() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+              and x.data_ptr() % x.element_size() == 0 and _scratch_ok(scratch, buckets)
+              and 0 < buckets <= 4096 and rows > 0 and chunk >= buckets and chunk % buckets == 0 and flush > 0
+              and w.dtype == torch.float64 and w.device.type == "cpu" and w.stride(1) == 1
+              and w.shape[0] >= rows and w.shape[1] >= K + buckets - 1
+              and route.dtype == torch.int64 and route.device.type == "cpu" and route.stride(1) == 1
+              and route.shape[0] >= rows and route.shape[1] >= K
+              and all(t.dtype == torch.float64 and t.device.type == "cpu" and t.is_contiguous()
+                      for t in (routed, u, total, stats))
+              and routed.numel() == rows * 2 * buckets * buckets and u.numel() == rows * buckets
+              and total.numel() == rows * buckets and stats.numel() >= 5
+              and info.dtype == torch.int64 and info.device.type == "cpu" and info.is_contiguous()
+              and info.numel() >= 2)
+        if not ok:  # not an assert: it must hold under python -O, the C side trusts these pointers
+            raise ValueError("native fingerprint leaf: arguments of the wrong dtype, device, shape or layout")
+        self.leaf_fn(self.simd, x.dtype == torch.float64, x.data_ptr(), n, chunk, flush, rows, buckets,
+                     w.data_ptr(), w.stride(0), route.data_ptr(), route.stride(0), routed.data_ptr(), u.data_ptr(),
+                     total.data_ptr(), stats.data_ptr(), info.data_ptr(), scratch.data_ptr())
 
     def fold(self, rows: int, buckets: int, routed: torch.Tensor, u: torch.Tensor, total: torch.Tensor,
              scratch: torch.Tensor) -> None:
@@ -157,11 +187,14 @@ def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
         fold = dll.ag_fold
         fold.argtypes = [_I, _I, _P, _P, _P, _P]
         fold.restype = None
+        leaf = dll.ag_leaf
+        leaf.argtypes = [_I, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P]
+        leaf.restype = None
     except _BuildError as e:
         return None, f"the build with {cc} failed: {e}"
     except (OSError, AttributeError) as e:  # no writable temporary folder, a noexec one, a missing symbol
         return None, f"the build with {cc} could not be loaded: {e}"
-    return Native(fns[0], fns[1], fold), f"built with {cc}{_SIMD_SAYS[simd]}"
+    return Native(fns[0], fns[1], fold, leaf, simd), f"built with {cc}{_SIMD_SAYS[simd]}"
 
 
 # ag_simd(): the widest vector functions the CPU runs and the build has (all compute the same bits)

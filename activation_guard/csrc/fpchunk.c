@@ -90,9 +90,10 @@ typedef float f2 __attribute__((vector_size(8), aligned(4), may_alias));
 /* NAME: the function; T: the element type read; V, VI, VT: vector types of W lanes (double,
  * int64, T); ATTR: target. */
 #define DEFINE_CHUNK(NAME, T, V, VI, VT, W, ATTR)                                                      \
-    ATTR void NAME(const T *restrict x, int64_t n, int64_t rows, int64_t B, const double *restrict w, \
+    ATTR void NAME(const void *restrict xv, int64_t n, int64_t rows, int64_t B, const double *restrict w, \
                    int64_t w_stride, const int64_t *restrict route, int64_t route_stride,             \
                    double *restrict routed, double *restrict stats, double *restrict buf) {           \
+        const T *restrict x = (const T *)xv;                                                           \
         enum { NV = LANES / W };                                                                       \
         const VI absmask = (VI){0} + INT64_MAX;                                                        \
         V s[NV], a[NV], q[NV], lo[NV], hi[NV];                                                         \
@@ -197,6 +198,59 @@ void ag_fold(int64_t rows, int64_t B, double *restrict routed, const double *res
     }
 }
 
+/* A whole contiguous leaf in one call (sketch.py's run_kernel on the compiled path, without a
+ * Python round trip per chunk): chunks of `chunk` elements in order, each through the chunk
+ * function of this build's width `simd` (2 AVX-512, 1 AVX2, 0 baseline; the same bits), with its
+ * window of the leaf's hash tables (block k of the leaf: w[r][k + j], route[r][k]); the fold
+ * rule of sketch.py's _Sketcher._reserve (fold first when a chunk's blocks would take the window
+ * past `flush`, and once at the end); the chunk statistics added in chunk order as sketch.py's
+ * _host_result adds them. out: stats[5] (sum, |x|, x^2, min, max), info[2] (folds, the widest
+ * window in blocks), total[rows][B] += the folded sketch. */
+typedef void (*chunk_fn)(const void *, int64_t, int64_t, int64_t, const double *, int64_t, const int64_t *, int64_t,
+                         double *, double *, double *);
+
+static chunk_fn pick(int simd, int f64) {
+#if AG_AVX512
+    if (simd >= 2) return f64 ? ag_chunk_f64_avx512 : ag_chunk_f32_avx512;
+#endif
+#if AG_AVX2
+    if (simd >= 1) return f64 ? ag_chunk_f64_avx2 : ag_chunk_f32_avx2;
+#endif
+    (void)simd;
+    return f64 ? ag_chunk_f64 : ag_chunk_f32;
+}
+
+void ag_leaf(int64_t simd, int64_t f64, const void *x, int64_t n, int64_t chunk, int64_t flush, int64_t rows,
+             int64_t B, const double *w, int64_t w_stride, const int64_t *route, int64_t route_stride,
+             double *routed, const double *u, double *total, double *stats, int64_t *info, double *buf) {
+    chunk_fn fn = pick((int)simd, (int)f64);
+    const char *base = (const char *)x;
+    int64_t size = f64 ? 8 : 4;
+    double ts = 0, ta = 0, tq = 0, lo = INFINITY, hi = -INFINITY, cs[5];
+    int64_t window = 0, widest = 0, folds = 0;
+    for (int64_t off = 0; off < n; off += chunk) {
+        int64_t m = n - off < chunk ? n - off : chunk;
+        int64_t K = (m + B - 1) / B;
+        if (window && window + K > flush) {
+            ag_fold(rows, B, routed, u, total, buf);
+            window = 0;
+            folds++;
+        }
+        window += K;
+        widest = window > widest ? window : widest;
+        fn(base + off * size, m, rows, B, w + off / B, w_stride, route + off / B, route_stride, routed, cs, buf);
+        ts += cs[0]; ta += cs[1]; tq += cs[2];
+        lo = cs[3] < lo ? cs[3] : lo;
+        hi = cs[4] > hi ? cs[4] : hi;
+    }
+    if (window) {
+        ag_fold(rows, B, routed, u, total, buf);
+        folds++;
+    }
+    stats[0] = ts; stats[1] = ta; stats[2] = tq; stats[3] = lo; stats[4] = hi;
+    info[0] = folds; info[1] = widest;
+}
+
 /* The widest vector functions this CPU runs and this build has: 2 AVX-512, 1 AVX2, 0 the baseline
  * (native.py picks them; all compute the same bits). */
 int ag_simd(void) {
@@ -212,4 +266,4 @@ int ag_simd(void) {
 }
 
 /* The build's interface version: native.py refuses a library whose number differs. */
-int ag_version(void) { return 5; }
+int ag_version(void) { return 6; }
