@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import dtypes
+from . import dtypes, fingerprint_plan
 from .fingerprint_params import (
     DEFAULT_SEED,
     MAX_BUCKETS,
@@ -41,7 +41,7 @@ from .fingerprint_params import (
     row_false_alarm,
     solve_multiplier,
 )
-from .sketch import CHUNK, real_view, run_kernel, sample_positions
+from .sketch import CHUNK, KernelResult, real_view, run_kernel, sample_positions
 
 __all__ = [
     "ARRAY_NAMES", "COUNT_FIELDS", "DEFAULT_SEED", "FORMAT", "FORMAT_VERSION", "MAX_BUCKETS", "MAX_ROWS",
@@ -280,7 +280,8 @@ def compute_fingerprint(t: torch.Tensor, params: FingerprintParams | None = None
     """The fingerprint of ``t``, computed on ``t``'s device in chunks of ``chunk`` elements.
 
     Memory beyond ``t`` stays O(chunk x rows); only the fingerprint crosses to the host, in one
-    transfer (two when the tensor holds NaN/Inf: a second pass then masks them).
+    transfer (two when the tensor holds NaN/Inf: a second pass then masks them). A contiguous CPU
+    leaf goes through a prepared compiled call where there is one (:mod:`.fingerprint_plan`).
     """
     p = params or FingerprintParams()
     if not isinstance(t, torch.Tensor):
@@ -288,25 +289,64 @@ def compute_fingerprint(t: torch.Tensor, params: FingerprintParams | None = None
     if not fingerprintable_dtype(t.dtype):
         raise FingerprintError(f"cannot fingerprint a {t.dtype} tensor: only floating and complex tensors are "
                                "fingerprinted (integers and bools are stored exactly)")
+    _check_chunk(p, chunk)
+    if fingerprint_plan.takes(t):
+        plan = fingerprint_plan.plan_for(t.dtype, t.numel(), p, chunk)
+        if plan is not None:
+            res = plan.run(t.data_ptr())
+            return _from_kernel(t.dtype, tuple(t.shape), p, res) if res is not None else _general(t, p, chunk, True)
+    return _general(t, p, chunk, False)
+
+
+def fingerprint_buffer(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...],
+                       params: FingerprintParams, *, chunk: int = CHUNK) -> Fingerprint:
+    """The fingerprint of the ``dtype`` tensor of ``shape`` whose values lie in order at the start
+    of ``buf`` (a contiguous CPU uint8 tensor: the fingerprint worker's copy). Through a plan,
+    no torch op runs: on the worker thread that keeps the GIL's hand-offs with the forward few."""
+    numel = math.prod(shape)
+    if not (type(buf) is torch.Tensor and buf.dtype == torch.uint8 and buf.device.type == "cpu"
+            and buf.is_contiguous() and buf.numel() >= numel * dtype.itemsize):
+        raise ValueError(f"fingerprint_buffer: {numel} values of {dtype} do not fit the buffer given")
+    _check_chunk(params, chunk)
+    plan = fingerprint_plan.plan_for(dtype, numel, params, chunk) if buf.data_ptr() % dtype.itemsize == 0 else None
+    if plan is not None:
+        res = plan.run(buf.data_ptr())
+        if res is not None:
+            return _from_kernel(dtype, shape, params, res)
+    return compute_fingerprint(buf[: numel * dtype.itemsize].view(dtype).view(shape), params, chunk=chunk)
+
+
+def _check_chunk(p: FingerprintParams, chunk: int) -> None:
     if not isinstance(chunk, int) or chunk < max(p.buckets, 1024) or chunk & (chunk - 1):
         raise FingerprintError(f"chunk must be a power of two >= max(buckets, 1024), got {chunk!r}")
-    info = dtypes.info_for(t.dtype)
-    per = 2 if info.kind == "complex" else 1
+
+
+def _general(t: torch.Tensor, p: FingerprintParams, chunk: int, nonfinite: bool) -> Fingerprint:
+    """The chunked kernel (any device, layout and float dtype); ``nonfinite``: known to hold NaN or
+    Inf, so straight to the masked pass."""
+    per = 2 if t.dtype.is_complex else 1
     real = real_view(t.detach())
     args = (p.seed, p.rows, p.buckets, p.samples, chunk)
-    res = run_kernel(real, *args, masked=False, per=per)
-    if not res.all_finite:
+    res = None if nonfinite else run_kernel(real, *args, masked=False, per=per)
+    if res is None or not res.all_finite:
         res = run_kernel(real, *args, masked=True, per=per)
-    udt = _UNSIGNED[real.dtype.itemsize]
-    width = 8 * real.dtype.itemsize
+    return _from_kernel(t.dtype, tuple(int(s) for s in t.shape), p, res)
+
+
+def _from_kernel(dtype: torch.dtype, shape: tuple[int, ...], p: FingerprintParams, res: KernelResult) -> Fingerprint:
+    info = dtypes.info_for(dtype)
+    per = 2 if info.kind == "complex" else 1
+    itemsize = dtype.itemsize // per
+    udt = _UNSIGNED[itemsize]
+    width = 8 * itemsize
     raw = res.samples.astype(np.int64)
     bits = (raw & ((1 << width) - 1) if width < 64 else raw).astype(np.uint64).astype(udt)
     if per == 2:
         bits = bits.reshape(-1, 2)
     nan, posinf, neginf = res.counts
     return Fingerprint(
-        dtype=info.name, shape=tuple(int(s) for s in t.shape), params=p,
-        count=real.numel() - nan - posinf - neginf, nan=nan, posinf=posinf, neginf=neginf,
+        dtype=info.name, shape=shape, params=p,
+        count=math.prod(shape) * per - nan - posinf - neginf, nan=nan, posinf=posinf, neginf=neginf,
         nonfinite_hash=res.hashes, sum=res.sum, abs_sum=res.abs_sum, sq_sum=res.sq_sum, min=res.min, max=res.max,
         depth=res.depth, samples=bits, sketch=res.sketch,
     )

@@ -27,19 +27,35 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import ctypes
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import CancelledError
 from queue import Empty, SimpleQueue
 
 import torch
 
-from . import dtypes
+from . import dtypes, fingerprint_plan
 from .errors import ActivationGuardError, OptionError
-from .fingerprint import Fingerprint, FingerprintParams, compute_fingerprint
+from .fingerprint import Fingerprint, FingerprintParams, compute_fingerprint, fingerprint_buffer
 from .leaves import is_plain_tensor
 
+
+def _memmove_keeping_the_gil() -> Callable[[int, int, int], object] | None:
+    """libc's memmove as a PyDLL function, which keeps the GIL (see FingerprintWorker._copy);
+    None where the process's own symbols cannot be opened (then torch copies)."""
+    try:
+        fn = ctypes.PyDLL(None).memmove
+    except (OSError, AttributeError, TypeError):  # Windows: no dlopen(NULL)
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_void_p
+    return fn  # type: ignore[no-any-return]
+
+
+_MEMMOVE = _memmove_keeping_the_gil()
 MAX_PENDING = 256 << 20  # bytes of copies waiting for the worker: past that the hook computes inline
 THREAD_NAME = "activation_guard-fingerprint"
 IDLE_EXIT = 1.0  # seconds without a job after which the thread ends (a later job starts another)
@@ -77,12 +93,13 @@ class _Job:
     release and a Ctrl-C cannot leave half-held, unlike the Python-level condition variables of
     ``concurrent.futures.Future`` and ``threading.Event``."""
 
-    __slots__ = ("_done", "buf", "copy", "error", "finished", "nbytes", "params", "value")
+    __slots__ = ("_done", "buf", "copy", "dtype", "error", "finished", "nbytes", "params", "shape", "value")
 
-    def __init__(self, copy: torch.Tensor, buf: torch.Tensor, params: FingerprintParams, nbytes: int):
-        self.copy: torch.Tensor | None = copy  # a view of buf
+    def __init__(self, copy: torch.Tensor, buf: torch.Tensor, params: FingerprintParams, nbytes: int,
+                 dtype: torch.dtype, shape: tuple[int, ...]):
+        self.copy: torch.Tensor | None = copy  # the snapshot: buf itself, its values in logical order
         self.buf: torch.Tensor | None = buf  # back to the pool when the job is done (by the hook's thread)
-        self.params, self.nbytes = params, nbytes
+        self.params, self.nbytes, self.dtype, self.shape = params, nbytes, dtype, shape
         self.value: Fingerprint | None = None
         self.error: BaseException | None = None
         self.finished = False
@@ -93,7 +110,7 @@ class _Job:
         copy, self.copy = self.copy, None
         assert copy is not None
         try:
-            self.value = compute_fingerprint(copy, self.params)
+            self.value = fingerprint_buffer(copy, self.dtype, self.shape, self.params)
         except Exception as e:  # delivered where the writer fills the fingerprint's place
             self.error = e
         except BaseException as e:  # Ctrl-C while the caller helps: fail the result too, and stop
@@ -187,7 +204,8 @@ class FingerprintWorker:
         """Queue a copy of ``t`` (call when :meth:`takes` said yes)."""
         nbytes = t.numel() * t.element_size()
         copy, buf = self._copy(t, nbytes)
-        job = _Job(copy, buf, params, nbytes)
+        shape = tuple(int(s) for s in t.shape)
+        job = _Job(copy, buf, params, nbytes, t.dtype, shape)
         self._live.append(job)
         self._live_bytes += nbytes
         self._jobs.append(job)
@@ -196,20 +214,24 @@ class FingerprintWorker:
             self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
             self._thread.start()
         self._wake.put(True)
-        return PendingFingerprint(dtypes.info_for(t.dtype).name, tuple(int(s) for s in t.shape), params,
-                                  job, where, self)
+        return PendingFingerprint(dtypes.info_for(t.dtype).name, shape, params, job, where, self)
 
     def _copy(self, t: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The snapshot of ``t`` in logical order (the kernel reads values in that order), in a
-        pooled buffer of its size when there is one."""
+        pooled buffer of its size when there is one. A tensor whose memory is its values in order
+        is copied with one ``memmove`` that keeps the GIL: the torch ops of a copy (two views, a
+        detach, copy_) each release it, and each time the worker thread may take it and the
+        forward then waits for the worker's Python."""
         if nbytes in self._free:
             buf = self._unpool(nbytes)
         else:
             self._trim(nbytes)
             buf = torch.empty(nbytes, dtype=torch.uint8, device=t.device)
-        copy = buf.view(t.dtype).view(t.shape)
-        copy.copy_(t.detach())
-        return copy, buf
+        if _MEMMOVE is not None and fingerprint_plan.takes(t) and buf.numel() >= nbytes:
+            _MEMMOVE(buf.data_ptr(), t.data_ptr(), nbytes)
+        else:  # strided, a conjugated view, other dtypes: torch copies in logical order
+            buf[:nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
+        return buf, buf
 
     def _trim(self, room: int) -> None:
         """Drop pooled buffers until ``room`` more bytes fit the bound with the live copies."""

@@ -42,14 +42,14 @@ _I = ctypes.c_int64
 _ARGTYPES = [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: plans are cached per library
 class Native:
     """The loaded library's entry points: a chunk of float32 or float64 values, and the fold."""
 
     f32: Callable[..., None]
     f64: Callable[..., None]
     fold_fn: Callable[..., None]
-    leaf_fn: Callable[..., None]
+    leaf_fn: Callable[..., None]  # ag_leaf: called by fingerprint_plan.LeafPlan, which checks its arguments
     simd: int  # ag_simd(): which chunk functions ag_leaf calls (all compute the same bits)
 
     def chunk(self, x: torch.Tensor, rows: int, buckets: int, w: torch.Tensor, route: torch.Tensor,
@@ -76,34 +76,6 @@ class Native:
             raise ValueError("native fingerprint chunk: arguments of the wrong dtype, device, shape or layout")
         fn(x.data_ptr(), x.numel(), rows, buckets, w.data_ptr(), w.stride(0), route.data_ptr(), route.stride(0),
            routed.data_ptr(), stats.data_ptr(), scratch.data_ptr())
-
-    def leaf(self, x: torch.Tensor, chunk: int, flush: int, rows: int, buckets: int, w: torch.Tensor,
-             route: torch.Tensor, routed: torch.Tensor, u: torch.Tensor, total: torch.Tensor, stats: torch.Tensor,
-             info: torch.Tensor, scratch: torch.Tensor) -> None:
-        """A whole contiguous leaf in one call: its chunks as :meth:`chunk` takes them, the fold rule
-        of ``sketch._Sketcher._reserve`` with ``flush`` blocks per window, and the chunk statistics
-        summed in chunk order into ``stats``; ``info`` gets the folds and the widest window (the
-        rounding depth). ``w`` and ``route``: the hash tables of the leaf's blocks from block 0."""
-        n = x.numel()
-        K = (n + buckets - 1) // buckets
-        ok = (x.is_contiguous() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
-              and x.data_ptr() % x.element_size() == 0 and _scratch_ok(scratch, buckets)
-              and 0 < buckets <= 4096 and rows > 0 and chunk >= buckets and chunk % buckets == 0 and flush > 0
-              and w.dtype == torch.float64 and w.device.type == "cpu" and w.stride(1) == 1
-              and w.shape[0] >= rows and w.shape[1] >= K + buckets - 1
-              and route.dtype == torch.int64 and route.device.type == "cpu" and route.stride(1) == 1
-              and route.shape[0] >= rows and route.shape[1] >= K
-              and all(t.dtype == torch.float64 and t.device.type == "cpu" and t.is_contiguous()
-                      for t in (routed, u, total, stats))
-              and routed.numel() == rows * 2 * buckets * buckets and u.numel() == rows * buckets
-              and total.numel() == rows * buckets and stats.numel() >= 5
-              and info.dtype == torch.int64 and info.device.type == "cpu" and info.is_contiguous()
-              and info.numel() >= 2)
-        if not ok:  # not an assert: it must hold under python -O, the C side trusts these pointers
-            raise ValueError("native fingerprint leaf: arguments of the wrong dtype, device, shape or layout")
-        self.leaf_fn(self.simd, x.dtype == torch.float64, x.data_ptr(), n, chunk, flush, rows, buckets,
-                     w.data_ptr(), w.stride(0), route.data_ptr(), route.stride(0), routed.data_ptr(), u.data_ptr(),
-                     total.data_ptr(), stats.data_ptr(), info.data_ptr(), scratch.data_ptr())
 
     def fold(self, rows: int, buckets: int, routed: torch.Tensor, u: torch.Tensor, total: torch.Tensor,
              scratch: torch.Tensor) -> None:
@@ -188,7 +160,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
         fold.argtypes = [_I, _I, _P, _P, _P, _P]
         fold.restype = None
         leaf = dll.ag_leaf
-        leaf.argtypes = [_I, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P]
+        leaf.argtypes = [_I, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P]
         leaf.restype = None
     except _BuildError as e:
         return None, f"the build with {cc} failed: {e}"

@@ -53,9 +53,6 @@ from .seeded_hash import (
 
 CHUNK = 1 << 17  # elements per chunk: 1 MB of float64 per buffer, cache friendly, few ops per element
 FLUSH_BLOCKS = 1 << 14  # blocks summed into the routing matrix before it is folded (rounding depth)
-# leaves up to this size go to the compiled pass in one call, with hash tables for the whole leaf
-# (rows x n/B doubles and int64: 5 MB at the limit, cached with the others); larger ones chunk by chunk
-LEAF_ELEMENTS = 1 << 22
 
 
 # --------------------------------------------------------------------------- dtypes
@@ -237,8 +234,6 @@ class Workspace:
         self.z = torch.empty(chunk, dtype=f64, device=dev)
         self.x = torch.empty(chunk, dtype=f64, device=dev)
         self.a = torch.empty(chunk, dtype=f64, device=dev)
-        self.stats = torch.empty(5, dtype=f64, device=dev)  # ag_leaf's outputs, read right after the call
-        self.info = torch.empty(2, dtype=torch.int64, device=dev)
 
 
 _LOCAL = threading.local()
@@ -257,6 +252,24 @@ def workspace(dev: torch.device, rows: int, buckets: int, chunk: int) -> Workspa
     return ws
 
 
+def block_hashes(seed: int, rows: int, buckets: int, dev: torch.device, block0: int, K: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Diagonal signs w (rows, K + B - 1, float64 +-1) and routing-matrix rows (rows, K, int64
+    ``row * 2B + 2 * bucket + sign bit``) of blocks block0..+K, cached."""
+    key = (seed, rows, buckets, dev, block0, K)
+    hit = HASHES.get(key)
+    if hit is not None:
+        return hit
+    keys, _, _, row_base = _constants(seed, rows, buckets, dev)
+    idx = torch.arange(block0, block0 + K + buckets - 1, dtype=torch.int64, device=dev)
+    h = prf_tensor(keys, idx.view(1, -1))  # one hash per block index and row
+    w = sign_of_bit(bit_at(h, W_BIT))
+    hk = h[:, :K]
+    route = row_base + 2 * torch.bitwise_and(hk, buckets - 1) + bit_at(hk, V_BIT)
+    HASHES.put(key, (w, route))
+    return w, route
+
+
 class _Sketcher:
     """Per-call state of the CountSketch on one device."""
 
@@ -271,19 +284,7 @@ class _Sketcher:
         self.folds = 0
 
     def _hashes(self, block0: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Diagonal signs w (rows, K + B - 1) and routing-matrix rows (rows, K) of blocks block0..+K."""
-        key = (self.seed, self.rows, self.buckets, self.dev, block0, K)
-        hit = HASHES.get(key)
-        if hit is not None:
-            return hit
-        B = self.buckets
-        idx = torch.arange(block0, block0 + K + B - 1, dtype=torch.int64, device=self.dev)
-        h = prf_tensor(self.keys, idx.view(1, -1))  # one hash per block index and row
-        w = sign_of_bit(bit_at(h, W_BIT))
-        hk = h[:, :K]
-        route = self.row_base + 2 * torch.bitwise_and(hk, B - 1) + bit_at(hk, V_BIT)
-        HASHES.put(key, (w, route))
-        return w, route
+        return block_hashes(self.seed, self.rows, self.buckets, self.dev, block0, K)
 
     def add(self, offset: int, x: torch.Tensor) -> None:
         """Add a chunk (float64, flat, starting at flat index ``offset``, a multiple of B; its
@@ -370,10 +371,6 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
     n = real.numel()
     fast = None if masked or dev.type != "cpu" else native.get()
     sk = _Sketcher(seed, rows, buckets, dev, ws, fast)
-    if (fast is not None and 0 < n <= LEAF_ELEMENTS and dtype in (torch.float32, torch.float64)
-            and type(bits) is torch.Tensor and bits.device.type == "cpu" and bits.is_contiguous()
-            and bits.data_ptr() % bits.element_size() == 0):
-        return _leaf(fast, real.reshape(-1), bits, sk, chunk, samples, per)
     parts: list[torch.Tensor] = []
     # nan, +inf, -inf counts, then two position-hash sums per kind
     nonfinite = torch.zeros(9, dtype=torch.int64, device=dev) if masked else _zeros9(dev)
@@ -414,15 +411,7 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
     if sk.window:
         sk.fold()
     if fast is not None and type(bits) is torch.Tensor and bits.device.type == "cpu":  # (MPS: chunks came over)
-        total, abs_total, sq_total, lo, hi = 0.0, 0.0, 0.0, math.inf, -math.inf
-        for p in parts:  # in chunk order, one term per chunk (as the depth counts), as ag_leaf adds them
-            c = p.numpy()
-            total += float(c[0])
-            abs_total += float(c[1])
-            sq_total += float(c[2])
-            lo, hi = min(lo, float(c[3])), max(hi, float(c[4]))
-        return _host_result(bits, (total, abs_total, sq_total, lo, hi), ws, seed, samples, per,
-                            max(sk.depth(), longest + len(parts)) + 2)
+        return _host_result(bits, _added(parts), ws, seed, samples, per, max(sk.depth(), longest + len(parts)) + 2)
     if len(parts) == 1:
         stats = parts[0]
     elif parts:
@@ -448,21 +437,17 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
     )
 
 
-def _leaf(fast: Native, x: torch.Tensor, bits: torch.Tensor, sk: _Sketcher, chunk: int, samples: int,
-          per: int) -> KernelResult:
-    """A contiguous float32 or float64 CPU leaf in one compiled call (``ag_leaf``): the chunks,
-    windows and folds :func:`_run` would take, in the same order, so the same bits; what is left in
-    Python is one call and the result (~25 us per leaf less than a call per chunk, and on the
-    fingerprint worker fewer hand-offs of the GIL with the forward's thread)."""
-    ws, n, B = sk.ws, x.numel(), sk.buckets
-    w, route = sk._hashes(0, -(-n // B))
-    fast.leaf(x, chunk, FLUSH_BLOCKS, sk.rows, B, w, route, ws.route, sk.u, ws.total, ws.stats, ws.info, ws.a)
-    st, info = ws.stats.numpy(), ws.info.numpy()
-    sk.folds, sk.max_window = int(info[0]), int(info[1])
-    parts = -(-n // chunk)
-    depth = max(sk.depth(), min(chunk, n) + parts) + 2
-    return _host_result(bits, (float(st[0]), float(st[1]), float(st[2]), float(st[3]), float(st[4])), ws,
-                        sk.seed, samples, per, depth)
+def _added(parts: list[torch.Tensor]) -> tuple[float, float, float, float, float]:
+    """Chunk statistics added in chunk order, one term per chunk (as the depth counts), as
+    ``ag_leaf`` adds them."""
+    total, abs_total, sq_total, lo, hi = 0.0, 0.0, 0.0, math.inf, -math.inf
+    for part in parts:
+        c = part.numpy()
+        total += float(c[0])
+        abs_total += float(c[1])
+        sq_total += float(c[2])
+        lo, hi = min(lo, float(c[3])), max(hi, float(c[4]))
+    return total, abs_total, sq_total, lo, hi
 
 
 def _host_result(bits: torch.Tensor, stats: tuple[float, float, float, float, float], ws: Workspace, seed: int,

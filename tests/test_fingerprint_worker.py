@@ -174,14 +174,14 @@ def test_kernel_failure_on_the_worker_names_the_leaf(monkeypatch: pytest.MonkeyP
     path = tmp_path / "g.h5"
     ag.record(Outer(), (_x(),), path=path)
     before = path.read_bytes()
-    real = fingerprint_worker.compute_fingerprint
+    real = fingerprint_worker.fingerprint_buffer
 
-    def broken(t: torch.Tensor, params: FingerprintParams) -> Any:
-        if t.dtype == torch.bfloat16:
+    def broken(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], params: FingerprintParams) -> Any:
+        if dtype == torch.bfloat16:
             raise RuntimeError("simulated kernel failure")
-        return real(t, params)
+        return real(buf, dtype, shape, params)
 
-    monkeypatch.setattr(fingerprint_worker, "compute_fingerprint", broken)
+    monkeypatch.setattr(fingerprint_worker, "fingerprint_buffer", broken)
     monkeypatch.setenv(fingerprint_worker.ENV, "on")
     with pytest.raises(ActivationGuardError) as err, torch.no_grad():
         ag.record(Outer(), (_x(),), path=path, fingerprint=True)
@@ -254,17 +254,17 @@ def test_a_waiting_thread_takes_over_queued_jobs(monkeypatch: pytest.MonkeyPatch
     """The worker is stuck on its first job: waiting for the last one, the caller computes the
     jobs still queued itself, newest first, instead of waiting idle."""
     started, release = threading.Event(), threading.Event()
-    real = fingerprint_worker.compute_fingerprint
+    real = fingerprint_worker.fingerprint_buffer
     by: dict[int, str] = {}
 
-    def spy(t: torch.Tensor, params: FingerprintParams) -> Any:
-        by[t.numel()] = threading.current_thread().name
-        if t.numel() == 1000:
+    def spy(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], params: FingerprintParams) -> Any:
+        by[shape[0]] = threading.current_thread().name
+        if shape[0] == 1000:
             started.set()
             assert release.wait(60)
-        return real(t, params)
+        return real(buf, dtype, shape, params)
 
-    monkeypatch.setattr(fingerprint_worker, "compute_fingerprint", spy)
+    monkeypatch.setattr(fingerprint_worker, "fingerprint_buffer", spy)
     w, p = FingerprintWorker(), FingerprintParams()
     try:
         first = w.submit(torch.randn(1000), p, "first")

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from activation_guard import api, native, sketch
+from activation_guard import api, fingerprint_plan, native, sketch
 from activation_guard.fingerprint import Fingerprint, FingerprintParams, compute_fingerprint
 
 HAVE = native.get() is not None
@@ -142,7 +142,7 @@ def test_several_fold_windows_match_torch_ops(dtype: torch.dtype, buckets: int, 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sketch._Sketcher, "fold", counting)
         if not one_call:
-            mp.setattr(sketch, "LEAF_ELEMENTS", 0)
+            mp.setattr(fingerprint_plan, "LEAF_ELEMENTS", 0)
         fast, slow = both(t, p)
     windows = -(-600_000 // (sketch.FLUSH_BLOCKS * buckets))
     in_python = 1 if one_call and dtype in (torch.float32, torch.float64) else 2  # bf16 is widened chunk by chunk

@@ -199,13 +199,16 @@ void ag_fold(int64_t rows, int64_t B, double *restrict routed, const double *res
 }
 
 /* A whole contiguous leaf in one call (sketch.py's run_kernel on the compiled path, without a
- * Python round trip per chunk): chunks of `chunk` elements in order, each through the chunk
- * function of this build's width `simd` (2 AVX-512, 1 AVX2, 0 baseline; the same bits), with its
- * window of the leaf's hash tables (block k of the leaf: w[r][k + j], route[r][k]); the fold
- * rule of sketch.py's _Sketcher._reserve (fold first when a chunk's blocks would take the window
- * past `flush`, and once at the end); the chunk statistics added in chunk order as sketch.py's
- * _host_result adds them. out: stats[5] (sum, |x|, x^2, min, max), info[2] (folds, the widest
- * window in blocks), total[rows][B] += the folded sketch. */
+ * Python round trip per chunk; fingerprint_plan.py prepares the arguments once per layout): chunks
+ * of `chunk` elements in order, each through the chunk function of this build's width `simd`
+ * (2 AVX-512, 1 AVX2, 0 baseline; the same bits), with its window of the leaf's hash tables (block
+ * k of the leaf: w[r][k + j], route[r][k]); the fold rule of sketch.py's _Sketcher._reserve (fold
+ * first when a chunk's blocks would take the window past `flush`, and once at the end); the chunk
+ * statistics added in chunk order as sketch.py adds them.
+ *
+ * out, in float64 slots: [0, 5) sum, |x|, x^2, min, max; [5, 7) int64: folds, the widest window in
+ * blocks; [7, 7 + npos) int64: the raw bits of x at pos[i], sign-extended (numpy's astype(int64) of
+ * the int32 or int64 view); then rows x B: the folded sketch. */
 typedef void (*chunk_fn)(const void *, int64_t, int64_t, int64_t, const double *, int64_t, const int64_t *, int64_t,
                          double *, double *, double *);
 
@@ -222,12 +225,15 @@ static chunk_fn pick(int simd, int f64) {
 
 void ag_leaf(int64_t simd, int64_t f64, const void *x, int64_t n, int64_t chunk, int64_t flush, int64_t rows,
              int64_t B, const double *w, int64_t w_stride, const int64_t *route, int64_t route_stride,
-             double *routed, const double *u, double *total, double *stats, int64_t *info, double *buf) {
+             double *routed, const double *u, double *buf, const int64_t *pos, int64_t npos, double *out) {
     chunk_fn fn = pick((int)simd, (int)f64);
     const char *base = (const char *)x;
     int64_t size = f64 ? 8 : 4;
+    int64_t *info = (int64_t *)(out + 5), *picked = (int64_t *)(out + 7);
+    double *total = out + 7 + npos;
     double ts = 0, ta = 0, tq = 0, lo = INFINITY, hi = -INFINITY, cs[5];
     int64_t window = 0, widest = 0, folds = 0;
+    memset(total, 0, (size_t)(rows * B) * sizeof(double));
     for (int64_t off = 0; off < n; off += chunk) {
         int64_t m = n - off < chunk ? n - off : chunk;
         int64_t K = (m + B - 1) / B;
@@ -247,8 +253,17 @@ void ag_leaf(int64_t simd, int64_t f64, const void *x, int64_t n, int64_t chunk,
         ag_fold(rows, B, routed, u, total, buf);
         folds++;
     }
-    stats[0] = ts; stats[1] = ta; stats[2] = tq; stats[3] = lo; stats[4] = hi;
+    out[0] = ts; out[1] = ta; out[2] = tq; out[3] = lo; out[4] = hi;
     info[0] = folds; info[1] = widest;
+    for (int64_t i = 0; i < npos; i++) { /* memcpy: the bits, whatever type the memory holds */
+        if (f64) {
+            memcpy(&picked[i], base + pos[i] * 8, 8);
+        } else {
+            int32_t v;
+            memcpy(&v, base + pos[i] * 4, 4);
+            picked[i] = v;
+        }
+    }
 }
 
 /* The widest vector functions this CPU runs and this build has: 2 AVX-512, 1 AVX2, 0 the baseline

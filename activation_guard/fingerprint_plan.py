@@ -1,0 +1,176 @@
+"""Prepared compiled fingerprints: one C call and a few numpy reads per leaf.
+
+The general kernel (:func:`activation_guard.sketch.run_kernel`) walks a leaf in Python, chunk by
+chunk, with a dozen small torch ops. On the fingerprint worker thread each of those ops releases
+the GIL and takes it back, and every time the forward's thread then wants it, it waits for the
+worker's Python to finish plus a thread wake-up: on GPT-2 small that cost the forward more than
+the kernel itself (docs/performance.md). A :class:`LeafPlan` is built once per (dtype, size,
+parameters, chunk): the leaf's hash tables, sample positions, rounding depth and the compiled
+call's fixed arguments. Then a leaf costs one ctypes call (``ag_leaf``, the GIL released) and
+numpy reads, with no torch op. The same bits as the general path: the same C chunk function, hash
+tables, fold rule and sample positions.
+
+A plan applies to a contiguous, unconjugated CPU leaf of float32, float64, complex64 or
+complex128 with at most ``LEAF_ELEMENTS`` real values, where the compiled pass is available
+(:mod:`activation_guard.native`); everything else takes the general path.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from . import native
+from .fingerprint_params import FingerprintParams
+from .native import Native
+from .sketch import FLUSH_BLOCKS, KernelResult, _constants, _sample_array, block_hashes, workspace
+
+LEAF_ELEMENTS = 1 << 22  # real values: hash tables of ~1.25 bytes per value (5 MB at the limit)
+PLAN_BUDGET = 32 << 20  # bytes of hash tables the cached plans may hold
+_CPU = torch.device("cpu")
+_REAL: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.float32: (torch.float32, 1), torch.float64: (torch.float64, 1),
+    torch.complex64: (torch.float32, 2), torch.complex128: (torch.float64, 2),
+}
+
+
+def window_counts(n: int, chunk: int, buckets: int) -> tuple[int, int]:
+    """(folds, widest window in blocks) of ``sketch._Sketcher._reserve`` over ``n`` values."""
+    window = widest = folds = 0
+    for off in range(0, n, chunk):
+        K = -(-min(chunk, n - off) // buckets)
+        if window and window + K > FLUSH_BLOCKS:
+            folds, window = folds + 1, 0
+        window += K
+        widest = max(widest, window)
+    return folds + (1 if window else 0), widest
+
+
+class LeafPlan:
+    """The compiled fingerprint of any leaf of one real dtype and size (see the module docstring)."""
+
+    __slots__ = (
+        "_args",
+        "_keep",
+        "chunk",
+        "depth",
+        "fast",
+        "folds",
+        "n",
+        "nbytes",
+        "npos",
+        "numel",
+        "params",
+        "per",
+        "real_dtype",
+        "widest",
+    )
+
+    def __init__(self, fast: Native, dtype: torch.dtype, numel: int, params: FingerprintParams, chunk: int):
+        real_dtype, per = _REAL[dtype]
+        R, B = params.rows, params.buckets
+        n = numel * per
+        if not (0 < n <= LEAF_ELEMENTS and 0 < B <= 4096 and R > 0 and chunk >= B and chunk % B == 0):
+            raise ValueError(f"no compiled plan for {numel} elements of {dtype} with {params} and chunk {chunk}")
+        K = -(-n // B)
+        w, route = block_hashes(params.seed, R, B, _CPU, 0, K)
+        u = _constants(params.seed, R, B, _CPU)[1]
+        pos = _sample_array(params.seed, numel, params.samples, per)
+        # the C side trusts these: checked here once, each run checks only the data it is given
+        ok = (w.dtype == torch.float64 and w.stride(1) == 1 and w.shape[0] == R and w.shape[1] >= K + B - 1
+              and route.dtype == torch.int64 and route.stride(1) == 1 and route.shape[0] == R
+              and route.shape[1] >= K and int(route.min()) >= 0 and int(route.max()) < R * 2 * B
+              and u.dtype == torch.float64 and u.is_contiguous() and u.numel() == R * B
+              and pos.dtype == np.int64 and pos.flags.c_contiguous
+              and (pos.size == 0 or (int(pos.min()) >= 0 and int(pos.max()) < n)))
+        if not ok:
+            raise ValueError("fingerprint plan: hash tables or sample positions of the wrong shape")
+        self.fast, self.params, self.chunk = fast, params, chunk
+        self.real_dtype, self.per, self.numel, self.n = real_dtype, per, numel, n
+        self.npos = int(pos.size)
+        self.folds, self.widest = window_counts(n, chunk, B)
+        # sketch.py's depth: within a fold window, + the routed difference, + the B-term fold, + the folds
+        # added up; or the chunk statistics' chain (the longest chunk, then one term per chunk)
+        self.depth = max(self.widest + 1 + B + self.folds, min(chunk, n) + -(-n // chunk)) + 2
+        self._keep = (w, route, u, pos)
+        self.nbytes = w.numel() * 8 + route.numel() * 8 + pos.nbytes
+        self._args = (fast.simd, int(real_dtype == torch.float64), n, chunk, FLUSH_BLOCKS, R, B, w.data_ptr(),
+                      w.stride(0), route.data_ptr(), route.stride(0), u.data_ptr(), pos.ctypes.data, self.npos)
+
+    def run(self, ptr: int) -> KernelResult | None:
+        """The kernel result for the ``n`` contiguous real values at address ``ptr`` (the caller
+        guarantees they are there: :func:`fingerprint_at` checks), or None when they hold NaN or
+        Inf (the masked torch pass then counts them)."""
+        simd, f64, n, chunk, flush, R, B, w, ws_, route, rs, u, pos, npos = self._args
+        space = workspace(_CPU, R, B, self.chunk)  # this thread's routing matrix and scratch
+        out = np.empty(7 + npos + R * B)
+        self.fast.leaf_fn(simd, f64, ptr, n, chunk, flush, R, B, w, ws_, route, rs, space.route.data_ptr(), u,
+                          space.a.data_ptr(), pos, npos, out.ctypes.data)
+        info = out[5:7].view(np.int64)
+        if int(info[0]) != self.folds or int(info[1]) != self.widest:  # a library that folds elsewhere
+            raise RuntimeError(f"the compiled fingerprint pass folded {info.tolist()}, expected "
+                               f"{[self.folds, self.widest]}: {native.status()}")
+        total = float(out[0])
+        if not math.isfinite(total):
+            return None
+        return KernelResult(
+            sum=total, abs_sum=float(out[1]), sq_sum=float(out[2]), min=float(out[3]), max=float(out[4]),
+            sketch=out[7 + npos:].reshape(R, B).copy(), counts=(0, 0, 0), hashes=(0,) * 6,
+            samples=out[7 : 7 + npos].view(np.int64).copy(), depth=self.depth, all_finite=True,
+        )
+
+
+class _Plans:
+    """Plans by (dtype, numel, the kernel's parameters, chunk), least recently used first out past a
+    byte budget."""
+
+    def __init__(self, budget: int = PLAN_BUDGET):
+        self.budget = budget
+        self.used = 0
+        self.lock = threading.Lock()
+        self.items: OrderedDict[tuple[object, ...], LeafPlan] = OrderedDict()
+
+    def get(self, fast: Native, dtype: torch.dtype, numel: int, params: FingerprintParams, chunk: int) -> LeafPlan:
+        key = (fast, dtype, numel, params.seed, params.rows, params.buckets, params.samples, chunk)
+        with self.lock:
+            plan = self.items.get(key)
+            if plan is not None:
+                self.items.move_to_end(key)
+                return plan
+        plan = LeafPlan(fast, dtype, numel, params, chunk)  # outside the lock: torch ops (two threads may both build)
+        with self.lock:
+            if key not in self.items and plan.nbytes <= self.budget:
+                self.items[key] = plan
+                self.used += plan.nbytes
+                while self.used > self.budget:
+                    _, old = self.items.popitem(last=False)
+                    self.used -= old.nbytes
+        return plan
+
+    def clear(self) -> None:
+        with self.lock:
+            self.items.clear()
+            self.used = 0
+
+
+PLANS = _Plans()
+
+
+def plan_for(dtype: torch.dtype, numel: int, params: FingerprintParams, chunk: int) -> LeafPlan | None:
+    """The plan for a contiguous CPU leaf of this dtype and size, or None where the general path runs."""
+    if dtype not in _REAL or not 0 < numel * _REAL[dtype][1] <= LEAF_ELEMENTS:
+        return None
+    fast = native.get()
+    if fast is None:
+        return None
+    return PLANS.get(fast, dtype, numel, params, chunk)
+
+
+def takes(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory is its values in logical order, where a plan can read them."""
+    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype in _REAL and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg() and t.data_ptr() % t.element_size() == 0)
