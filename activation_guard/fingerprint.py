@@ -309,11 +309,13 @@ def fingerprint_buffer(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, 
         raise ValueError(f"fingerprint_buffer: {numel} values of {dtype} do not fit the buffer given")
     _check_chunk(params, chunk)
     plan = fingerprint_plan.plan_for(dtype, numel, params, chunk) if buf.data_ptr() % dtype.itemsize == 0 else None
-    if plan is not None:
-        res = plan.run(buf.data_ptr())
-        if res is not None:
-            return _from_kernel(dtype, shape, params, res)
-    return compute_fingerprint(buf[: numel * dtype.itemsize].view(dtype).view(shape), params, chunk=chunk)
+    res = plan.run(buf.data_ptr()) if plan is not None else None
+    if res is not None:
+        return _from_kernel(dtype, shape, params, res)
+    view = buf[: numel * dtype.itemsize].view(dtype).view(shape)
+    if plan is not None:  # NaN or Inf: straight to the masked pass
+        return _general(view, params, chunk, True)
+    return compute_fingerprint(view, params, chunk=chunk)
 
 
 def _check_chunk(p: FingerprintParams, chunk: int) -> None:

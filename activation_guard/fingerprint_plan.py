@@ -103,8 +103,8 @@ class LeafPlan:
 
     def run(self, ptr: int) -> KernelResult | None:
         """The kernel result for the ``n`` contiguous real values at address ``ptr`` (the caller
-        guarantees they are there: :func:`fingerprint_at` checks), or None when they hold NaN or
-        Inf (the masked torch pass then counts them)."""
+        guarantees they are there: ``compute_fingerprint`` and ``fingerprint_buffer`` check), or None
+        when they hold NaN or Inf (the masked torch pass then counts them)."""
         simd, f64, n, chunk, flush, R, B, w, ws_, route, rs, u, pos, npos = self._args
         space = workspace(_CPU, R, B, self.chunk)  # this thread's routing matrix and scratch
         out = np.empty(7 + npos + R * B)

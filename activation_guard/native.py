@@ -2,8 +2,8 @@
 
 Fingerprinting in torch ops reads every element ~15 times (a float64 copy, min/max, three sums,
 and per sketch row a signed copy and an ``index_add_`` of 64-element slices); one fused C pass
-(``csrc/fpchunk.c``) reads each block once. The kernel alone went from 2.29x to 0.66x a plain
-forward on the ``wide`` benchmark and from 0.96x to 0.26x on GPT-2 small (docs/performance.md).
+(``csrc/fpchunk.c``) reads each block once. The kernel alone went from 2.3x to 0.33x a plain
+forward on the ``wide`` benchmark and from 0.96x to 0.15x on GPT-2 small (docs/performance.md).
 It is an accelerator, never a requirement:
 
 - no compiler, a failed build or ``ACTIVATION_GUARD_NATIVE=0`` leaves the torch path, which

@@ -86,6 +86,10 @@ def test_the_buffer_entry_point_matches_the_tensor_and_refuses_a_short_buffer() 
     buf[: t.numel() * 4].view(torch.float32).copy_(t.view(-1))
     p = FingerprintParams()
     assert fingerprint_buffer(buf, t.dtype, (3, 50_000), p).identical(compute_fingerprint(t, p))
+    t[1, 7] = float("nan")  # through the masked pass, as the tensor's own
+    buf[: t.numel() * 4].view(torch.float32).copy_(t.view(-1))
+    got = fingerprint_buffer(buf, t.dtype, (3, 50_000), p)
+    assert got.nan == 1 and got.identical(compute_fingerprint(t, p))
     with pytest.raises(ValueError, match="do not fit"):
         fingerprint_buffer(buf[:100], t.dtype, (3, 50_000), p)
     with pytest.raises(ValueError, match="do not fit"):
