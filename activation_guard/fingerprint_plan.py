@@ -172,5 +172,6 @@ def plan_for(dtype: torch.dtype, numel: int, params: FingerprintParams, chunk: i
 
 def takes(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory is its values in logical order, where a plan can read them."""
-    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype in _REAL and t.is_contiguous()
+    return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == "cpu" and t.dtype in _REAL
+            and t.is_contiguous()
             and not t.is_conj() and not t.is_neg() and t.data_ptr() % t.element_size() == 0)

@@ -79,6 +79,14 @@ def test_strided_conjugated_and_misaligned_leaves_take_the_general_path() -> Non
         assert compute_fingerprint(t).identical(compute_fingerprint(same))
 
 
+def test_other_layouts_are_not_taken() -> None:
+    """Sparse and MKL-DNN tensors have no strides or storage to read: ``takes`` says no (it does
+    not raise), and the general path says what torch says about them."""
+    x = torch.randn(40, 40)
+    for t in (x.to_sparse(), x.to_mkldnn()):
+        assert not fingerprint_plan.takes(t)
+
+
 @needs_native
 def test_the_buffer_entry_point_matches_the_tensor_and_refuses_a_short_buffer() -> None:
     t = torch.randn(3, 50_000)
