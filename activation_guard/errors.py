@@ -75,9 +75,9 @@ class GoldenWriteError(GoldenError, OSError):
 
 class OptionError(ActivationGuardError, TypeError, ValueError):
     """A bad option value. Raised by :mod:`activation_guard.spec`, wherever the option was set
-    (API argument, marker, ``check()``, ``--ag-*`` flag, ini key, CLI), and for the one environment
-    switch (``fingerprint_worker.ENV``), with one message format: the option, the value, where it
-    came from, and what is wrong.
+    (API argument, marker, ``check()``, ``--ag-*`` flag, ini key, CLI), and for the environment
+    switches (:mod:`activation_guard.switches`), with one message format: the option, the value,
+    where it came from, and what is wrong.
 
     It is a ``TypeError`` and a ``ValueError`` too, so code written against the plain built-in
     errors of earlier releases keeps catching it."""

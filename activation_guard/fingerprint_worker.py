@@ -37,8 +37,8 @@ from queue import Empty, SimpleQueue
 
 import torch
 
-from . import dtypes, fingerprint_plan
-from .errors import ActivationGuardError, OptionError
+from . import dtypes, fingerprint_plan, switches
+from .errors import ActivationGuardError
 from .fingerprint import Fingerprint, FingerprintParams, compute_fingerprint, fingerprint_buffer
 from .leaves import is_plain_tensor
 
@@ -61,8 +61,6 @@ THREAD_NAME = "activation_guard-fingerprint"
 IDLE_EXIT = 1.0  # seconds without a job after which the thread ends (a later job starts another)
 MIN_ELEMENTS = 1 << 16  # smaller leaves stay inline: their kernel is mostly Python, which holds the GIL
 ENV = "ACTIVATION_GUARD_FINGERPRINT_WORKER"
-_SWITCH = {"": None, "auto": None, "on": True, "1": True, "true": True, "yes": True,
-           "off": False, "0": False, "false": False, "no": False}
 
 
 def usable_cores() -> int:
@@ -80,10 +78,7 @@ def free_core() -> bool:
 
 def wanted() -> bool:
     """Whether a recording uses the worker: ``ENV`` when set to on or off, else a free core."""
-    raw = os.environ.get(ENV, "")
-    if raw.strip().lower() not in _SWITCH:
-        raise OptionError(ENV, raw, "environment variable", "expected auto, on or off")
-    switch = _SWITCH[raw.strip().lower()]
+    switch = switches.read(ENV)
     return free_core() if switch is None else switch
 
 

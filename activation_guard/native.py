@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from . import switches
+
 SOURCE = Path(__file__).with_name("csrc") / "fpchunk.c"
 VERSION = 6  # ag_version() of the source this module speaks to
 ENV = "ACTIVATION_GUARD_NATIVE"
@@ -134,9 +136,10 @@ def compiler() -> list[str]:
 def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
     """A fresh build (``extra_flags`` for tests: ``-DAG_NO_AVX512``, ``-DAG_NO_AVX2`` leave out the
     wider vector functions, ``-DAG_NO_CONVERT`` converts floats through memory), and
-    what happened; :func:`get` keeps the first one of the process. Never raises: whatever goes
-    wrong leaves the torch path and says why."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    what happened; :func:`get` keeps the first one of the process. Whatever goes wrong with the
+    build leaves the torch path and says why; only a value of ``ENV`` that is not on, off or auto
+    raises (an :class:`~activation_guard.errors.OptionError` naming it), as the worker's switch does."""
+    if switches.read(ENV) is False:  # unset, auto or on: build (an unknown value raises, naming ENV)
         return None, f"disabled by {ENV}={os.environ[ENV]}"
     if sys.platform == "win32":
         return None, "not built on Windows (the torch path runs)"

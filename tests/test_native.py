@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from activation_guard import api, fingerprint_plan, native, sketch
+from activation_guard import api, fingerprint_plan, fingerprint_worker, native, sketch
+from activation_guard.errors import OptionError
 from activation_guard.fingerprint import Fingerprint, FingerprintParams, compute_fingerprint
 
 HAVE = native.get() is not None
@@ -168,6 +169,27 @@ def test_status_names_the_compiled_pass_and_the_env_switch_turns_it_off(torch_pa
     native.reset()
     os.environ[native.ENV] = "1"
     assert native.status().startswith("compiled C pass (built with ")
+
+
+@pytest.mark.parametrize(("value", "built"), [("off", False), ("No", False), ("auto", True), ("on", True),
+                                              (" true ", True)])
+def test_the_env_switch_speaks_the_workers_words(monkeypatch: pytest.MonkeyPatch, value: str, built: bool) -> None:
+    """One vocabulary for both switches (switches.py): off/0/false/no, on/1/true/yes, auto or unset."""
+    monkeypatch.setenv(native.ENV, value)
+    monkeypatch.setenv(fingerprint_worker.ENV, value)
+    lib, why = native.build()
+    if built:  # (or it says why not: a machine without a compiler)
+        assert lib is not None or "compiler" in why or "failed" in why, why
+    else:
+        assert lib is None and why == f"disabled by {native.ENV}={value}"
+    assert fingerprint_worker.wanted() == (built if value.strip().lower() != "auto" else fingerprint_worker.free_core())
+
+
+def test_an_unknown_env_value_is_an_error_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It used to mean "on" here and was an error for the worker's switch."""
+    monkeypatch.setenv(native.ENV, "maybe")
+    with pytest.raises(OptionError, match=rf"{native.ENV}='maybe' \(environment variable\): expected auto, on or off"):
+        native.build()
 
 
 def test_without_a_compiler_the_torch_path_runs_and_says_why(monkeypatch: pytest.MonkeyPatch,

@@ -363,6 +363,7 @@ def test_store_is_the_bottom_layer():
         "activation_guard.sketch",
         "activation_guard.native",  # the sketch's optional compiled pass (standard library and torch only)
         "activation_guard.fingerprint_plan",  # its prepared calls (sketch, native, numpy)
+        "activation_guard.switches",  # the compiled pass's environment switch (errors only)
         "activation_guard.seeded_hash",
     }
     assert {"activation_guard.store.writer", "activation_guard.store.safety"} <= added  # the import ran here
