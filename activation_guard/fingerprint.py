@@ -290,6 +290,9 @@ def compute_fingerprint(t: torch.Tensor, params: FingerprintParams | None = None
         raise FingerprintError(f"cannot fingerprint a {t.dtype} tensor: only floating and complex tensors are "
                                "fingerprinted (integers and bools are stored exactly)")
     _check_chunk(p, chunk)
+    if _transformed(t):
+        raise FingerprintError("cannot fingerprint a tensor inside a torch.func transform (functionalize, vmap, "
+                               "grad): its memory is not its values; fingerprint outside the transform")
     if fingerprint_plan.takes(t):
         plan = fingerprint_plan.plan_for(t.dtype, t.numel(), p, chunk)
         if plan is not None:
@@ -316,6 +319,14 @@ def fingerprint_buffer(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, 
     if plan is not None:  # NaN or Inf: straight to the masked pass
         return _general(view, params, chunk, True)
     return compute_fingerprint(view, params, chunk=chunk)
+
+
+def _transformed(t: torch.Tensor) -> bool:
+    """A functionalized or functorch-wrapped tensor: ops on it are right, but reading its memory
+    (numpy, a pointer) reads the wrapper's, not its values (review: a garbage fingerprint)."""
+    functional = getattr(torch, "_is_functional_tensor", None)
+    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return bool((functional is not None and functional(t)) or (wrapped is not None and wrapped(t)))
 
 
 def _check_chunk(p: FingerprintParams, chunk: int) -> None:

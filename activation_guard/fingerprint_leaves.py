@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import native, switches
 from .fingerprint import FingerprintParams, should_fingerprint
 from .fingerprint_worker import FingerprintWorker, inline_or_queued, wanted
 from .leaves import Leaf
@@ -32,6 +33,7 @@ class Fingerprinter:
         Call :meth:`close`."""
         self.layers = layers
         self.params = params
+        switches.read(native.ENV)  # a bad value raises here, on the caller's thread, not on the worker's
         self.worker = FingerprintWorker() if (wanted() if worker is None else worker) else None
         self.fingerprinted = 0  # leaves stored as fingerprints
         self.raw_bytes = 0  # the bytes those leaves' values would have taken

@@ -18,6 +18,7 @@ complex128 with at most ``LEAF_ELEMENTS`` real values, where the compiled pass i
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections import OrderedDict
 
@@ -27,9 +28,9 @@ import torch
 from . import native
 from .fingerprint_params import FingerprintParams
 from .native import Native
-from .sketch import FLUSH_BLOCKS, KernelResult, _constants, _sample_array, block_hashes, workspace
+from .sketch import FLUSH_BLOCKS, KernelResult, _constants, _sample_array, block_hashes, storage_holds, workspace
 
-LEAF_ELEMENTS = 1 << 22  # real values: hash tables of ~1.25 bytes per value (5 MB at the limit)
+LEAF_ELEMENTS = 1 << 22  # real values: hash tables of ~1.25 bytes per value at 5 x 64 (5 MB at the limit)
 PLAN_BUDGET = 32 << 20  # bytes of hash tables the cached plans may hold
 _CPU = torch.device("cpu")
 _REAL: dict[torch.dtype, tuple[torch.dtype, int]] = {
@@ -161,8 +162,13 @@ PLANS = _Plans()
 
 
 def plan_for(dtype: torch.dtype, numel: int, params: FingerprintParams, chunk: int) -> LeafPlan | None:
-    """The plan for a contiguous CPU leaf of this dtype and size, or None where the general path runs."""
+    """The plan for a contiguous CPU leaf of this dtype and size, or None where the general path
+    runs: also when the plan's hash tables would take more than a quarter of the budget (many rows
+    of few buckets: a plan that is never kept would be rebuilt for every leaf)."""
     if dtype not in _REAL or not 0 < numel * _REAL[dtype][1] <= LEAF_ELEMENTS:
+        return None
+    K = -(-numel * _REAL[dtype][1] // params.buckets)
+    if params.rows * (2 * K + params.buckets - 1) * 8 > PLAN_BUDGET // 4:
         return None
     fast = native.get()
     if fast is None:
@@ -171,7 +177,17 @@ def plan_for(dtype: torch.dtype, numel: int, params: FingerprintParams, chunk: i
 
 
 def takes(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory is its values in logical order, where a plan can read them."""
+    """Whether ``t``'s memory is its values in logical order, where a plan (or the worker's
+    ``memmove``) can read them: a real pointer into storage that holds them all."""
     return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == "cpu" and t.dtype in _REAL
-            and t.is_contiguous()
-            and not t.is_conj() and not t.is_neg() and t.data_ptr() % t.element_size() == 0)
+            and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and t.data_ptr() % t.element_size() == 0 and storage_holds(t))
+
+
+def _after_fork_in_child() -> None:
+    """A fork while another thread held the plans' lock would leave the child's copy held forever."""
+    PLANS.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -41,6 +41,7 @@ from . import dtypes, fingerprint_plan, switches
 from .errors import ActivationGuardError
 from .fingerprint import Fingerprint, FingerprintParams, compute_fingerprint, fingerprint_buffer
 from .leaves import is_plain_tensor
+from .sketch import storage_holds
 
 
 def _memmove_keeping_the_gil() -> Callable[[int, int, int], object] | None:
@@ -188,8 +189,8 @@ class FingerprintWorker:
         waiting. Below that size the worker lost time on this machine: two threads taking turns at
         the GIL cost more than the kernel's array work they overlap (32 Ki elements: 1.2x the inline
         recording; 64 Ki: 0.9x)."""
-        if t.device.type != "cpu" or t.numel() < MIN_ELEMENTS or not is_plain_tensor(t):
-            return False
+        if t.device.type != "cpu" or t.numel() < MIN_ELEMENTS or not is_plain_tensor(t) or not storage_holds(t):
+            return False  # (storage that does not hold its elements: torch's copy_ would read past it)
         live = self._live
         while live and live[0].finished:  # the worker is done with their copies
             self._release(live.popleft())

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -74,6 +75,21 @@ def bits_view(real: torch.Tensor) -> torch.Tensor:
     """The same memory as integers of the same width: indexing and copying raw bits works for
     every float dtype (float8 lacks most kernels) and keeps values bit-exact."""
     return real.view(_BITS[real.dtype.itemsize])
+
+
+def storage_holds(t: torch.Tensor) -> bool:
+    """Whether a strided tensor's elements all lie inside its storage, at a real address. A
+    ZeroTensor, a storage resized to nothing (as FSDP does between uses) or one shrunk under a view
+    would otherwise have C read from address 0 or past the allocation; torch's own ops raise for
+    them, so they go to the torch path, which says what torch says (found by review)."""
+    if t.layout != torch.strided:
+        return False
+    if t.numel() == 0:
+        return True
+    if t.data_ptr() == 0 or t._is_zerotensor():
+        return False
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return t.storage_offset() >= 0 and t.untyped_storage().nbytes() >= (last + 1) * t.element_size()
 
 
 # --------------------------------------------------------------------------- chunks
@@ -219,6 +235,15 @@ class _HashCache:
 
 
 HASHES = _HashCache()
+
+
+def _after_fork_in_child() -> None:
+    """A fork while another thread held the cache's lock would leave the child's copy held forever."""
+    HASHES.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Workspace:
@@ -369,7 +394,7 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
     bits = bits_view(real)
     dtype = real.dtype
     n = real.numel()
-    fast = None if masked or dev.type != "cpu" else native.get()
+    fast = None if masked or dev.type != "cpu" or not storage_holds(real) else native.get()
     sk = _Sketcher(seed, rows, buckets, dev, ws, fast)
     parts: list[torch.Tensor] = []
     # nan, +inf, -inf counts, then two position-hash sums per kind

@@ -20,5 +20,5 @@ def read(name: str) -> bool | None:
     raw = os.environ.get(name, "")
     key = raw.strip().lower()
     if key not in _VALUES:
-        raise OptionError(name, raw, "environment variable", "expected auto, on or off")
+        raise OptionError(name, raw, "environment variable", "expected auto, on (1, true, yes) or off (0, false, no)")
     return _VALUES[key]

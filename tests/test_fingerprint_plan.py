@@ -155,3 +155,71 @@ def test_without_the_compiled_pass_there_is_no_plan(monkeypatch: pytest.MonkeyPa
     assert fingerprint_plan.plan_for(torch.float32, 1000, FingerprintParams(), sketch.CHUNK) is None
     t = torch.randn(5000)
     assert compute_fingerprint(t).count == 5000
+
+
+def _shrunk() -> torch.Tensor:
+    a = torch.ones(4096)
+    t = a[:2048]
+    a.untyped_storage().resize_(4096)  # 1,024 floats left under a view of 2,048
+    return t
+
+
+def _emptied() -> torch.Tensor:
+    t = torch.ones(70_000)
+    t.untyped_storage().resize_(0)  # as FSDP frees a parameter's storage between uses
+    return t
+
+
+@pytest.mark.parametrize("make", [_shrunk, _emptied, lambda: torch._efficientzerotensor(70_000)],
+                         ids=["shrunk", "emptied", "zerotensor"])
+def test_storage_that_does_not_hold_the_values_never_reaches_c(make: object) -> None:
+    """The plan, the chunked compiled pass and the worker's copy read memory by address: a tensor
+    whose storage does not hold its elements (or has no address) goes to torch, which raises or
+    computes on what it has; before, C read address 0 or past the allocation (found by review)."""
+    t = make()  # type: ignore[operator]
+    assert not sketch.storage_holds(t) and not fingerprint_plan.takes(t)
+    assert not FingerprintWorker().takes(t)
+    if t._is_zerotensor():
+        assert compute_fingerprint(t).abs_sum == 0.0
+    else:
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            compute_fingerprint(t)
+
+
+def test_tensors_inside_torch_func_transforms_are_refused() -> None:
+    """Their memory is not their values: a fingerprint read from it was garbage (found by review)."""
+    from torch.func import functionalize, vmap
+
+    from activation_guard.fingerprint import FingerprintError
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        with pytest.raises(FingerprintError, match=r"torch\.func transform"):
+            compute_fingerprint(y)
+        return y
+
+    functionalize(f)(torch.randn(1000))
+    vmap(f)(torch.randn(3, 1000))
+
+
+def test_a_fork_gives_the_child_fresh_cache_locks() -> None:
+    """A fork while another thread holds a cache's lock must not leave the child's copy held."""
+    for module, cache in ((fingerprint_plan, fingerprint_plan.PLANS), (sketch, sketch.HASHES)):
+        old = cache.lock
+        old.acquire()
+        try:
+            module._after_fork_in_child()  # what os.register_at_fork runs in a child
+            assert cache.lock is not old and cache.lock.acquire(blocking=False)
+            cache.lock.release()
+        finally:
+            old.release()
+            cache.lock = old
+
+
+def test_no_plan_whose_tables_would_not_stay_cached() -> None:
+    """31 rows of 16 buckets over 2^22 values: 124 MiB of hash tables, rebuilt for every leaf; the
+    general path is faster there (found by review)."""
+    p = FingerprintParams(rows=31, buckets=16)
+    assert fingerprint_plan.plan_for(torch.float32, 1 << 22, p, sketch.CHUNK) is None
+    assert fingerprint_plan.plan_for(torch.float32, 1 << 22, FingerprintParams(), sketch.CHUNK) is not None or \
+        native.get() is None

@@ -188,8 +188,22 @@ def test_the_env_switch_speaks_the_workers_words(monkeypatch: pytest.MonkeyPatch
 def test_an_unknown_env_value_is_an_error_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """It used to mean "on" here and was an error for the worker's switch."""
     monkeypatch.setenv(native.ENV, "maybe")
-    with pytest.raises(OptionError, match=rf"{native.ENV}='maybe' \(environment variable\): expected auto, on or off"):
+    with pytest.raises(OptionError, match=rf"{native.ENV}='maybe' \(environment variable\): expected auto, on"):
         native.build()
+
+
+def test_a_bad_native_switch_is_refused_on_the_callers_thread(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With the worker on, the first fingerprint is taken on the worker thread: the switch is read
+    before, so the error is the OptionError itself, not a failed fingerprint (found by review)."""
+    monkeypatch.setenv(fingerprint_worker.ENV, "on")
+    monkeypatch.setenv(native.ENV, "maybe")
+    native.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.ReLU())
+    with pytest.raises(OptionError, match=native.ENV):
+        api.record(model, (torch.randn(400, 300),), path=tmp_path / "g.h5", fingerprint=True)
+    assert not (tmp_path / "g.h5").exists()
+    monkeypatch.undo()
+    native.reset()
 
 
 def test_without_a_compiler_the_torch_path_runs_and_says_why(monkeypatch: pytest.MonkeyPatch,
