@@ -10,9 +10,11 @@ call's fixed arguments. Then a leaf costs one ctypes call (``ag_leaf``, the GIL 
 numpy reads, with no torch op. The same bits as the general path: the same C chunk function, hash
 tables, fold rule and sample positions.
 
-A plan applies to a contiguous, unconjugated CPU leaf of float32, float64, complex64 or
-complex128 with at most ``LEAF_ELEMENTS`` real values, where the compiled pass is available
-(:mod:`activation_guard.native`); everything else takes the general path.
+A plan applies to a contiguous, unconjugated, unnegated, aligned CPU leaf (a plain
+``torch.Tensor`` whose storage holds its elements) of float32, float64, complex64 or complex128
+with at most ``LEAF_ELEMENTS`` real values, whose hash tables fit a quarter of ``PLAN_BUDGET``,
+where the compiled pass is available (:mod:`activation_guard.native`); everything else takes
+the general path.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ _ARGTYPES = [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P]
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: plans are cached per library
 class Native:
-    """The loaded library's entry points: a chunk of float32 or float64 values, and the fold."""
+    """The loaded library's entry points: a chunk of float32 or float64 values, the fold, a whole
+    leaf (``ag_leaf``), and which vector width they use."""
 
     f32: Callable[..., None]
     f64: Callable[..., None]

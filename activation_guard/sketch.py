@@ -17,11 +17,11 @@ permutation is applied once per few million elements on a ``B x B`` matrix, not 
 On the CPU the per-chunk work and the fold go to the compiled pass of :mod:`.native` where it
 was built (the same hashes, windows and order of additions: the same sketch bit for bit); the
 torch ops below are the path for CUDA and for CPUs without a C compiler (MPS: its chunks come to
-the CPU, and go through the compiled pass). A contiguous CPU leaf skips this module's loop
-altogether: :mod:`.fingerprint_plan` hands it to the compiled pass in one call, with hash tables
-from :func:`block_hashes`.
+the CPU, and go through the compiled pass). A contiguous CPU leaf of float32/64 or complex64/128
+within :mod:`.fingerprint_plan`'s limits skips this module's loop altogether: the plan hands it
+to the compiled pass in one call, with hash tables from :func:`block_hashes`.
 
-About 500 lines: the chunking, the kernel and its hash cache are one hot loop, tuned together
+About 540 lines: the chunking, the kernel and its hash cache are one hot loop, tuned together
 (docs/performance.md, "Fingerprint goldens"); the hashing itself is in :mod:`.seeded_hash`.
 """
 

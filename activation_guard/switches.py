@@ -1,7 +1,8 @@
 """On/off switches read from environment variables: one vocabulary and one error for all of them.
 
 ``ACTIVATION_GUARD_FINGERPRINT_WORKER`` and ``ACTIVATION_GUARD_NATIVE`` used to parse their values
-apart, with different words, and an unknown value meant "off" for one and "on" for the other.
+apart, with different words, and an unknown value was an error for one and meant "on" for the
+other.
 """
 
 from __future__ import annotations

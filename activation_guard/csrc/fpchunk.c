@@ -26,8 +26,8 @@
 
 /* Vectors at any 8-byte alignment, allowed to alias the doubles they are read from: eight lanes
  * for the AVX-512 build, four for AVX2, two for the baseline (GCC splits a four-lane vector badly
- * without AVX: 6.7 ns per element against 1.3 with AVX2, on a 2-core Xeon). VF: the float vectors
- * of as many lanes, converted to double in registers. */
+ * without AVX: 6.7 ns per element against 1.3 with AVX2, on a 2-core Xeon). f8, f4, f2: the float
+ * vectors of as many lanes, converted to double in registers. */
 typedef double v8 __attribute__((vector_size(64), aligned(8), may_alias));
 typedef int64_t v8i __attribute__((vector_size(64), aligned(8), may_alias));
 typedef float f8 __attribute__((vector_size(32), aligned(4), may_alias));
@@ -54,7 +54,8 @@ typedef float f2 __attribute__((vector_size(8), aligned(4), may_alias));
 #endif
 
 /* One vector of W values of x at xb + j, as doubles: converted in registers where the compiler has
- * __builtin_convertvector (GCC 9, clang), else through buf (the same values either way). */
+ * __builtin_convertvector and __has_builtin reports it (GCC 10+, clang), else through buf (the same
+ * values either way). */
 #if defined(__has_builtin) && !defined(AG_NO_CONVERT)
 #if __has_builtin(__builtin_convertvector)
 #define AG_CONVERT 1
@@ -83,8 +84,9 @@ typedef float f2 __attribute__((vector_size(8), aligned(4), may_alias));
  * its own slot, so the order of rows and of elements within a block cannot change a bit; only the
  * order of blocks can, and that is k = 0, 1, ... in every path. With the default five rows the
  * rows are routed in the same loop as the statistics, the vector still in registers (a compile-time
- * count keeps the five destinations in registers: 0.67 ns per element with AVX-512 against 0.93
- * row by row); other row counts go row by row from a float64 copy of the block in buf. */
+ * count keeps the five destinations in registers: 0.71-0.74 ns per element with AVX-512 as built,
+ * against 0.91-0.96 row by row); other row counts go row by row from a float64 copy of the block
+ * in buf. */
 #define FUSED_ROWS 5
 
 /* NAME: the function; T: the element type read; V, VI, VT: vector types of W lanes (double,
