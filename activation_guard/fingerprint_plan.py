@@ -20,17 +20,24 @@ the general path.
 from __future__ import annotations
 
 import math
-import os
-import threading
-from collections import OrderedDict
 
 import numpy as np
 import torch
 
-from . import native
+from . import native, sketch
 from .fingerprint_params import FingerprintParams
+from .lru import ByteLRU
 from .native import Native
-from .sketch import FLUSH_BLOCKS, KernelResult, _constants, _sample_array, block_hashes, storage_holds, workspace
+from .sketch import (
+    KernelResult,
+    _constants,
+    _sample_array,
+    block_hashes,
+    fold_first,
+    rounding_depth,
+    storage_holds,
+    workspace,
+)
 
 LEAF_ELEMENTS = 1 << 22  # real values: hash tables of ~1.25 bytes per value at 5 x 64 (5 MB at the limit)
 PLAN_BUDGET = 32 << 20  # bytes of hash tables the cached plans may hold
@@ -41,12 +48,12 @@ _REAL: dict[torch.dtype, tuple[torch.dtype, int]] = {
 }
 
 
-def window_counts(n: int, chunk: int, buckets: int) -> tuple[int, int]:
+def window_counts(n: int, chunk: int, buckets: int, flush: int) -> tuple[int, int]:
     """(folds, widest window in blocks) of ``sketch._Sketcher._reserve`` over ``n`` values."""
     window = widest = folds = 0
     for off in range(0, n, chunk):
         K = -(-min(chunk, n - off) // buckets)
-        if window and window + K > FLUSH_BLOCKS:
+        if fold_first(window, K, flush):
             folds, window = folds + 1, 0
         window += K
         widest = max(widest, window)
@@ -62,6 +69,7 @@ class LeafPlan:
         "chunk",
         "depth",
         "fast",
+        "flush",
         "folds",
         "n",
         "nbytes",
@@ -95,13 +103,12 @@ class LeafPlan:
         self.fast, self.params, self.chunk = fast, params, chunk
         self.real_dtype, self.per, self.numel, self.n = real_dtype, per, numel, n
         self.npos = int(pos.size)
-        self.folds, self.widest = window_counts(n, chunk, B)
-        # sketch.py's depth: within a fold window, + the routed difference, + the B-term fold, + the folds
-        # added up; or the chunk statistics' chain (the longest chunk, then one term per chunk)
-        self.depth = max(self.widest + 1 + B + self.folds, min(chunk, n) + -(-n // chunk)) + 2
+        self.flush = sketch.FLUSH_BLOCKS  # read now (tests lower it), and part of the plan's key
+        self.folds, self.widest = window_counts(n, chunk, B, self.flush)
+        self.depth = rounding_depth(self.widest, self.folds, B, min(chunk, n), -(-n // chunk))
         self._keep = (w, route, u, pos)
         self.nbytes = w.numel() * 8 + route.numel() * 8 + pos.nbytes
-        self._args = (fast.simd, int(real_dtype == torch.float64), n, chunk, FLUSH_BLOCKS, R, B, w.data_ptr(),
+        self._args = (fast.simd, int(real_dtype == torch.float64), n, chunk, self.flush, R, B, w.data_ptr(),
                       w.stride(0), route.data_ptr(), route.stride(0), u.data_ptr(), pos.ctypes.data, self.npos)
 
     def run(self, ptr: int) -> KernelResult | None:
@@ -127,40 +134,8 @@ class LeafPlan:
         )
 
 
-class _Plans:
-    """Plans by (dtype, numel, the kernel's parameters, chunk), least recently used first out past a
-    byte budget."""
-
-    def __init__(self, budget: int = PLAN_BUDGET):
-        self.budget = budget
-        self.used = 0
-        self.lock = threading.Lock()
-        self.items: OrderedDict[tuple[object, ...], LeafPlan] = OrderedDict()
-
-    def get(self, fast: Native, dtype: torch.dtype, numel: int, params: FingerprintParams, chunk: int) -> LeafPlan:
-        key = (fast, dtype, numel, params.seed, params.rows, params.buckets, params.samples, chunk)
-        with self.lock:
-            plan = self.items.get(key)
-            if plan is not None:
-                self.items.move_to_end(key)
-                return plan
-        plan = LeafPlan(fast, dtype, numel, params, chunk)  # outside the lock: torch ops (two threads may both build)
-        with self.lock:
-            if key not in self.items and plan.nbytes <= self.budget:
-                self.items[key] = plan
-                self.used += plan.nbytes
-                while self.used > self.budget:
-                    _, old = self.items.popitem(last=False)
-                    self.used -= old.nbytes
-        return plan
-
-    def clear(self) -> None:
-        with self.lock:
-            self.items.clear()
-            self.used = 0
-
-
-PLANS = _Plans()
+# plans by (library, dtype, numel, the kernel's parameters, chunk)
+PLANS: ByteLRU[LeafPlan] = ByteLRU(PLAN_BUDGET)
 
 
 def plan_for(dtype: torch.dtype, numel: int, params: FingerprintParams, chunk: int) -> LeafPlan | None:
@@ -175,7 +150,12 @@ def plan_for(dtype: torch.dtype, numel: int, params: FingerprintParams, chunk: i
     fast = native.get()
     if fast is None:
         return None
-    return PLANS.get(fast, dtype, numel, params, chunk)
+    key = (fast, dtype, numel, params.seed, params.rows, params.buckets, params.samples, chunk, sketch.FLUSH_BLOCKS)
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = LeafPlan(fast, dtype, numel, params, chunk)  # outside the lock: torch ops (two threads may both build)
+        PLANS.put(key, plan, plan.nbytes)
+    return plan
 
 
 def takes(t: torch.Tensor) -> bool:
@@ -184,12 +164,3 @@ def takes(t: torch.Tensor) -> bool:
     return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == "cpu" and t.dtype in _REAL
             and t.is_contiguous() and not t.is_conj() and not t.is_neg()
             and t.data_ptr() % t.element_size() == 0 and storage_holds(t))
-
-
-def _after_fork_in_child() -> None:
-    """A fork while another thread held the plans' lock would leave the child's copy held forever."""
-    PLANS.lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

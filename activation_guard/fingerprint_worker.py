@@ -91,12 +91,13 @@ class _Job:
     release and a Ctrl-C cannot leave half-held, unlike the Python-level condition variables of
     ``concurrent.futures.Future`` and ``threading.Event``."""
 
-    __slots__ = ("_done", "buf", "copy", "dtype", "error", "finished", "nbytes", "params", "shape", "value")
+    __slots__ = ("_done", "buf", "dtype", "error", "finished", "nbytes", "params", "shape", "value")
 
-    def __init__(self, copy: torch.Tensor, buf: torch.Tensor, params: FingerprintParams, nbytes: int,
-                 dtype: torch.dtype, shape: tuple[int, ...]):
-        self.copy: torch.Tensor | None = copy  # the snapshot: buf itself, its values in logical order
-        self.buf: torch.Tensor | None = buf  # back to the pool when the job is done (by the hook's thread)
+    def __init__(self, buf: torch.Tensor, params: FingerprintParams, nbytes: int, dtype: torch.dtype,
+                 shape: tuple[int, ...]):
+        # the snapshot, its values in logical order; back to the pool when the job is done (by the
+        # hook's thread)
+        self.buf: torch.Tensor | None = buf
         self.params, self.nbytes, self.dtype, self.shape = params, nbytes, dtype, shape
         self.value: Fingerprint | None = None
         self.error: BaseException | None = None
@@ -105,10 +106,10 @@ class _Job:
         self._done.acquire()  # released when finished
 
     def run(self) -> None:
-        copy, self.copy = self.copy, None
-        assert copy is not None
+        buf = self.buf
+        assert buf is not None
         try:
-            self.value = fingerprint_buffer(copy, self.dtype, self.shape, self.params)
+            self.value = fingerprint_buffer(buf, self.dtype, self.shape, self.params)
         except Exception as e:  # delivered where the writer fills the fingerprint's place
             self.error = e
         except BaseException as e:  # Ctrl-C while the caller helps: fail the result too, and stop
@@ -201,9 +202,8 @@ class FingerprintWorker:
     def submit(self, t: torch.Tensor, params: FingerprintParams, where: str) -> PendingFingerprint:
         """Queue a copy of ``t`` (call when :meth:`takes` said yes)."""
         nbytes = t.numel() * t.element_size()
-        copy, buf = self._copy(t, nbytes)
         shape = tuple(int(s) for s in t.shape)
-        job = _Job(copy, buf, params, nbytes, t.dtype, shape)
+        job = _Job(self._copy(t, nbytes), params, nbytes, t.dtype, shape)
         self._live.append(job)
         self._live_bytes += nbytes
         self._jobs.append(job)
@@ -214,7 +214,7 @@ class FingerprintWorker:
         self._wake.put(True)
         return PendingFingerprint(dtypes.info_for(t.dtype).name, shape, params, job, where, self)
 
-    def _copy(self, t: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _copy(self, t: torch.Tensor, nbytes: int) -> torch.Tensor:
         """The snapshot of ``t`` in logical order (the kernel reads values in that order), in a
         pooled buffer of its size when there is one. A tensor whose memory is its values in order
         is copied with one ``memmove`` that keeps the GIL: the torch ops of a copy (two views, a
@@ -229,7 +229,7 @@ class FingerprintWorker:
             _MEMMOVE(buf.data_ptr(), t.data_ptr(), nbytes)
         else:  # strided, a conjugated view, other dtypes: torch copies in logical order
             buf[:nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
-        return buf, buf
+        return buf
 
     def _trim(self, room: int) -> None:
         """Drop pooled buffers until ``room`` more bytes fit the bound with the live copies."""
@@ -292,7 +292,7 @@ class FingerprintWorker:
             self._wake.put(False)  # first: the thread ends even if a Ctrl-C cuts the rest short
         while (job := self._claim(back=False)) is not None:
             job.error = CancelledError("the recording stopped before this fingerprint was computed")
-            job.copy = job.buf = None
+            job.buf = None
             job.finish()
         if self._thread is not None:  # (a thread whose start a Ctrl-C interrupted reads False when it runs)
             with contextlib.suppress(RuntimeError):  # "cannot join thread before it is started"

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -39,6 +37,7 @@ import numpy as np
 import torch
 
 from . import native
+from .lru import ByteLRU
 from .native import Native
 from .seeded_hash import (
     HASH31,
@@ -198,54 +197,11 @@ def _constants(seed: int, rows: int, buckets: int, dev: torch.device) -> tuple[t
     return keys, u, xor, base
 
 
-class _HashCache:
-    """The hashed signs and routes of recently seen chunks (same seed, offset and length).
-
-    Activations of one model come in few sizes, so the same chunk positions recur on every
-    layer; their hashes are a pure function of the seed and the position, and are kept up to a
-    byte budget per process instead of being recomputed.
-    """
-
-    def __init__(self, budget: int = 32 << 20):
-        self.budget = budget
-        self.used = 0
-        self.lock = threading.Lock()
-        self.items: OrderedDict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-
-    def get(self, key: tuple[object, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        with self.lock:
-            hit = self.items.get(key)
-            if hit is not None:
-                self.items.move_to_end(key)
-            return hit
-
-    def put(self, key: tuple[object, ...], value: tuple[torch.Tensor, torch.Tensor]) -> None:
-        size = sum(v.numel() * v.element_size() for v in value)
-        with self.lock:
-            if size > self.budget or key in self.items:
-                return
-            self.items[key] = value
-            self.used += size
-            while self.used > self.budget:
-                _, old = self.items.popitem(last=False)
-                self.used -= sum(v.numel() * v.element_size() for v in old)
-
-    def clear(self) -> None:
-        with self.lock:
-            self.items.clear()
-            self.used = 0
-
-
-HASHES = _HashCache()
-
-
-def _after_fork_in_child() -> None:
-    """A fork while another thread held the cache's lock would leave the child's copy held forever."""
-    HASHES.lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+# The hashed signs and routes of recently seen chunks (same seed, offset and length). Activations
+# of one model come in few sizes, so the same chunk positions recur on every layer; their hashes
+# are a pure function of the seed and the position, and are kept up to a byte budget per process
+# instead of being recomputed.
+HASHES: ByteLRU[tuple[torch.Tensor, torch.Tensor]] = ByteLRU(32 << 20)
 
 
 class Workspace:
@@ -279,6 +235,20 @@ def workspace(dev: torch.device, rows: int, buckets: int, chunk: int) -> Workspa
     return ws
 
 
+def fold_first(window: int, K: int, flush: int) -> bool:
+    """The fold rule: a window holding blocks is folded before ``K`` more would take it past
+    ``flush`` (``FLUSH_BLOCKS``; here, in ``ag_leaf`` and in ``fingerprint_plan.window_counts``: the
+    same blocks)."""
+    return window > 0 and window + K > flush
+
+
+def rounding_depth(widest: int, folds: int, buckets: int, longest: int, chunks: int) -> int:
+    """The longest chain of float64 additions behind any sum: within a fold window (``widest``
+    blocks), + the routed difference, + the B-term fold, + the folds added up; or the chunk
+    statistics' chain (the longest chunk, then one term per chunk); + 2."""
+    return max(widest + 1 + buckets + folds, longest + chunks) + 2
+
+
 def block_hashes(seed: int, rows: int, buckets: int, dev: torch.device, block0: int, K: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Diagonal signs w (rows, K + B - 1, float64 +-1) and routing-matrix rows (rows, K, int64
@@ -293,7 +263,7 @@ def block_hashes(seed: int, rows: int, buckets: int, dev: torch.device, block0: 
     w = sign_of_bit(bit_at(h, W_BIT))
     hk = h[:, :K]
     route = row_base + 2 * torch.bitwise_and(hk, buckets - 1) + bit_at(hk, V_BIT)
-    HASHES.put(key, (w, route))
+    HASHES.put(key, (w, route), w.numel() * w.element_size() + route.numel() * route.element_size())
     return w, route
 
 
@@ -343,7 +313,7 @@ class _Sketcher:
     def _reserve(self, K: int) -> None:
         """Make room for ``K`` more blocks in the fold window (folding first when they would pass
         ``FLUSH_BLOCKS``) and count them: one rule for both paths, so they fold at the same blocks."""
-        if self.window and self.window + K > FLUSH_BLOCKS:
+        if fold_first(self.window, K, FLUSH_BLOCKS):
             self.fold()
         self.window += K
         self.max_window = max(self.max_window, self.window)
@@ -367,9 +337,8 @@ class _Sketcher:
         self.window = 0
         self.folds += 1
 
-    def depth(self) -> int:
-        # within a fold window, + routed difference, + the B-term fold, + accumulation of folds
-        return self.max_window + 1 + self.buckets + self.folds
+    def depth(self, longest: int, chunks: int) -> int:
+        return rounding_depth(self.max_window, self.folds, self.buckets, longest, chunks)
 
 
 def run_kernel(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int,
@@ -438,7 +407,7 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
     if sk.window:
         sk.fold()
     if fast is not None and type(bits) is torch.Tensor and bits.device.type == "cpu":  # (MPS: chunks came over)
-        return _host_result(bits, _added(parts), ws, seed, samples, per, max(sk.depth(), longest + len(parts)) + 2)
+        return _host_result(bits, _added(parts), ws, seed, samples, per, sk.depth(longest, len(parts)))
     if len(parts) == 1:
         stats = parts[0]
     elif parts:
@@ -452,7 +421,7 @@ def _run(real: torch.Tensor, seed: int, rows: int, buckets: int, samples: int, c
     nf = 5 + rows * buckets
     fl = host[:nf].view(np.float64)
     rest = host[nf:]
-    depth = max(sk.depth(), longest + len(parts)) + 2
+    depth = sk.depth(longest, len(parts))
     return KernelResult(
         sum=float(fl[0]), abs_sum=float(fl[1]), sq_sum=float(fl[2]), min=float(fl[3]), max=float(fl[4]),
         sketch=fl[5:].reshape(rows, buckets).copy(),

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from activation_guard import dtypes, fingerprint_plan, native, sketch
+from activation_guard import dtypes, fingerprint_plan, lru, native, sketch
 from activation_guard.fingerprint import Fingerprint, FingerprintParams, compute_fingerprint, fingerprint_buffer
 from activation_guard.fingerprint_worker import FingerprintWorker
 
@@ -31,7 +31,7 @@ def test_window_counts_follow_the_sketchers_rule(n: int, chunk_log: int, buckets
     for off in range(0, n, chunk):
         sk._reserve(-(-min(chunk, n - off) // buckets))
     folds = sk.folds + (1 if sk.window else 0)
-    assert fingerprint_plan.window_counts(n, chunk, buckets) == (folds, sk.max_window)
+    assert fingerprint_plan.window_counts(n, chunk, buckets, sketch.FLUSH_BLOCKS) == (folds, sk.max_window)
 
 
 @needs_native
@@ -135,7 +135,7 @@ def test_a_library_that_folds_elsewhere_is_an_error_not_a_wrong_depth() -> None:
 
 @needs_native
 def test_plans_stay_within_their_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    plans = fingerprint_plan._Plans(budget=120_000)
+    plans: lru.ByteLRU[fingerprint_plan.LeafPlan] = lru.ByteLRU(120_000)
     monkeypatch.setattr(fingerprint_plan, "PLANS", plans)
     p = FingerprintParams()
     fast = native.get()
@@ -204,11 +204,11 @@ def test_tensors_inside_torch_func_transforms_are_refused() -> None:
 
 def test_a_fork_gives_the_child_fresh_cache_locks() -> None:
     """A fork while another thread holds a cache's lock must not leave the child's copy held."""
-    for module, cache in ((fingerprint_plan, fingerprint_plan.PLANS), (sketch, sketch.HASHES)):
+    for cache in (fingerprint_plan.PLANS, sketch.HASHES):
         old = cache.lock
         old.acquire()
         try:
-            module._after_fork_in_child()  # what os.register_at_fork runs in a child
+            lru._after_fork_in_child()  # what os.register_at_fork runs in a child
             assert cache.lock is not old and cache.lock.acquire(blocking=False)
             cache.lock.release()
         finally:

@@ -363,6 +363,7 @@ def test_store_is_the_bottom_layer():
         "activation_guard.sketch",
         "activation_guard.native",  # the sketch's optional compiled pass (standard library and torch only)
         "activation_guard.fingerprint_plan",  # its prepared calls (sketch, native, numpy)
+        "activation_guard.lru",  # the kernel's caches (standard library only)
         "activation_guard.switches",  # the compiled pass's environment switch (errors only)
         "activation_guard.seeded_hash",
     }
