@@ -21,7 +21,7 @@ the CPU, and go through the compiled pass). A contiguous CPU leaf of float32/64 
 within :mod:`.fingerprint_plan`'s limits skips this module's loop altogether: the plan hands it
 to the compiled pass in one call, with hash tables from :func:`block_hashes`.
 
-About 540 lines: the chunking, the kernel and its hash cache are one hot loop, tuned together
+About 510 lines: the chunking, the kernel and its hash cache are one hot loop, tuned together
 (docs/performance.md, "Fingerprint goldens"); the hashing itself is in :mod:`.seeded_hash`.
 """
 
