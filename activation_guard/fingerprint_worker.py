@@ -16,9 +16,11 @@ follows from dtype, shape and parameters) and fills it before the pack is writte
 it was computing for.
 
 Leaves under ``MIN_ELEMENTS`` stay inline (their kernel is mostly Python: the GIL does not let
-it overlap). Bounds: the copies waiting for the worker, with the pooled copy buffers, hold at most
-``MAX_PENDING`` bytes; a leaf whose copy would pass that is fingerprinted inline, without a copy
-(the worker is behind, or the leaf is huge). Tensors on other devices are fingerprinted inline as
+it overlap). Bounds: the copies waiting for the worker hold at most ``MAX_PENDING`` bytes; a leaf
+whose copy would pass that is fingerprinted inline, without a copy (the worker is behind, or the
+leaf is huge). The copy buffers are memory mappings of their own, kept for later recordings within
+``staging.KEEP`` bytes (:mod:`.staging`: from malloc's heap they made the model's activations
+fault on fresh pages). Tensors on other devices are fingerprinted inline as
 before: there the kernel is queued on the device and the hook waits only for its few-KiB result.
 Without a free core the worker stays off: with torch on both cores of a 2-core machine it made
 recording GPT-2 slower (2.75x the forward against 2.13x inline). The environment variable
@@ -39,7 +41,7 @@ from queue import Empty, SimpleQueue
 
 import torch
 
-from . import dtypes, fingerprint_plan, switches
+from . import dtypes, fingerprint_plan, staging, switches
 from .errors import ActivationGuardError
 from .fingerprint import Fingerprint, FingerprintParams, compute_fingerprint, fingerprint_buffer
 from .leaves import is_plain_tensor
@@ -87,11 +89,19 @@ def wanted() -> bool:
 
 class _Job:
     """One leaf's kernel. Whoever pops it from the queue runs it (the deque's pop is atomic, so
-    exactly one thread does); completion is a plain lock released once, which any thread may
-    release and a Ctrl-C cannot leave half-held, unlike the Python-level condition variables of
-    ``concurrent.futures.Future`` and ``threading.Event``."""
+    exactly one thread does). A thread that must wait for it brings its own plain lock, which
+    the finishing thread releases: any thread may release it, and a Ctrl-C cannot leave it
+    half-held, unlike the Python-level condition variables of ``concurrent.futures.Future`` and
+    ``threading.Event``.
 
-    __slots__ = ("_done", "buf", "dtype", "error", "finished", "nbytes", "params", "shape", "value")
+    No lock is made per job. A lock is 32 bytes of malloc'd memory; one per leaf, made in the
+    hook and kept until the golden was written, landed just past each activation in malloc's
+    heap and kept the freed activations from merging: in some allocator states the heap then
+    grew by every activation of the forward (188 MB and 49 K page faults on the wide benchmark;
+    docs/performance.md, "Page faults"). Waiting is rare (the writer, at the end, for a job the
+    worker is running), so its lock is made then."""
+
+    __slots__ = ("buf", "dtype", "error", "finished", "nbytes", "params", "shape", "value", "waiters")
 
     def __init__(self, buf: torch.Tensor, params: FingerprintParams, nbytes: int, dtype: torch.dtype,
                  shape: tuple[int, ...]):
@@ -102,8 +112,7 @@ class _Job:
         self.value: Fingerprint | None = None
         self.error: BaseException | None = None
         self.finished = False
-        self._done = _thread.allocate_lock()
-        self._done.acquire()  # released when finished
+        self.waiters: list[_thread.LockType] = []  # held locks of threads waiting for this job
 
     def run(self) -> None:
         buf = self.buf
@@ -120,13 +129,18 @@ class _Job:
 
     def finish(self) -> None:
         if not self.finished:
-            self.finished = True
-            self._done.release()
+            self.finished = True  # first: a waiter that registers later sees it
+            for lock in list(self.waiters):
+                lock.release()
 
     def wait(self) -> None:
+        if self.finished:
+            return
+        lock = _thread.allocate_lock()
+        lock.acquire()
+        self.waiters.append(lock)  # then check: finish() sets the flag before it reads the list
         if not self.finished:
-            self._done.acquire()  # a Ctrl-C here leaves nothing held that anyone waits for
-            self._done.release()
+            lock.acquire()  # a Ctrl-C here leaves nothing held that anyone waits for
 
 
 class PendingFingerprint:
@@ -167,8 +181,8 @@ class FingerprintWorker:
     and completion is a plain lock per job. A Ctrl-C landing anywhere in the hook can leave
     nothing held that :meth:`close` would then wait for; and a thread whose :meth:`close` never
     ran ends after ``IDLE_EXIT`` seconds without work (any job it has not claimed is taken over
-    by the thread waiting for it). The copy buffers are pooled and given back by the hook's
-    thread only.
+    by the thread waiting for it). The copy buffers come from :data:`staging.POOL` and go back
+    to it, by the hook's thread, once their job is finished.
     """
 
     def __init__(self, max_pending: int | None = None):
@@ -177,11 +191,6 @@ class FingerprintWorker:
         self._wake: SimpleQueue[bool] = SimpleQueue()  # one token per job, False to stop
         self._live: deque[_Job] = deque()  # submitted, in order; their copies count against max_pending
         self._live_bytes = 0
-        # copy buffers by size, reused: a fresh multi-megabyte buffer costs its page faults on every
-        # leaf (a 1.5 MB copy kept alive: 540 us, into a reused buffer: 38 us). Live copies and
-        # pooled buffers together stay within max_pending
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._free_bytes = 0
         self._thread: threading.Thread | None = None  # started with the first job
         self._exiting = False  # the thread found no work for IDLE_EXIT and is ending
         self.inline = 0  # jobs a waiting thread took over
@@ -220,38 +229,19 @@ class FingerprintWorker:
         is copied with one ``memmove`` that keeps the GIL: the torch ops of a copy (two views, a
         detach, copy_) each release it, and each time the worker thread may take it and the
         forward then waits for the worker's Python."""
-        if nbytes in self._free:
-            buf = self._unpool(nbytes)
-        else:
-            self._trim(nbytes)
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=t.device)
+        buf = staging.POOL.take(nbytes)  # reused: a fresh buffer costs its page faults (1.5 MB: 540 us, reused: 38)
         if _MEMMOVE is not None and fingerprint_plan.takes(t) and buf.numel() >= nbytes:
             _MEMMOVE(buf.data_ptr(), t.data_ptr(), nbytes)
         else:  # strided, a conjugated view, other dtypes: torch copies in logical order
             buf[:nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
         return buf
 
-    def _trim(self, room: int) -> None:
-        """Drop pooled buffers until ``room`` more bytes fit the bound with the live copies."""
-        while self._free and self._live_bytes + self._free_bytes + room > self.max_pending:
-            self._unpool(next(iter(self._free)))
-
-    def _unpool(self, size: int) -> torch.Tensor:
-        """Take a pooled buffer of ``size`` bytes out of the pool (a size with none left goes)."""
-        bufs = self._free[size]
-        buf = bufs.pop()
-        self._free_bytes -= size
-        if not bufs:
-            del self._free[size]
-        return buf
-
     def _release(self, job: _Job) -> None:
-        """A finished job leaves the live copies; its buffer goes back to the pool if it fits."""
+        """A finished job leaves the live copies, and its buffer goes back to the pool."""
         self._live_bytes -= job.nbytes
         buf, job.buf = job.buf, None
-        if buf is not None and self._live_bytes + self._free_bytes + job.nbytes <= self.max_pending:
-            self._free.setdefault(job.nbytes, []).append(buf)
-            self._free_bytes += job.nbytes
+        if buf is not None:
+            staging.POOL.give(buf)
 
     def _claim(self, back: bool) -> _Job | None:
         try:
@@ -298,10 +288,11 @@ class FingerprintWorker:
             with contextlib.suppress(RuntimeError):  # "cannot join thread before it is started"
                 self._thread.join()
             self._thread = None
+        for job in self._live:  # the kernels are done with these; one a Ctrl-C cut short keeps its buffer
+            if job.finished:
+                self._release(job)
         self._live.clear()
         self._live_bytes = 0
-        self._free.clear()
-        self._free_bytes = 0
 
 
 def inline_or_queued(worker: FingerprintWorker | None, t: torch.Tensor, params: FingerprintParams,

@@ -24,7 +24,7 @@ from models import one_thread
 from torch import nn
 
 import activation_guard as ag
-from activation_guard import fingerprint_leaves, fingerprint_worker
+from activation_guard import fingerprint_leaves, fingerprint_worker, staging
 from activation_guard.errors import ActivationGuardError, OptionError
 from activation_guard.fingerprint import FingerprintParams, compute_fingerprint
 from activation_guard.fingerprint_worker import FingerprintWorker, PendingFingerprint
@@ -404,7 +404,7 @@ class ManySizes(nn.Module):
         return [layer(x) for layer in self.layers]
 
 
-def test_live_copies_and_pooled_buffers_share_one_bound(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_live_copies_stay_within_the_bound(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     bound = 6 * 64 * 256 * 4  # a few outputs' worth
     monkeypatch.setattr(fingerprint_worker, "MAX_PENDING", bound)
     held: list[int] = []
@@ -412,7 +412,7 @@ def test_live_copies_and_pooled_buffers_share_one_bound(monkeypatch: pytest.Monk
 
     def spy(self: FingerprintWorker, *a: Any) -> PendingFingerprint:
         out = real(self, *a)
-        held.append(self._live_bytes + self._free_bytes)
+        held.append(self._live_bytes)
         return out
 
     monkeypatch.setattr(FingerprintWorker, "submit", spy)
@@ -424,29 +424,80 @@ def test_live_copies_and_pooled_buffers_share_one_bound(monkeypatch: pytest.Monk
     assert max(held) <= bound
 
 
-def test_pool_reuses_and_trims_buffers() -> None:
-    """Run on the calling thread (no worker started): a finished job's buffer is reused for the
-    next copy of its size, and buffers of other sizes are dropped to keep within the bound."""
-    p = FingerprintParams()
-    w = FingerprintWorker(max_pending=3 * 4096 * 4)
+def _no_thread(w: FingerprintWorker) -> None:
+    """Jobs then run on the calling thread, when a result is asked for (no worker is started)."""
     idle = threading.Thread(target=lambda: None)
     idle.start()
     idle.join()
     w._thread = idle
+
+
+def test_a_finished_jobs_buffer_is_reused_and_an_unfinished_ones_is_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = staging.StagingPool()
+    monkeypatch.setattr(staging, "POOL", pool)
+    p = FingerprintParams()
+    w = FingerprintWorker()
+    _no_thread(w)
     try:
-        a = w.submit(torch.randn(4096), p, "a")
-        a.result()  # taken over by this thread
-        assert w.takes(torch.randn(4096))  # releases a's buffer into the pool
-        assert w._free_bytes == 4096 * 4
-        b = w.submit(torch.randn(4096), p, "b")  # reuses it: the pool is empty again
-        assert w._free_bytes == 0 and not w._free
-        b.result()
-        assert w.takes(torch.randn(8192))
-        c = w.submit(torch.randn(8192), p, "c")  # b's pooled buffer must go to make room
-        assert w._live_bytes + w._free_bytes <= w.max_pending
-        assert c.result().shape == (8192,)
+        x = torch.randn(4096)
+        a = w.submit(x, p, "a")
+        a_buf = a._job.buf
+        assert a_buf is not None and pool.held == 0
+        b = w.submit(x, p, "b")  # a is not finished: b must get another buffer
+        assert b._job.buf is not None and b._job.buf.data_ptr() != a_buf.data_ptr()
+        b_ptr = b._job.buf.data_ptr()
+        assert w.takes(x) and pool.held == 0  # nothing finished: nothing went back
+        assert a.result().identical(compute_fingerprint(x, p))  # (this thread ran b first: newest first)
+        assert w.takes(x) and pool.held == 2 * 4096 * 4  # both finished: their buffers are idle
+        c = w.submit(x * 2, p, "c")
+        assert c._job.buf is not None and c._job.buf.data_ptr() in {a_buf.data_ptr(), b_ptr}
+        assert pool.held == 4096 * 4
+        assert c.result().identical(compute_fingerprint(x * 2, p)) and b.result().identical(a.result())
     finally:
         w.close()
+    assert pool.held == 2 * 4096 * 4  # all finished: close gave c's buffer back too
+
+
+def test_buffers_outlive_a_recording_within_the_pools_bound(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    pool = staging.StagingPool(keep=1 << 20)
+    monkeypatch.setattr(staging, "POOL", pool)
+    x, model = torch.randn(64, 64, generator=torch.Generator().manual_seed(2)), ManySizes()
+    worker, inline, n = _record_both(monkeypatch, tmp_path, model, (x,))
+    assert worker == inline and n >= 6
+    assert 0 < pool.held <= pool.keep  # kept for the next recording, within its bound
+    ptrs = {b.data_ptr() for bufs in pool._idle.values() for b in bufs}
+    got: list[int] = []
+    real = FingerprintWorker._copy
+
+    def spy(self: FingerprintWorker, t: torch.Tensor, nbytes: int) -> torch.Tensor:
+        buf = real(self, t, nbytes)
+        got.append(buf.data_ptr())
+        return buf
+
+    monkeypatch.setattr(FingerprintWorker, "_copy", spy)
+    again, _, _ = _record_both(monkeypatch, tmp_path, model, (x,))
+    assert again == worker and ptrs & set(got)  # the second recording reused kept buffers
+
+
+def test_the_staging_pool_keeps_recent_sizes_within_its_bound() -> None:
+    pool = staging.StagingPool(keep=10_000)
+    a, b, c = pool.take(4000), pool.take(3000), pool.take(3000)
+    assert a.dtype == torch.uint8 and a.numel() == 4000 and a.data_ptr() % 4096 == 0
+    a[:] = 7
+    pool.give(a)
+    pool.give(b)
+    pool.give(c)
+    assert pool.held == 10_000
+    assert pool.take(4000).data_ptr() == a.data_ptr() and pool.held == 6000
+    pool.give(a)
+    big = pool.take(9000)  # no idle buffer of that size: a new mapping
+    assert big.data_ptr() not in {a.data_ptr(), b.data_ptr(), c.data_ptr()}
+    pool.give(big)  # the other sizes go, oldest first, to make room
+    assert pool.held == 9000 and set(pool._idle) == {9000}
+    pool.give(pool.take(20_000))  # larger than the whole bound: not kept
+    assert pool.held == 9000
+    pool.clear()
+    assert pool.held == 0 and not pool._idle
 
 
 def test_a_job_queued_as_the_idle_thread_ends_gets_a_new_thread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -470,3 +521,46 @@ def test_a_job_queued_as_the_idle_thread_ends_gets_a_new_thread(monkeypatch: pyt
         assert second.result().shape == (1001,)
     finally:
         w.close()
+
+
+def test_submitting_makes_no_lock_and_every_waiter_wakes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lock per job, made in the hook and kept until the golden is written, pinned malloc's
+    heap between activations (fingerprint_worker._Job): submitting must make none. Waiters bring
+    their own, and the finishing thread releases each one, whenever it registered."""
+    import _thread
+
+    made: list[int] = []
+    real_lock = _thread.allocate_lock
+
+    def counting() -> Any:
+        made.append(1)
+        return real_lock()
+
+    monkeypatch.setattr(fingerprint_worker._thread, "allocate_lock", counting)
+    w, p = FingerprintWorker(), FingerprintParams()
+    try:
+        pending = [w.submit(torch.randn(2048), p, f"leaf {i}") for i in range(20)]
+        assert not made
+    finally:
+        for pend in pending:
+            pend.result()
+        w.close()
+    x = torch.randn(2048)
+    buf = torch.empty(x.numel() * 4, dtype=torch.uint8)
+    buf.view(torch.float32).copy_(x)
+    job = fingerprint_worker._Job(buf, p, buf.numel(), x.dtype, tuple(x.shape))
+    made.clear()
+    woke: list[int] = []
+    waiters = [threading.Thread(target=lambda k=k: (job.wait(), woke.append(k))) for k in range(3)]
+    for t in waiters:
+        t.start()
+    while len(job.waiters) < 3:
+        threading.Event().wait(0.001)  # until all three hold their lock
+    assert not woke  # nobody passes before the job is done
+    job.run()
+    for t in waiters:
+        t.join(timeout=10)  # (a waiter never released fails here, not hangs)
+    assert sorted(woke) == [0, 1, 2] and len(made) == 3
+    assert job.value is not None and job.value.identical(compute_fingerprint(x, p))
+    job.wait()  # finished: returns at once, without a lock
+    assert len(made) == 3
