@@ -98,8 +98,8 @@ class _Job:
     hook and kept until the golden was written, landed just past each activation in malloc's
     heap and kept the freed activations from merging: in some allocator states the heap then
     grew by every activation of the forward (188 MB and 49 K page faults on the wide benchmark;
-    docs/performance.md, "Page faults"). Waiting is rare (the writer, at the end, for a job the
-    worker is running), so its lock is made then."""
+    docs/performance.md, "ninth session: page faults"). Waiting is rare (the writer, at the
+    end, for a job the worker is running), so its lock is made then."""
 
     __slots__ = ("buf", "dtype", "error", "finished", "nbytes", "params", "shape", "value", "waiters")
 

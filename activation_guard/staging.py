@@ -5,9 +5,9 @@ than the model's activations allocated around it. Taken from malloc's heap (``to
 those buffers sat between the activations, and after anything that grew and shrank the heap (a
 full recording of 200 MB) the next recording's activations landed on fresh pages: 21-35 K page
 faults per recording of the ``wide`` benchmark, 30-65 ms on a 180 ms forward, in the runs that
-followed a full recording (docs/performance.md, "Page faults"). In mappings of their own they
-leave malloc's heap to the model, as in a plain forward; and kept for the next recording (at
-most ``KEEP`` bytes), a buffer pays its page faults once per process, not once per recording.
+followed a full recording (docs/performance.md, "ninth session: page faults"). In mappings of
+their own they leave malloc's heap to the model; and kept for the next recording (at most
+``KEEP`` bytes), a buffer pays its page faults once per process, not once per recording.
 
 A buffer comes back only when no kernel reads it any more (the worker's job finished), so a
 later copy can never overwrite values still being fingerprinted.
