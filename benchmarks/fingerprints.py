@@ -31,6 +31,11 @@ from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
+try:
+    import resource
+except ImportError:  # Windows: no page-fault counts
+    resource = None  # type: ignore[assignment]
+
 import torch
 
 import activation_guard as ag
@@ -82,11 +87,18 @@ def _worker(mode: str, fn: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
+
+
 def _interleaved(ops: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
-    """Median wall seconds per op, and its median process CPU seconds under ``"<op> cpu"``; each
-    repetition rotates the order (records before compares)."""
+    """Median wall seconds per op, its median process CPU seconds under ``"<op> cpu"`` and its
+    median minor page faults under ``"<op> faults"`` (docs/performance.md, "ninth session: page
+    faults": what ran before an op can make it fault, the forward not); each repetition rotates
+    the order (records before compares)."""
     times: dict[str, list[float]] = {k: [] for k in ops}
     cpu: dict[str, list[float]] = {k: [] for k in ops}
+    faults: dict[str, list[float]] = {k: [] for k in ops}
     names = list(ops)
     records = [n for n in names if not n.startswith("compare")]
     compares = [n for n in names if n.startswith("compare")]
@@ -94,12 +106,14 @@ def _interleaved(ops: dict[str, Callable[[], Any]], repeat: int) -> dict[str, fl
         for phase in (records, compares):
             k = r % len(phase)
             for name in phase[k:] + phase[:k]:
-                t0, c0 = time.perf_counter(), time.process_time()
+                f0, t0, c0 = _minor_faults(), time.perf_counter(), time.process_time()
                 ops[name]()
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
+                faults[name].append(_minor_faults() - f0)
     return {**{k: statistics.median(v) for k, v in times.items()},
-            **{f"{k} cpu": statistics.median(v) for k, v in cpu.items()}}
+            **{f"{k} cpu": statistics.median(v) for k, v in cpu.items()},
+            **{f"{k} faults": statistics.median(v) for k, v in faults.items()}}
 
 
 def measure(name: str, model: torch.nn.Module, args: tuple[Any, ...], d: str, repeat: int) -> dict[str, Any]:
@@ -162,6 +176,9 @@ def report(out: Callable[[str], None], name: str, note: str, r: dict[str, Any],
     f = fwd * 1e3
     out(f"   fp record inline {inl:7.1f} ms = {inl / f:.2f}x forward (CPU {ci:.0f} ms);  on the worker "
         f"{wrk:.1f} ms = {wrk / f:.2f}x (CPU {cw:.0f} ms);  auto: {r['auto']}")
+    if resource is not None:
+        out(f"   page faults      per run (median): forward {r['forward faults']:.0f}, fp record inline "
+            f"{r['record fp inline faults']:.0f}, on the worker {r['record fp worker faults']:.0f}")
     out(f"   forward          {fwd * 1e3:7.1f} ms;  fingerprint kernel alone {r['kernel'] * 1e3:.1f} ms "
         f"= {r['kernel'] / fwd:.2f}x forward ({r['kernel'] / max(r['elements'], 1) * 1e9:.1f} ns per element)")
     out(f"   kernel pass      {r['pass']};  torch ops {r['kernel torch'] * 1e3:.1f} ms = "

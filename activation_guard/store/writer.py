@@ -37,6 +37,7 @@ from .format import (
     json_bytes,
 )
 from .memory import TrimCounter
+from .pack import PackBuffer
 from .tempfiles import create_temp, default_mode
 
 WRITE_FIX = "free disk space or fix permissions, then re-record"
@@ -83,13 +84,11 @@ class _Reserved:
     """A pending fingerprint's place in a pack: filled, and its entry's checksum set, when the
     pack is written. Packs are written in order, so the file is the one an inline recording makes."""
 
-    __slots__ = ("entry", "nbytes", "pending")
+    __slots__ = ("entry", "nbytes", "offset", "pending")
 
     def __init__(self, pending: PendingLike, entry: dict[str, Any], nbytes: int):
         self.pending, self.entry, self.nbytes = pending, entry, nbytes
-
-    def __len__(self) -> int:
-        return self.nbytes
+        self.offset = -1  # in the pack, once placed
 
     def fill(self) -> bytes:
         raw = fpstore.encode(self.pending.result())
@@ -129,8 +128,8 @@ class GoldenWriter:
             ) from e
         self.calls: list[dict[str, Any]] = []
         self.backward: list[dict[str, Any]] = []  # gradients (issue 14), in backward execution order
-        self._pack: list[bytes | _Reserved] = []
-        self._pack_len = 0
+        self._pack = PackBuffer(PACK_BYTES)  # the current pack's bytes (pack.py: not one allocation per leaf)
+        self._reserved: list[_Reserved] = []  # places in it still to fill
         self._pack_id = 0
         self._data_id = 0
         self._packs_group: h5py.Group | None = None
@@ -144,15 +143,18 @@ class GoldenWriter:
 
     # -- leaves
     def _flush_pack(self) -> None:
-        if not self._pack:
+        if not self._pack.len:
             return
         if self._packs_group is None:
             self._packs_group = self.f.create_group("packs")
-        buf = np.frombuffer(b"".join([p.fill() if isinstance(p, _Reserved) else p for p in self._pack]), dtype=np.uint8)
+        for r in self._reserved:
+            self._pack.write_at(r.offset, r.fill())
+        self._reserved = []
+        buf = self._pack.view()
         self._packs_group.create_dataset(f"{self._pack_id:04d}", data=buf, track_times=False)
+        del buf  # (a view of the mapping)
         self._pack_id += 1
-        self._pack = []
-        self._pack_len = 0
+        self._pack.reset()
 
     def _write_tensor(self, t: torch.Tensor, pack_up_to: int = SMALL_LEAF_BYTES) -> dict[str, Any]:
         info = dtypes.info_for(t.dtype)
@@ -194,13 +196,15 @@ class GoldenWriter:
 
     def _pack_small(self, entry: dict[str, Any], raw: bytes | _Reserved) -> None:
         """Append a small leaf's bytes to the current pack; its location goes into ``entry``."""
-        nbytes = len(raw)
-        if self._pack_len + nbytes > PACK_BYTES:
+        nbytes = raw.nbytes if isinstance(raw, _Reserved) else len(raw)
+        if self._pack.len + nbytes > PACK_BYTES:
             self._flush_pack()
         entry["pack"] = self._pack_id
-        entry["offset"] = self._pack_len
-        self._pack.append(raw)
-        self._pack_len += nbytes
+        if isinstance(raw, _Reserved):
+            entry["offset"] = raw.offset = self._pack.reserve(nbytes)
+            self._reserved.append(raw)
+        else:
+            entry["offset"] = self._pack.append(raw)
 
     def _write_fingerprint(self, fp: Fingerprint | PendingLike) -> dict[str, Any]:
         """A fingerprint leaf: its blob goes into the packs (see :mod:`.fingerprints`); a pending
@@ -294,6 +298,7 @@ class GoldenWriter:
         the temp file is removed and the previous golden, if any, is left as it was."""
         try:
             self._flush_pack()
+            self._pack.close()
             if self.fingerprint_params is not None:  # the parameters every fingerprint here was taken with
                 meta = {**meta, fpstore.META_KEY: fpstore.meta_record(self.fingerprint_params,
                                                                       meta.get(fpstore.META_KEY))}
@@ -334,6 +339,7 @@ class GoldenWriter:
 
     def abort(self) -> None:
         """Drop the temp file; the target is untouched. Safe to call more than once."""
+        self._pack.close()
         if not self._closed:
             with contextlib.suppress(Exception):
                 self.f.close()
