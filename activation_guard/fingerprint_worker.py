@@ -178,11 +178,11 @@ class FingerprintWorker:
 
     The hook's thread takes no Python-level lock here: jobs sit in a deque (atomic appends and
     pops; whoever pops a job runs it), the worker is woken through a ``SimpleQueue`` (reentrant),
-    and completion is a plain lock per job. A Ctrl-C landing anywhere in the hook can leave
-    nothing held that :meth:`close` would then wait for; and a thread whose :meth:`close` never
-    ran ends after ``IDLE_EXIT`` seconds without work (any job it has not claimed is taken over
-    by the thread waiting for it). The copy buffers come from :data:`staging.POOL` and go back
-    to it, by the hook's thread, once their job is finished.
+    and a thread waiting for a job blocks on a plain lock of its own (:class:`_Job`). A Ctrl-C
+    landing anywhere in the hook can leave nothing held that :meth:`close` would then wait for;
+    and a thread whose :meth:`close` never ran ends after ``IDLE_EXIT`` seconds without work (any
+    job it has not claimed is taken over by the thread waiting for it). The copy buffers come from
+    :data:`staging.POOL` and go back to it, by the hook's thread, once their job is finished.
     """
 
     def __init__(self, max_pending: int | None = None):

@@ -15,29 +15,25 @@ later copy can never overwrite values still being fingerprinted.
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 
 import torch
 
+from .mapping import private_anonymous
+
 KEEP = 32 << 20  # bytes of idle buffers kept for later copies (the wide benchmark keeps 3-4 of 2 MB)
 
 
 def _new_mapping(nbytes: int) -> torch.Tensor:
-    """A fresh anonymous mapping as a uint8 tensor (which keeps the mapping alive), its pages
-    populated in one system call where the OS offers it rather than by one fault per page."""
-    populate = getattr(mmap, "MAP_POPULATE", 0)
-    if populate and hasattr(mmap, "MAP_ANONYMOUS"):
-        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
-    else:
-        m = mmap.mmap(-1, nbytes)
-    return torch.frombuffer(m, dtype=torch.uint8)
+    """A fresh private mapping as a uint8 tensor (which keeps the mapping alive), populated up front."""
+    return torch.frombuffer(private_anonymous(nbytes, populate=True), dtype=torch.uint8)
 
 
 class StagingPool:
-    """Idle copy buffers by exact size, within ``keep`` bytes (the sizes given back longest ago
-    go first); shared by the recordings of all threads, hence the lock."""
+    """Idle copy buffers by exact size, within ``keep`` bytes; to make room, whole sizes go, in
+    the order they were first given back (while they kept an idle buffer). Shared by the
+    recordings of all threads, hence the lock."""
 
     def __init__(self, keep: int = KEEP):
         self.keep = keep
@@ -84,6 +80,8 @@ POOL = StagingPool()
 
 def _after_fork_in_child() -> None:
     POOL.lock = threading.Lock()  # a fork while another thread held it would leave it held
+    POOL._idle.clear()  # private copies (mapping.py), but a child starts with nothing of its parent's
+    POOL.held = 0
 
 
 if hasattr(os, "register_at_fork"):

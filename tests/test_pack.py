@@ -3,6 +3,8 @@ mapping of the writer's own until their pack is written."""
 
 from __future__ import annotations
 
+import mmap
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import activation_guard as ag
+from activation_guard import staging
 from activation_guard.store import GoldenReader, writer
 from activation_guard.store.pack import PackBuffer
 
@@ -89,3 +92,38 @@ def test_goldens_spanning_many_packs_read_back(monkeypatch: pytest.MonkeyPatch, 
                 leaves += la.kind in ("tensor", "fingerprint")
         assert leaves >= 41
     assert ag.compare(model, (x,), path=small).ok
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("populate", [True, False])
+def test_mappings_are_private_to_a_forked_child(monkeypatch: pytest.MonkeyPatch, populate: bool) -> None:
+    """A shared mapping let two forked children take the same idle copy buffer and fingerprint each
+    other's values. Without MAP_POPULATE (Python 3.9, macOS) the mappings must still be private."""
+    if not populate:
+        monkeypatch.delattr(mmap, "MAP_POPULATE", raising=False)
+    pool = staging.StagingPool()
+    monkeypatch.setattr(staging, "POOL", pool)
+    copy = pool.take(4096)
+    copy[:] = 1
+    pool.give(copy)
+    pack = PackBuffer(64)
+    pack.append(b"parent")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: writes into its copies of both, and reports what its pool holds
+        try:
+            os.close(r)
+            held = staging.POOL.held + len(staging.POOL._idle)
+            copy[:] = 2
+            pack.write_at(0, b"child!")
+            os.write(w, str(held).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        child_held = int(f.read() or -1)
+    os.waitpid(pid, 0)
+    assert child_held == 0  # a child starts with an empty pool (nothing held, no idle buffer)
+    assert int(copy.min()) == int(copy.max()) == 1
+    assert pack.view().tobytes() == b"parent"
+    assert pool.take(4096).data_ptr() == copy.data_ptr()  # the parent's pool is as it was

@@ -5,8 +5,9 @@ written. Kept as one ``bytes`` object per leaf, made in the forward hooks betwee
 activations, they split the activations' freed blocks in malloc's heap, so that the next
 activations came from fresh memory: an inline recording of the ``wide`` benchmark with
 fingerprints faulted ~32 K pages per run where the plain forward faulted none
-(docs/performance.md, "ninth session: page faults"). Copied into an anonymous mapping of the
-writer's own, each leaf's bytes are temporary: malloc reuses their block for the next leaf.
+(docs/performance.md, "ninth session: page faults"). Copied into a private anonymous mapping of
+the writer's own (:mod:`activation_guard.mapping`), each leaf's bytes are temporary: malloc
+reuses their block for the next leaf.
 
 Only the pages written become resident; the mapping is reused for every pack of the golden and
 unmapped when the writer closes.
@@ -18,6 +19,8 @@ import contextlib
 import mmap
 
 import numpy as np
+
+from ..mapping import private_anonymous
 
 
 class PackBuffer:
@@ -34,7 +37,7 @@ class PackBuffer:
         need = self.len + nbytes
         if self._mm is None or need > self._size:
             size = max(need, self.capacity if self._mm is None else 2 * self._size)
-            grown = mmap.mmap(-1, size)
+            grown = private_anonymous(size)
             if self._mm is not None:
                 grown[: self.len] = self._mm[: self.len]
                 self._mm.close()
