@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from .leaves import version_counter
 from .selection import few
 
 # copies of buffers to look for in-place writes (BatchNorm updates its running statistics in its
@@ -55,15 +56,8 @@ def versions(modules: Modules) -> dict[str, Snapshot]:
                 budget -= raw.numel()
         except (RuntimeError, TypeError):  # a tensor subclass, an odd layout: by its counter only
             copy = None
-        out[name] = (id(buf), _version(buf), copy)
+        out[name] = (id(buf), version_counter(buf), copy)
     return out
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return int(t._version)
-    except (AttributeError, RuntimeError):  # inference-mode tensors have no version counter
-        return None
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor | None:
@@ -82,7 +76,7 @@ def _changed(buf: torch.Tensor, was: Snapshot) -> bool:
             return now is None or now.numel() != copy.numel() or not torch.equal(now, copy)
         if id(buf) != ident:
             return True
-        return version is not None and _version(buf) != version
+        return version is not None and version_counter(buf) != version
     except (RuntimeError, TypeError):
         return False
 

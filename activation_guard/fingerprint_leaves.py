@@ -13,15 +13,20 @@ store adds the parameters (:mod:`activation_guard.store.fingerprints`).
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Union
+
+import torch
 
 from . import native, switches
-from .fingerprint import FingerprintParams, should_fingerprint
-from .fingerprint_worker import FingerprintWorker, inline_or_queued, wanted
-from .leaves import Leaf
+from .fingerprint import Fingerprint, FingerprintParams, should_fingerprint
+from .fingerprint_worker import FingerprintWorker, PendingFingerprint, inline_or_queued, wanted
+from .leaves import Leaf, is_plain_tensor, version_counter
 from .selection import match_any
 from .spec import RecordSpec
 from .store.fingerprints import META_KEY
+
+Taken = Union[Fingerprint, PendingFingerprint]  # (a runtime alias: Python 3.9 has no X | Y there)
 
 
 class Fingerprinter:
@@ -38,6 +43,9 @@ class Fingerprinter:
         self.fingerprinted = 0  # leaves stored as fingerprints
         self.raw_bytes = 0  # the bytes those leaves' values would have taken
         self.matched: set[str] = set()  # globs that named at least one layer
+        # id -> (the tensor, its version, where its values are, and its fingerprint): see _taken
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[Any, ...], Taken]] = {}
+        self.reused = 0  # leaves whose fingerprint was taken once already in this recording
 
     @classmethod
     def for_spec(cls, spec: RecordSpec) -> Fingerprinter | None:
@@ -62,7 +70,10 @@ class Fingerprinter:
         for leaf in leaves:
             t = leaf.tensor
             if leaf.kind == "tensor" and t is not None and should_fingerprint(t, self.params):
-                fp = inline_or_queued(self.worker, t, self.params, f"{where or repr(name)} path {leaf.path!r}")
+                fp = self._taken(t)
+                if fp is None:
+                    fp = inline_or_queued(self.worker, t, self.params, f"{where or repr(name)} path {leaf.path!r}")
+                    self._remember(t, fp)
                 self.fingerprinted += 1
                 self.raw_bytes += t.numel() * t.element_size()
                 out.append(Leaf(leaf.path, "fingerprint", type_name=leaf.type_name, legacy_path=leaf.legacy_path,
@@ -71,8 +82,31 @@ class Fingerprinter:
                 out.append(leaf)
         return out
 
+    def _taken(self, t: torch.Tensor) -> Taken | None:
+        """The fingerprint already taken of this very tensor, unchanged since (same object, same
+        version counter, same memory and layout), or None. A layer that hands its child's output
+        on (dropout in eval mode, a block returning its last projection) stores the same values
+        again: on GPT-2 small 51 of 174 fingerprinted leaves. Its blob is stored again, byte for
+        byte, without a second copy and kernel. The version counter is the one the recorder's input
+        aliases trust: a write that bypasses it (``.data``, numpy) between the two hooks leaves the
+        second leaf with the first one's fingerprint, which a later compare reports as a change."""
+        hit = self._seen.get(id(t))
+        if hit is None:
+            return None
+        ref, version, where, fp = hit
+        if ref() is not t or version_counter(t) != version or _where(t) != where:
+            return None
+        self.reused += 1
+        return fp
+
+    def _remember(self, t: torch.Tensor, fp: Taken) -> None:
+        version = version_counter(t)
+        if version is not None and is_plain_tensor(t):  # (weak references and a counter to trust)
+            self._seen[id(t)] = (weakref.ref(t), version, _where(t), fp)
+
     def close(self) -> None:
         """Stop the worker thread, if one was started (the recording is committed or aborted)."""
+        self._seen.clear()
         if self.worker is not None:
             self.worker.close()
 
@@ -85,6 +119,11 @@ class Fingerprinter:
         if isinstance(self.layers, bool):
             return []
         return [p for p in self.layers if p not in self.matched]
+
+
+def _where(t: torch.Tensor) -> tuple[Any, ...]:
+    """Where a tensor's values are, and in what layout: the same object may be resized in place."""
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.is_conj(), t.is_neg(), t.device)
 
 
 def meta_entry(fingerprinter: Fingerprinter | None) -> dict[str, Any]:

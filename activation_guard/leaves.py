@@ -346,6 +346,15 @@ class UnsupportedTensorError(ActivationGuardError, TypeError):
         return UnsupportedTensorError(f"{where}: {what} is {self}")
 
 
+def version_counter(t: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter: what tells an unchanged tensor from one written in
+    place since (None for inference tensors, and anything else without one)."""
+    try:
+        return int(t._version)
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def is_plain_tensor(t: Any) -> bool:
     """A plain strided tensor on a real device: its own leaf, as is (the common case, decided
     without the walker: most layers take and return one such tensor)."""

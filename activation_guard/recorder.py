@@ -23,16 +23,16 @@ import torch
 from .capture import Frame
 from .errors import ActivationGuardError
 from .fingerprint_leaves import Fingerprinter
-from .leaves import Leaf, LeafTransform, UnsupportedTensorError, flatten, flatten_inputs, is_plain_tensor
+from .leaves import (
+    Leaf,
+    LeafTransform,
+    UnsupportedTensorError,
+    flatten,
+    flatten_inputs,
+    is_plain_tensor,
+    version_counter,
+)
 from .store import GoldenWriter
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """The tensor's in-place version counter (None for inference tensors, which have none)."""
-    try:
-        return int(t._version)
-    except RuntimeError:
-        return None
 
 
 class _Stored:
@@ -42,7 +42,7 @@ class _Stored:
 
     def __init__(self, t: torch.Tensor, name: str, call: int, section: str, path: str, fingerprint: bool = False):
         self.ref = weakref.ref(t)
-        self.version = _version(t)
+        self.version = version_counter(t)
         self.name, self.call, self.section, self.path = name, call, section, path
         self.fingerprint = fingerprint  # stored as a fingerprint: a full copy stored later is preferred
         self.frame: int | None = None  # an input of a call still running (its number may change): id of its frame
@@ -169,7 +169,7 @@ class Recorder:
 
     def _alias(self, t: torch.Tensor) -> dict[str, Any] | None:
         s = self._stored.get(id(t))
-        if s is None or s.ref() is not t or s.version is None or s.version != _version(t):
+        if s is None or s.ref() is not t or s.version is None or s.version != version_counter(t):
             return None
         return {"name": s.name, "call": s.call, "section": s.section, "of": s.path}
 

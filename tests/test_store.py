@@ -338,9 +338,9 @@ def _run_isolated(code: str) -> str:
 
 
 def test_store_is_the_bottom_layer():
-    """The store imports only ``dtypes``, ``errors``, ``gcpause`` and ``slots`` (standard library only) and the
-    fingerprint value type from the package: never capture, the comparator, the API or the pytest
-    layer (or pytest itself)."""
+    """The store imports only ``dtypes``, ``errors``, ``gcpause``, ``slots`` and ``mapping``
+    (standard library only) and the fingerprint value type from the package: never capture, the
+    comparator, the API or the pytest layer (or pytest itself)."""
     code = (
         "import sys, activation_guard\n"
         "before = set(sys.modules)\n"
@@ -366,6 +366,7 @@ def test_store_is_the_bottom_layer():
         "activation_guard.lru",  # the kernel's caches (standard library only)
         "activation_guard.switches",  # the compiled pass's environment switch (errors only)
         "activation_guard.seeded_hash",
+        "activation_guard.mapping",  # private memory mappings for the pack (standard library only)
     }
     assert {"activation_guard.store.writer", "activation_guard.store.safety"} <= added  # the import ran here
     assert has_pytest == "False"
