@@ -86,7 +86,7 @@ class Fingerprinter:
         """The fingerprint already taken of this very tensor, unchanged since (same object, same
         version counter, same memory and layout), or None. A layer that hands its child's output
         on (dropout in eval mode, a block returning its last projection) stores the same values
-        again: on GPT-2 small 51 of 174 fingerprinted leaves. Its blob is stored again, byte for
+        again: on GPT-2 small 49 of 174 fingerprinted leaves. Its blob is stored again, byte for
         byte, without a second copy and kernel. The version counter is the one the recorder's input
         aliases trust: a write that bypasses it (``.data``, numpy) between the two hooks leaves the
         second leaf with the first one's fingerprint, which a later compare reports as a change."""

@@ -288,7 +288,7 @@ class FingerprintWorker:
             with contextlib.suppress(RuntimeError):  # "cannot join thread before it is started"
                 self._thread.join()
             self._thread = None
-        for job in self._live:  # the kernels are done with these; one a Ctrl-C cut short keeps its buffer
+        for job in self._live:  # finished (a kernel a Ctrl-C stopped too): back; an unfinished one's goes with it
             if job.finished:
                 self._release(job)
         self._live.clear()

@@ -3,10 +3,10 @@
 A snapshot lives from the hook that copies a leaf until the worker has fingerprinted it: longer
 than the model's activations allocated around it. Taken from malloc's heap (``torch.empty``),
 those buffers sat between the activations, and after anything that grew and shrank the heap (a
-full recording of 200 MB) the next recording's activations landed on fresh pages: 21-35 K page
-faults per recording of the ``wide`` benchmark, 30-65 ms on a 180 ms forward, in the runs that
-followed a full recording (docs/performance.md, "ninth session: page faults"). In mappings of
-their own they leave malloc's heap to the model; and kept for the next recording (at most
+full recording of 200 MB) the next recording's activations landed on fresh pages: page faults
+that cost the ``wide`` benchmark tens of milliseconds per recording (docs/performance.md,
+"ninth session: page faults"; with the per-job locks of that time, 45-49 K faults). In mappings
+of their own they leave malloc's heap to the model; and kept for the next recording (at most
 ``KEEP`` bytes), a buffer pays its page faults once per process, not once per recording.
 
 A buffer comes back only when no kernel reads it any more (the worker's job finished), so a
@@ -22,7 +22,7 @@ import torch
 
 from .mapping import private_anonymous
 
-KEEP = 32 << 20  # bytes of idle buffers kept for later copies (the wide benchmark keeps 3-4 of 2 MB)
+KEEP = 32 << 20  # bytes of idle buffers kept for later copies (the wide benchmark keeps a few of 2 MiB)
 
 
 def _new_mapping(nbytes: int) -> torch.Tensor:
@@ -57,9 +57,9 @@ class StagingPool:
         """Take back a buffer from :meth:`take` that nothing reads or writes any more; dropped
         (unmapped once unreferenced) when keeping it would pass ``keep``."""
         size = buf.numel()
-        if size > self.keep:
-            return
         with self.lock:
+            if size * (len(self._idle.get(size, ())) + 1) > self.keep:
+                return  # that size alone would pass the bound: evict nothing for it
             for other in [s for s in self._idle if s != size]:  # oldest sizes first (insertion order)
                 if self.held + size <= self.keep:
                     break

@@ -564,3 +564,13 @@ def test_submitting_makes_no_lock_and_every_waiter_wakes(monkeypatch: pytest.Mon
     assert job.value is not None and job.value.identical(compute_fingerprint(x, p))
     job.wait()  # finished: returns at once, without a lock
     assert len(made) == 3
+
+
+def test_a_size_that_cannot_fit_evicts_nothing() -> None:
+    pool = staging.StagingPool(keep=10)
+    one, four_a, four_b, four_c = pool.take(1), pool.take(4), pool.take(4), pool.take(4)
+    for b in (one, four_a, four_b):
+        pool.give(b)
+    assert pool.held == 9
+    pool.give(four_c)  # a third 4 would pass the bound even alone: dropped, and the 1 stays
+    assert pool.held == 9 and sorted(pool._idle) == [1, 4] and len(pool._idle[4]) == 2
