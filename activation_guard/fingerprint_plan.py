@@ -158,9 +158,15 @@ def plan_for(dtype: torch.dtype, numel: int, params: FingerprintParams, chunk: i
     return plan
 
 
-def takes(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory is its values in logical order, where a plan (or the worker's
-    ``memmove``) can read them: a real pointer into storage that holds them all."""
+def in_order(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds its values in logical order, as a plan reads them: a plain,
+    contiguous, aligned CPU tensor of a plan's dtype, not lazily conjugated or negated. Says
+    nothing of its storage: :func:`takes` adds that check."""
     return (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == "cpu" and t.dtype in _REAL
-            and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-            and t.data_ptr() % t.element_size() == 0 and storage_holds(t))
+            and t.is_contiguous() and not t.is_conj() and not t.is_neg() and t.data_ptr() % t.element_size() == 0)
+
+
+def takes(t: torch.Tensor) -> bool:
+    """Whether a plan can read ``t``: its values in order (:func:`in_order`) at a real pointer
+    into storage that holds them all."""
+    return in_order(t) and storage_holds(t)
