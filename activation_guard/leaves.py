@@ -25,6 +25,10 @@ first occurrence and is never walked again. Anything else (a KV-cache object, a 
 ``object`` leaf recorded by type name only; reports count those, so "OK" never hides a value that
 was not compared. Path components are spelled by :mod:`.leaf_paths`; the way back (values into
 structures) is :mod:`.rebuild`.
+
+About 410 lines, a little over the ~400 we aim for: the walker covers every kind of value above in
+one pass, and beside it sit the two tensor predicates the recording path shares
+(:func:`is_plain_tensor`, :func:`version_counter`), which would otherwise be copied per module.
 """
 
 from __future__ import annotations
