@@ -17,14 +17,14 @@ path, whatever their keys' types. Path components (documented in docs/format.md)
 Values: tensors (sparse, quantized and nested ones reduced to what they hold; a wrapper subclass
 such as ``TwoTensor`` to its class under ``#type``, the tensors its ``__tensor_flatten__`` names
 and its metadata under ``#ctx``), numpy arrays and numpy scalars (stored by value with their
-dtype, like tensors), Python numbers (0-d tensors), strings, ``None``, and as text torch dtypes,
-devices, layouts and memory formats (their ``repr``), enum members (class, name and value) and
-``bytes`` (hex, or SHA-256 beyond 4 KiB). A container reached a second time (a repeated
-reference, or a cycle such as ``d["self"] = d``) becomes a ``ref`` leaf naming the path of its
-first occurrence and is never walked again. Anything else (a KV-cache object, a generator) is an
-``object`` leaf recorded by type name only; reports count those, so "OK" never hides a value that
-was not compared. Path components are spelled by :mod:`.leaf_paths`; the way back (values into
-structures) is :mod:`.rebuild`.
+dtype, like tensors), Python numbers (0-d tensors, one shared per value: :mod:`.scalars`),
+strings, ``None``, and as text torch dtypes, devices, layouts and memory formats (their ``repr``),
+enum members (class, name and value) and ``bytes`` (hex, or SHA-256 beyond 4 KiB). A container
+reached a second time (a repeated reference, or a cycle such as ``d["self"] = d``) becomes a
+``ref`` leaf naming the path of its first occurrence and is never walked again. Anything else (a
+KV-cache object, a generator) is an ``object`` leaf recorded by type name only; reports count
+those, so "OK" never hides a value that was not compared. Path components are spelled by
+:mod:`.leaf_paths`; the way back (values into structures) is :mod:`.rebuild`.
 
 About 410 lines, a little over the ~400 we aim for: the walker covers every kind of value above in
 one pass, and beside it sit the two tensor predicates the recording path shares
@@ -57,6 +57,7 @@ from .leaf_paths import (
     join_path,
     legacy_key,
 )
+from .scalars import number_tensor
 
 if TYPE_CHECKING:
     from .fingerprint import Fingerprint
@@ -241,16 +242,16 @@ class _Walker:
 
     def number(self, obj: bool | int | float | complex, path: str, legacy: str | None) -> None:
         if isinstance(obj, bool):
-            self.leaf(path, legacy, "tensor", tensor=torch.tensor(obj), type_name="bool")
+            self.leaf(path, legacy, "tensor", tensor=number_tensor(obj), type_name="bool")
         elif isinstance(obj, int):
             if -(2**63) <= obj < 2**63:
-                self.leaf(path, legacy, "tensor", tensor=torch.tensor(obj, dtype=torch.int64), type_name="int")
+                self.leaf(path, legacy, "tensor", tensor=number_tensor(obj), type_name="int")
             else:
                 self.leaf(path, legacy, "str", type_name="int", value=str(obj))
         elif isinstance(obj, float):
-            self.leaf(path, legacy, "tensor", tensor=torch.tensor(obj, dtype=torch.float64), type_name="float")
+            self.leaf(path, legacy, "tensor", tensor=number_tensor(obj), type_name="float")
         else:
-            self.leaf(path, legacy, "tensor", tensor=torch.tensor(obj, dtype=torch.complex128), type_name="complex")
+            self.leaf(path, legacy, "tensor", tensor=number_tensor(obj), type_name="complex")
 
     def numpy(self, obj: np.ndarray | np.generic, path: str, legacy: str | None) -> None:
         name = f"numpy.{type(obj).__name__}"

@@ -36,7 +36,7 @@ import torch
 from . import switches
 
 SOURCE = Path(__file__).with_name("csrc") / "fpchunk.c"
-VERSION = 6  # ag_version() of the source this module speaks to
+VERSION = 7  # ag_version() of the source this module speaks to
 ENV = "ACTIVATION_GUARD_NATIVE"
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu99", "-Wno-psabi"]
 _P = ctypes.c_void_p
@@ -47,13 +47,17 @@ _ARGTYPES = [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P]
 @dataclass(frozen=True, eq=False)  # hashed by identity: plans are cached per library
 class Native:
     """The loaded library's entry points: a chunk of float32 or float64 values, the fold, a whole
-    leaf (``ag_leaf``), and which vector width they use."""
+    leaf (``ag_leaf``), the worker's copy (``ag_copy``), and which vector width they use."""
 
     f32: Callable[..., None]
     f64: Callable[..., None]
     fold_fn: Callable[..., None]
     leaf_fn: Callable[..., None]  # ag_leaf: called by fingerprint_plan.LeafPlan, which checks its arguments
     simd: int  # ag_simd(): which chunk functions ag_leaf calls (all compute the same bits)
+    # ag_copy(dst, src, n) as a PYFUNCTYPE function, which keeps the GIL: the fingerprint worker's
+    # snapshot, on the forward's thread (fingerprint_worker.FingerprintWorker._copy says why)
+    copy_fn: Callable[[int, int, int], None]
+    lib: ctypes.CDLL  # keeps the library mapped for copy_fn, which holds only its address
 
     def chunk(self, x: torch.Tensor, rows: int, buckets: int, w: torch.Tensor, route: torch.Tensor,
               routed: torch.Tensor, stats: torch.Tensor, scratch: torch.Tensor) -> None:
@@ -166,11 +170,15 @@ def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
         leaf = dll.ag_leaf
         leaf.argtypes = [_I, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P]
         leaf.restype = None
+        address = ctypes.cast(dll.ag_copy, _P).value
+        if not address:
+            raise AttributeError("ag_copy has no address")
+        copy = ctypes.PYFUNCTYPE(None, _P, _P, _I)(address)
     except _BuildError as e:
         return None, f"the build with {cc} failed: {e}"
     except (OSError, AttributeError) as e:  # no writable temporary folder, a noexec one, a missing symbol
         return None, f"the build with {cc} could not be loaded: {e}"
-    return Native(fns[0], fns[1], fold, leaf, simd), f"built with {cc}{_SIMD_SAYS[simd]}"
+    return Native(fns[0], fns[1], fold, leaf, simd, copy, dll), f"built with {cc}{_SIMD_SAYS[simd]}"
 
 
 # ag_simd(): the widest vector functions the CPU runs and the build has (all compute the same bits)

@@ -111,7 +111,7 @@ class Recorder:
             mine = self._inputs_of.setdefault(id(frame), [])
             self._assumed[id(frame)] = call
             for leaf, kept in zip(leaves, stored):
-                if leaf.kind == "tensor" and leaf.tensor is not None:
+                if leaf.kind == "tensor" and leaf.tensor is not None and leaf.type_name == "Tensor":
                     self._remember(leaf.tensor, frame.name, call, "in", leaf.path, kept.kind == "fingerprint",
                                    frame=id(frame))
                     mine.append(id(leaf.tensor))
@@ -175,7 +175,10 @@ class Recorder:
 
     def _remember(self, t: torch.Tensor, name: str, call: int, section: str, path: str,
                   fingerprint: bool = False, *, frame: int | None = None) -> None:
-        """``frame``: the inputs of a call still running (its number is settled when it returns)."""
+        """``frame``: the inputs of a call still running (its number is settled when it returns).
+        Callers pass tensors the model handed over (type ``Tensor``) only: a Python number's tensor
+        is one shared per value (:mod:`.scalars`), and a numpy value's a fresh copy, so neither
+        can be the same value passed on."""
         old = self._stored.get(id(t))
         # a full copy beats a fingerprint (a Sequential returns its last child's output object)
         if old is None or old.ref() is not t or (old.fingerprint and not fingerprint):
@@ -206,7 +209,7 @@ class Recorder:
             raise ActivationGuardError(f"recording layer {name or '<root>'!r} call {call} failed: {e}") from e
         if self.inputs:
             for leaf, kept in zip(leaves, stored):
-                if leaf.kind == "tensor" and leaf.tensor is not None:
+                if leaf.kind == "tensor" and leaf.tensor is not None and leaf.type_name == "Tensor":
                     self._remember(leaf.tensor, name, call, "out", leaf.path, kept.kind == "fingerprint")
         if call == 0:
             self.names.append(name)

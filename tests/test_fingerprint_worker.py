@@ -9,6 +9,7 @@ the worker, a forward that raises, the memory bound, and that no thread outlives
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -24,7 +25,7 @@ from models import one_thread
 from torch import nn
 
 import activation_guard as ag
-from activation_guard import fingerprint_leaves, fingerprint_worker, staging
+from activation_guard import fingerprint_leaves, fingerprint_worker, native, staging
 from activation_guard.errors import ActivationGuardError, OptionError
 from activation_guard.fingerprint import FingerprintParams, compute_fingerprint
 from activation_guard.fingerprint_worker import FingerprintWorker, PendingFingerprint
@@ -574,3 +575,39 @@ def test_a_size_that_cannot_fit_evicts_nothing() -> None:
     assert pool.held == 9
     pool.give(four_c)  # a third 4 would pass the bound even alone: dropped, and the 1 stays
     assert pool.held == 9 and sorted(pool._idle) == [1, 4] and len(pool._idle[4]) == 2
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_the_copy_is_the_compiled_streaming_one_when_built(monkeypatch: pytest.MonkeyPatch, built: bool) -> None:
+    """With the library built, the snapshot goes through ``ag_copy`` (streaming stores); without it,
+    through libc's memmove; the fingerprint is the same either way, and later writes miss it."""
+    fast = native.get()
+    if built and fast is None:
+        pytest.skip(f"no compiled pass here: {native.status()}")
+    calls: list[str] = []
+
+    def counted(which: str, fn: Callable[[int, int, int], object]) -> Callable[[int, int, int], object]:
+        def copy(dst: int, src: int, n: int) -> object:
+            calls.append(which)
+            return fn(dst, src, n)
+        return copy
+
+    if built:
+        assert fast is not None
+        monkeypatch.setattr(native, "get", lambda: dataclasses.replace(fast, copy_fn=counted("ag_copy", fast.copy_fn)))
+    else:
+        monkeypatch.setattr(native, "get", lambda: None)
+    if fingerprint_worker._MEMMOVE is not None:
+        monkeypatch.setattr(fingerprint_worker, "_MEMMOVE", counted("memmove", fingerprint_worker._MEMMOVE))
+    t = torch.randn(300, 301, dtype=torch.float64)  # 722,400 bytes: past the streaming threshold, a ragged tail
+    want = compute_fingerprint(t)
+    w = FingerprintWorker()
+    try:
+        pending = w.submit(t, FingerprintParams(), "leaf")
+        t.mul_(2.0)
+        got = pending.result()
+    finally:
+        w.close()
+    assert got.identical(want)
+    expected = "ag_copy" if built else "memmove"
+    assert calls == ([expected] if built or fingerprint_worker._MEMMOVE is not None else [])

@@ -390,3 +390,29 @@ def test_goldens_cross_between_the_two_passes(tmp_path: Path, monkeypatch: pytes
         assert not report.ok and first is not None and first.name == "b", str(report)
     monkeypatch.undo()
     native.reset()
+
+
+@pytest.fixture(scope="module")
+def copy_builds() -> list[native.Native]:
+    """The copy with streaming stores (this process's build) and without (``-DAG_NO_STREAM``)."""
+    plain, why = native.build(("-DAG_NO_STREAM",))
+    fast = native.get()
+    assert plain is not None and fast is not None, why
+    return [fast, plain]
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(n=st.one_of(st.integers(0, 200), st.integers(65536 - 70, 65536 + 70), st.integers(0, 300_000)),
+       src_off=st.integers(0, 63), dst_off=st.integers(0, 63), seed=st.integers(0, 2**16))
+def test_the_workers_copy_puts_every_byte_in_place(copy_builds: list[native.Native], n: int, src_off: int,
+                                                    dst_off: int, seed: int) -> None:
+    """``ag_copy`` at any alignment and length (its aligned head, the streamed blocks and the tail),
+    streaming or not: exactly the n bytes land, nothing beside them is touched."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, 256, (n + 64,), dtype=torch.uint8, generator=g)
+    for lib in copy_builds:
+        dst = torch.full((n + 192,), 0xA5, dtype=torch.uint8)
+        lib.copy_fn(dst.data_ptr() + 64 + dst_off, src.data_ptr() + src_off, n)
+        assert torch.equal(dst[64 + dst_off : 64 + dst_off + n], src[src_off : src_off + n])
+        assert bool((dst[: 64 + dst_off] == 0xA5).all()) and bool((dst[64 + dst_off + n :] == 0xA5).all())
