@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from queue import SimpleQueue
 from typing import Any
 
 import pytest
@@ -611,3 +612,43 @@ def test_the_copy_is_the_compiled_streaming_one_when_built(monkeypatch: pytest.M
     assert got.identical(want)
     expected = "ag_copy" if built else "memmove"
     assert calls == ([expected] if built or fingerprint_worker._MEMMOVE is not None else [])
+
+
+def test_the_worker_is_woken_per_batch_of_copies_not_per_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each wake-up costs the forward a thread switch: the worker is woken once WAKE_BYTES of copies
+    wait, runs every queued job, and is woken for the rest when a result is wanted. Every job runs
+    exactly once, and each result is the inline fingerprint."""
+    t = torch.randn(256, 256)  # 256 KiB
+    monkeypatch.setattr(fingerprint_worker, "WAKE_BYTES", 3 * t.numel() * t.element_size())
+    monkeypatch.setattr(fingerprint_worker, "IDLE_EXIT", 60.0)  # no wake-up by the idle timeout here
+    runs: list[int] = []
+    real_run = fingerprint_worker._Job.run
+
+    def counted(job: Any) -> None:
+        runs.append(id(job))
+        real_run(job)
+
+    monkeypatch.setattr(fingerprint_worker._Job, "run", counted)
+    wakes: list[bool] = []
+
+    class Counted(SimpleQueue):  # type: ignore[type-arg]
+        def put(self, go: bool, block: bool = True, timeout: float | None = None) -> None:
+            wakes.append(go)
+            super().put(go, block, timeout)
+
+    w, p = FingerprintWorker(), FingerprintParams()
+    w._wake = Counted()
+    try:
+        xs = [t * (i + 1) for i in range(7)]
+        pending = []
+        for i, x in enumerate(xs):
+            pending.append(w.submit(x, p, f"leaf {i}"))
+            assert wakes == [True] * ((i + 1) // 3), i  # woken at the third and the sixth copy only
+        got = [q.result() for q in pending]
+        assert wakes[:3] == [True, True, True]  # the seventh: woken when its result was wanted
+        assert sorted(runs) == sorted(id(q._job) for q in pending)  # each job ran once, by someone
+        for x, fp in zip(xs, got):
+            assert fp.identical(compute_fingerprint(x))
+    finally:
+        w.close()
+    assert wakes[-1] is False
