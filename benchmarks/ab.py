@@ -10,6 +10,11 @@ call above the plain forward, from CPU time of this thread (steadier than wall t
 tenants take the CPU) and wall time, as the minimum and the 25th percentile of the repetitions.
 
     python benchmarks/ab.py OLD_CHECKOUT NEW_CHECKOUT [--layers 1500] [--repeat 30] [--workload llama]
+    python benchmarks/ab.py OLD_CHECKOUT NEW_CHECKOUT --fingerprint gpt2|wide [--repeat 15] [--quick]
+
+``--fingerprint``: a recording with fingerprints on the worker thread (issue 15's 1.3x target),
+as a multiple of the plain forward, from wall-time medians (the worker's CPU time is on another
+thread); ``gpt2`` is benchmarks/fingerprints.py's GPT-2-small-shaped model, ``wide`` run.py's.
 
 e.g. ``git worktree add /tmp/old HEAD~1 && python benchmarks/ab.py /tmp/old .``.
 """
@@ -49,11 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--workload", choices=("deep", "llama"), default="deep",
                     help="deep (per-call cost) or llama (a tiny transformers Llama: mixed sizes, 58 calls)")
+    ap.add_argument("--fingerprint", choices=("gpt2", "wide"), default=None,
+                    help="time record(fingerprint=True) on the worker thread instead, as a multiple of the forward")
+    ap.add_argument("--quick", action="store_true", help="with --fingerprint: tiny sizes (a smoke test)")
     a = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
     sys.path.insert(0, HERE)
+    if a.fingerprint is not None:
+        return _fingerprint_ab(a)
     from run import deep, transformer
 
     w = deep(False, a.layers) if a.workload == "deep" else transformer()
@@ -88,6 +98,53 @@ def main(argv: list[str] | None = None) -> int:
         o = _q(cpu[f"{op} old"], 0.25) - _q(cpu["forward"], 0.25)
         n = _q(cpu[f"{op} new"], 0.25) - _q(cpu["forward"], 0.25)
         print(f"   {op}: new / old = {n / o:.2f}x (CPU time, 25th percentiles)")
+    return 0
+
+
+def _fingerprint_ab(a: argparse.Namespace) -> int:
+    import statistics
+
+    import torch
+
+    os.environ["ACTIVATION_GUARD_FINGERPRINT_WORKER"] = "on"  # what ``auto`` picks with a core free
+    if a.fingerprint == "gpt2":
+        from fingerprints import gpt2_small
+
+        name, model, args, note = gpt2_small(a.quick)
+    else:
+        from run import wide
+
+        w = wide(a.quick)
+        name, model, args, note = w.name, w.model, w.args, w.note
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(*args)
+
+    with tempfile.TemporaryDirectory() as d:
+        sys.path.insert(0, d)
+        pkgs = {"old": _load(a.old, "ag_ab_old", d), "new": _load(a.new, "ag_ab_new", d)}
+        ops: dict[str, Callable[[], Any]] = {"forward": forward}
+        for k, m in pkgs.items():
+            golden = os.path.join(d, f"{k}.h5")
+            ops[k] = lambda m=m, golden=golden: m.record(model, args, path=golden, fingerprint=True)
+            ops[k]()  # builds the compiled pass, fills the copy-buffer pool
+            if not m.compare(model, args, path=golden).ok:
+                raise SystemExit(f"{k}: compare against its own fresh golden failed")
+        wall: dict[str, list[float]] = {k: [] for k in ops}
+        names = list(ops)
+        for i in range(a.repeat):
+            for k in (names if i % 2 == 0 else names[::-1]):
+                t = time.perf_counter()
+                ops[k]()
+                wall[k].append(time.perf_counter() - t)
+    f = statistics.median(wall["forward"])
+    print(f"{name}: {note}; record with fingerprints on the worker, {a.repeat} repetitions alternated (wall medians)")
+    print(f"   forward {f * 1e3:8.1f} ms")
+    for k in pkgs:
+        r = statistics.median(wall[k])
+        print(f"   record {k:<4} {r * 1e3:7.1f} ms = {r / f:.3f}x the forward")
+    print(f"   new / old = {statistics.median(wall['new']) / statistics.median(wall['old']):.3f}x")
     return 0
 
 

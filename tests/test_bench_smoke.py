@@ -114,3 +114,13 @@ def test_instruction_count_script_child_and_refusals(tmp_path: Path) -> None:
         bad = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300,
                              check=False)
         assert bad.returncode != 0 and needle in bad.stderr, (args, bad.stderr)
+
+
+def test_ab_script_times_fingerprint_recordings_as_multiples_of_the_forward(tmp_path: Path) -> None:
+    cp = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab.py"), str(ROOT), str(ROOT), "--fingerprint",
+                         "wide", "--quick", "--repeat", "2"], capture_output=True, text=True, timeout=300,
+                        cwd=tmp_path, check=False)
+    assert cp.returncode == 0, cp.stderr
+    for needle in ("record with fingerprints on the worker", "forward", "record old", "record new", "x the forward",
+                   "new / old ="):
+        assert needle in cp.stdout, cp.stdout
