@@ -202,6 +202,9 @@ class FingerprintWorker:
         self._live: deque[_Job] = deque()  # submitted, in order; their copies count against max_pending
         self._live_bytes = 0
         self._thread: threading.Thread | None = None  # started with the first job
+        # every thread started and not yet joined: one that timed out idle as a job arrived may
+        # carry on beside the one started for that job, and close() stops and joins both
+        self._threads: list[threading.Thread] = []
         self._exiting = False  # the thread found no work for IDLE_EXIT and is ending
         self.inline = 0  # jobs a waiting thread took over
         self._move: Callable[[int, int, int], object] | None = None  # the copy _copy uses, found on first use
@@ -231,6 +234,8 @@ class FingerprintWorker:
         if self._thread is None or self._exiting or not self._thread.is_alive():  # (it ends when idle)
             self._exiting = False
             self._thread = threading.Thread(target=self._loop, name=THREAD_NAME, daemon=True)
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(self._thread)
             self._thread.start()
         self._unwoken += nbytes
         if self._unwoken >= WAKE_BYTES:
@@ -304,16 +309,17 @@ class FingerprintWorker:
     def close(self) -> None:
         """Stop the thread: jobs not started are cancelled (a golden being aborted), a running
         kernel is waited for. A golden being committed has already taken every result."""
-        if self._thread is not None:
-            self._wake.put(False)  # first: the thread ends even if a Ctrl-C cuts the rest short
+        threads = list(self._threads)
+        for _ in threads:  # first: the threads end even if a Ctrl-C cuts the rest short
+            self._wake.put(False)  # (one per thread; a thread that already ended leaves its token unread)
         while (job := self._claim(back=False)) is not None:
             job.error = CancelledError("the recording stopped before this fingerprint was computed")
             job.buf = None
             job.finish()
-        if self._thread is not None:  # (a thread whose start a Ctrl-C interrupted reads False when it runs)
+        for thread in threads:  # (a thread whose start a Ctrl-C interrupted reads False when it runs)
             with contextlib.suppress(RuntimeError):  # "cannot join thread before it is started"
-                self._thread.join()
-            self._thread = None
+                thread.join()
+        self._threads, self._thread = [], None
         for job in self._live:  # finished (a kernel a Ctrl-C stopped too): back; an unfinished one's goes with it
             if job.finished:
                 self._release(job)

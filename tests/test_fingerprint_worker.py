@@ -652,3 +652,29 @@ def test_the_worker_is_woken_per_batch_of_copies_not_per_job(monkeypatch: pytest
     finally:
         w.close()
     assert wakes[-1] is False
+
+
+def test_close_stops_a_thread_that_timed_out_as_a_job_arrived(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread that timed out idle sets ``_exiting``; a job submitted then starts a second thread,
+    and the first may carry on beside it (found by review). close() stops and joins both."""
+    monkeypatch.setattr(fingerprint_worker, "IDLE_EXIT", 3600.0)  # neither thread ends by itself here
+    w, p = FingerprintWorker(), FingerprintParams()
+    closer = threading.Thread(target=w.close, daemon=True)
+    try:
+        first = w.submit(torch.randn(300, 300), p, "first")
+        first.result()
+        old = w._thread
+        assert old is not None and old.is_alive()
+        w._exiting = True  # as the first thread leaves it in the window between its timeout and its check
+        second = w.submit(torch.randn(300, 301), p, "second")
+        new = w._thread
+        assert new is not old and old.is_alive() and new is not None and new.is_alive()
+        assert second.result().shape == (300, 301)
+        closer.start()
+        closer.join(60)  # a guard against a hang, not a timing: close() stops both threads at once
+        assert not closer.is_alive(), "close() waited for a thread it never told to stop"
+    finally:
+        if not closer.is_alive():
+            w.close()
+    assert not old.is_alive() and not new.is_alive()
+    assert not _workers()

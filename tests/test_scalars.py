@@ -128,3 +128,15 @@ def test_shared_numbers_are_stored_as_values_never_as_references(tmp_path: Path)
             assert [e.kind for e in outs] == ["tensor", "tensor"] and outs[0].type_name == "bool"
     torch.manual_seed(0)
     assert ag.compare(Stack(), x, path=p).ok
+
+
+def test_a_number_passed_through_a_call_is_not_memory_it_shares() -> None:
+    """replay="all" treats a child whose output shares memory with its inputs as aliased (no stub):
+    the same number in and out (one shared tensor) must not count; a real view still does."""
+    from activation_guard import replay
+    from activation_guard.capture import Frame
+
+    assert not replay._shares_memory(Frame("c", nn.Identity(), (torch.randn(2), 3), {"flag": True}, None),
+                                     (torch.randn(2), 3, True))
+    x = torch.randn(4)
+    assert replay._shares_memory(Frame("c", nn.Identity(), (x, 3), {}, None), (x[:2], 3))
