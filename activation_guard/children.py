@@ -39,7 +39,10 @@ from .slots import SLOTS
 from .store import CallEntry, GoldenReader, LeafEntry
 
 PLACEHOLDER = torch.empty(0)
-TensorMeta = tuple[tuple[int, ...], torch.dtype, torch.device]
+# shape, dtype and device of a tensor placeholder; a number's is ((), None, cpu): the stub takes the
+# golden's value as stored, and rebuild() gives it the live number's Python type
+TensorMeta = tuple[tuple[int, ...], "torch.dtype | None", torch.device]
+_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -60,6 +63,8 @@ class _Placeholders(Mapping[str, torch.Tensor]):
         if isinstance(default, torch.Tensor):
             self.meta[path] = (tuple(default.shape), default.dtype, default.device)
             return PLACEHOLDER
+        if default is None:  # a number (rebuild asks for it without a default): the golden's value too
+            self.meta[path] = ((), None, _CPU)
         return default
 
     def __contains__(self, path: object) -> bool:  # numpy arrays stay as they are
@@ -270,7 +275,8 @@ class ChildHooks:
         end = self.calls[i].rng_end
         if end is not None:
             set_rng_state(end)
-        return rebuild(sk.output, {p: golden[p].to(device=dev, dtype=_wide(dt) if widen else dt, copy=True)
+        return rebuild(sk.output, {p: golden[p].clone() if dt is None
+                                   else golden[p].to(device=dev, dtype=_wide(dt) if widen else dt, copy=True)
                                    for p, (_, dt, dev) in sk.meta.items()})
 
 

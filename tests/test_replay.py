@@ -676,3 +676,40 @@ def test_replay_all_keeps_a_childs_view_of_its_input(tmp_path: Path) -> None:
     m.t.scale = 1.01  # a real change in the child is still found, at the child
     bad = ag.compare(m, (x,), path=tmp_path / "v.h5", replay="all")
     assert not bad.ok and bad.origin is not None and bad.origin.name == "t", bad.origin
+
+
+class _NumberChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+        return self.lin(x), n
+
+
+class _NumberParent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.out = _NumberChild(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, n = self.c(x, 3)
+        return self.out(y) * n
+
+
+def test_a_child_returning_a_number_is_stubbed_and_its_parent_not_blamed(tmp_path: Path) -> None:
+    """replay="all": a child whose output holds a Python number returns the golden's output in its
+    parent's replay, number included (found by review: its skeleton left the number out, so the
+    child ran live and its own change was blamed on the parent as well)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(_NumberParent()).eval()
+    x = torch.randn(4, 8)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p)
+    with torch.no_grad():
+        m[0].c.lin.weight.mul_(1.01)
+    report = ag.compare(m, x, path=p, replay="all")
+    own = {(lr.name, lr.call): lr.own_status for lr in report.layers}
+    assert own[("0.c.lin", 0)] == "diverged"
+    assert own[("0", 0)] == "match" and own[("0.c", 0)] == "match", own
+    assert report.origin is not None and report.origin.name == "0.c.lin" and report.origin.kind == "layer"
