@@ -207,8 +207,9 @@ class FingerprintWorker:
         self._threads: list[threading.Thread] = []
         self._exiting = False  # the thread found no work for IDLE_EXIT and is ending
         self.inline = 0  # jobs a waiting thread took over
-        self._move: Callable[[int, int, int], object] | None = None  # the copy _copy uses, found on first use
-        self._move_found = False
+        # the copy _copy uses: the compiled library's (built now if not yet), else libc's memmove
+        fast = native.get()
+        self._move: Callable[[int, int, int], object] | None = fast.copy_fn if fast is not None else _MEMMOVE
 
     def takes(self, t: torch.Tensor) -> bool:
         """Whether ``t`` goes to the worker: a plain CPU tensor (a subclass's or a transform's code
@@ -251,9 +252,6 @@ class FingerprintWorker:
         caches (``ag_copy``: GPT-2 small's recording 1.29x -> 1.27x the forward); libc's
         ``memmove`` where it is not built."""
         buf = staging.POOL.take(nbytes)  # reused: a fresh buffer costs its page faults (1.5 MB: 540 us, reused: 38)
-        if not self._move_found:
-            fast = native.get()
-            self._move, self._move_found = (fast.copy_fn if fast is not None else _MEMMOVE), True
         move = self._move
         # (the storage was checked by takes(), which the caller asked first)
         if move is not None and fingerprint_plan.in_order(t) and buf.numel() >= nbytes:

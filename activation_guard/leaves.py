@@ -26,7 +26,7 @@ KV-cache object, a generator) is an ``object`` leaf recorded by type name only; 
 those, so "OK" never hides a value that was not compared. Path components are spelled by
 :mod:`.leaf_paths`; the way back (values into structures) is :mod:`.rebuild`.
 
-About 410 lines, a little over the ~400 we aim for: the walker covers every kind of value above in
+About 420 lines, a little over the ~400 we aim for: the walker covers every kind of value above in
 one pass, and beside it sit the two tensor predicates the recording path shares
 (:func:`is_plain_tensor`, :func:`version_counter`), which would otherwise be copied per module.
 """
@@ -137,6 +137,13 @@ class Leaf:
     fingerprint: Fingerprint | PendingFingerprint | None = None  # pending: being computed while recording
 
     @property
+    def passed_tensor(self) -> torch.Tensor | None:
+        """The tensor itself when the model passed one here (type ``Tensor``), else None. Checks of
+        identity or storage (input aliases, shared memory) take only these: a Python number's
+        tensor is one shared per value (:mod:`.scalars`) and a numpy value's a fresh copy."""
+        return self.tensor if self.kind == "tensor" and self.type_name == "Tensor" else None
+
+    @property
     def type_only(self) -> bool:
         """Compared by type name only: no value of it is checked."""
         return self.kind == "object" and not self.type_name.startswith(EMPTY_PREFIX)
@@ -242,16 +249,16 @@ class _Walker:
 
     def number(self, obj: bool | int | float | complex, path: str, legacy: str | None) -> None:
         if isinstance(obj, bool):
-            self.leaf(path, legacy, "tensor", tensor=number_tensor(obj), type_name="bool")
+            self.leaf(path, legacy, "tensor", tensor=number_tensor(obj, torch.bool), type_name="bool")
         elif isinstance(obj, int):
             if -(2**63) <= obj < 2**63:
-                self.leaf(path, legacy, "tensor", tensor=number_tensor(obj), type_name="int")
+                self.leaf(path, legacy, "tensor", tensor=number_tensor(obj, torch.int64), type_name="int")
             else:
                 self.leaf(path, legacy, "str", type_name="int", value=str(obj))
         elif isinstance(obj, float):
-            self.leaf(path, legacy, "tensor", tensor=number_tensor(obj), type_name="float")
+            self.leaf(path, legacy, "tensor", tensor=number_tensor(obj, torch.float64), type_name="float")
         else:
-            self.leaf(path, legacy, "tensor", tensor=number_tensor(obj), type_name="complex")
+            self.leaf(path, legacy, "tensor", tensor=number_tensor(obj, torch.complex128), type_name="complex")
 
     def numpy(self, obj: np.ndarray | np.generic, path: str, legacy: str | None) -> None:
         name = f"numpy.{type(obj).__name__}"

@@ -111,10 +111,9 @@ class Recorder:
             mine = self._inputs_of.setdefault(id(frame), [])
             self._assumed[id(frame)] = call
             for leaf, kept in zip(leaves, stored):
-                if leaf.kind == "tensor" and leaf.tensor is not None and leaf.type_name == "Tensor":
-                    self._remember(leaf.tensor, frame.name, call, "in", leaf.path, kept.kind == "fingerprint",
-                                   frame=id(frame))
-                    mine.append(id(leaf.tensor))
+                if (t := leaf.passed_tensor) is not None:
+                    self._remember(t, frame.name, call, "in", leaf.path, kept.kind == "fingerprint", frame=id(frame))
+                    mine.append(id(t))
         self._pending[id(frame)] = entries
 
     def _one_alias(self, frame: Frame) -> bool:
@@ -176,9 +175,8 @@ class Recorder:
     def _remember(self, t: torch.Tensor, name: str, call: int, section: str, path: str,
                   fingerprint: bool = False, *, frame: int | None = None) -> None:
         """``frame``: the inputs of a call still running (its number is settled when it returns).
-        Callers pass tensors the model handed over (type ``Tensor``) only: a Python number's tensor
-        is one shared per value (:mod:`.scalars`), and a numpy value's a fresh copy, so neither
-        can be the same value passed on."""
+        Callers pass :attr:`Leaf.passed_tensor` only: a number's or numpy value's tensor can never
+        be the same value passed on."""
         old = self._stored.get(id(t))
         # a full copy beats a fingerprint (a Sequential returns its last child's output object)
         if old is None or old.ref() is not t or (old.fingerprint and not fingerprint):
@@ -209,7 +207,7 @@ class Recorder:
             raise ActivationGuardError(f"recording layer {name or '<root>'!r} call {call} failed: {e}") from e
         if self.inputs:
             for leaf, kept in zip(leaves, stored):
-                if leaf.kind == "tensor" and leaf.tensor is not None and leaf.type_name == "Tensor":
-                    self._remember(leaf.tensor, name, call, "out", leaf.path, kept.kind == "fingerprint")
+                if (t := leaf.passed_tensor) is not None:
+                    self._remember(t, name, call, "out", leaf.path, kept.kind == "fingerprint")
         if call == 0:
             self.names.append(name)

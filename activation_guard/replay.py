@@ -507,7 +507,6 @@ def _shares_memory(frame: Frame, output: Any) -> bool:
 
 
 def _plain_tensors(leaves: Any) -> list[torch.Tensor]:
-    """The tensors the model passed (type ``Tensor``): a Python number's tensor is one shared per
-    value (:mod:`.scalars`), so a number in and the same number out would look like shared memory."""
-    return [leaf.tensor for leaf in leaves
-            if leaf.kind == "tensor" and type(leaf.tensor) is torch.Tensor and leaf.type_name == "Tensor"]
+    """Plain tensors the model passed (:attr:`Leaf.passed_tensor`: a number in and the same number
+    out would otherwise look like shared memory)."""
+    return [t for leaf in leaves if type(t := leaf.passed_tensor) is torch.Tensor]

@@ -25,8 +25,7 @@ import torch
 
 MAX_KEPT = 4096  # values kept; then the table starts afresh (a model passing a new float each call)
 
-_DTYPES: dict[type, torch.dtype] = {bool: torch.bool, int: torch.int64, float: torch.float64,
-                                    complex: torch.complex128}
+_SHARED = frozenset({bool, int, float, complex})  # exact types: a subclass (an IntEnum member) gets its own
 _KEPT: dict[tuple[Any, ...], torch.Tensor] = {}
 _PACK_D = struct.Struct("<d").pack
 _PACK_DD = struct.Struct("<dd").pack
@@ -51,13 +50,13 @@ def _key(obj: bool | int | float | complex) -> tuple[Any, ...]:
     return (kind, obj)
 
 
-def number_tensor(obj: bool | int | float | complex) -> torch.Tensor:
-    """The 0-d tensor of a Python number: bool, int64, float64 or complex128 (an int must fit
-    int64: the caller checks). Shared for exact ``bool``/``int``/``float``/``complex`` values
-    outside any torch mode; fresh otherwise (a subclass such as an ``IntEnum`` member, a mode)."""
-    dtype = _DTYPES.get(type(obj))
-    if dtype is None or not _modes_off():
-        return torch.tensor(obj, dtype=_dtype_of(obj))
+def number_tensor(obj: bool | int | float | complex, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.tensor(obj, dtype=dtype)``: the walker's 0-d tensor of a Python number (bool, int64,
+    float64 or complex128; an int must fit int64: the walker checks). Shared for exact
+    ``bool``/``int``/``float``/``complex`` values outside any torch mode; fresh otherwise (a
+    subclass such as an ``IntEnum`` member, a mode)."""
+    if type(obj) not in _SHARED or not _modes_off():
+        return torch.tensor(obj, dtype=dtype)
     key = _key(obj)
     t = _KEPT.get(key)
     if t is None:
@@ -67,13 +66,3 @@ def number_tensor(obj: bool | int | float | complex) -> torch.Tensor:
             _KEPT.clear()
         _KEPT[key] = t
     return t
-
-
-def _dtype_of(obj: bool | int | float | complex) -> torch.dtype:
-    if isinstance(obj, bool):
-        return torch.bool
-    if isinstance(obj, int):
-        return torch.int64
-    if isinstance(obj, float):
-        return torch.float64
-    return torch.complex128

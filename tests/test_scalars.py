@@ -34,9 +34,9 @@ def _bits(x: object) -> bytes:
 @settings(max_examples=200, deadline=None)
 @given(a=_NUMBERS, b=_NUMBERS)
 def test_one_tensor_per_exact_value_and_type(a: bool | int | float | complex, b: bool | int | float | complex) -> None:
-    ta, tb = scalars.number_tensor(a), scalars.number_tensor(b)
+    ta, tb = scalars.number_tensor(a, _DTYPE[type(a)]), scalars.number_tensor(b, _DTYPE[type(b)])
     assert ta.dtype == _DTYPE[type(a)] and ta.shape == () and ta.device.type == "cpu"
-    assert scalars.number_tensor(a) is ta  # shared
+    assert scalars.number_tensor(a, _DTYPE[type(a)]) is ta  # shared
     got = ta.item()
     assert _bits(complex(got) if isinstance(a, complex) else type(a)(got)) == _bits(a)  # the value, bit for bit
     same = type(a) is type(b) and _bits(a) == _bits(b)
@@ -47,9 +47,9 @@ def test_nan_payloads_and_signed_zeros_stay_apart() -> None:
     quiet, other = struct.unpack("<d", struct.pack("<Q", 0x7FF8000000000000))[0], struct.unpack(
         "<d", struct.pack("<Q", 0x7FF8000000000001))[0]
     assert math.isnan(quiet) and math.isnan(other)
-    assert scalars.number_tensor(quiet) is not scalars.number_tensor(other)
-    assert scalars.number_tensor(0.0) is not scalars.number_tensor(-0.0)
-    assert math.copysign(1.0, scalars.number_tensor(-0.0).item()) == -1.0
+    assert scalars.number_tensor(quiet, torch.float64) is not scalars.number_tensor(other, torch.float64)
+    assert scalars.number_tensor(0.0, torch.float64) is not scalars.number_tensor(-0.0, torch.float64)
+    assert math.copysign(1.0, scalars.number_tensor(-0.0, torch.float64).item()) == -1.0
 
 
 class Color(enum.IntEnum):
@@ -57,18 +57,18 @@ class Color(enum.IntEnum):
 
 
 def test_subclasses_and_torch_modes_get_fresh_tensors() -> None:
-    assert scalars.number_tensor(Color.RED) is not scalars.number_tensor(Color.RED)
-    assert scalars.number_tensor(Color.RED).dtype == torch.int64
+    assert scalars.number_tensor(Color.RED, torch.int64) is not scalars.number_tensor(Color.RED, torch.int64)
+    assert scalars.number_tensor(Color.RED, torch.int64).dtype == torch.int64
     with torch.device("meta"):  # a torch function mode: the mode makes the tensor, as torch.tensor would
-        t = scalars.number_tensor(7)
+        t = scalars.number_tensor(7, torch.int64)
     assert t.device.type == "meta"
-    assert scalars.number_tensor(7).device.type == "cpu"
+    assert scalars.number_tensor(7, torch.int64).device.type == "cpu"
 
 
 def test_a_value_first_met_in_inference_mode_is_a_plain_tensor() -> None:
     value = 123456.789e-3
     with torch.inference_mode():
-        t = scalars.number_tensor(value)
+        t = scalars.number_tensor(value, torch.float64)
     assert not t.is_inference()
 
 
@@ -76,17 +76,18 @@ def test_the_table_stays_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(scalars, "MAX_KEPT", 8)
     monkeypatch.setattr(scalars, "_KEPT", {})
     for i in range(100):
-        scalars.number_tensor(float(i) + 0.5)
+        scalars.number_tensor(float(i) + 0.5, torch.float64)
         assert len(scalars._KEPT) <= 8
 
 
 def test_the_walker_uses_them_for_inputs_and_outputs() -> None:
     leaves = flatten_inputs((torch.ones(2), True), {"n": 3, "eps": 1e-5})
     by_path = {leaf.path: leaf for leaf in leaves}
-    assert by_path["args/1"].tensor is scalars.number_tensor(True)
-    assert by_path["kwargs/n"].tensor is scalars.number_tensor(3)
+    assert by_path["args/1"].tensor is scalars.number_tensor(True, torch.bool)
+    assert by_path["kwargs/n"].tensor is scalars.number_tensor(3, torch.int64)
     assert by_path["kwargs/eps"].type_name == "float"
     assert flatten((True, 2**70))[1].kind == "str"  # past int64: text, as before
+    assert flatten(Color.RED)[0].tensor.dtype == torch.int64  # an IntEnum member: int64, a fresh tensor
 
 
 class Flagged(nn.Module):
