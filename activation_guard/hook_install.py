@@ -57,7 +57,8 @@ def install(mods: Sequence[torch.nn.Module], pre: Callable[..., None], post: Cal
             pre_kw[i] = True
             hooks[i + 1] = post
             hooks_kw[i + 1] = True
-            hooks.move_to_end(i + 1, last=False)  # type: ignore[attr-defined]
+            if len(hooks) > 1:  # the module has forward hooks of its own: ours goes first
+                hooks.move_to_end(i + 1, last=False)  # type: ignore[attr-defined]
     except BaseException:
         remove()
         raise

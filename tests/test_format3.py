@@ -171,6 +171,24 @@ def test_the_writer_refuses_what_the_tables_cannot_hold():
         rows.encode({"calls": [{"name": "a", "call": 0.5, "type": "T", "leaves": []}]})
 
 
+@pytest.mark.parametrize("py", [None, "float"])
+@pytest.mark.parametrize("kind", ["tensor", "alias"])
+def test_an_extra_field_on_a_common_leaf_is_refused_too(kind, py):
+    """The packed tensor and the alias are recognized by their field count, not by comparing key
+    sets: one field too many (with or without ``py``) must still be refused, not dropped."""
+    leaf = ({"kind": "tensor", "path": "", "dtype": "float32", "shape": [2], "nbytes": 8, "crc32": 1, "pack": 0,
+             "offset": 0} if kind == "tensor" else
+            {"kind": "alias", "path": "args/0", "name": "a", "call": 0, "section": "out", "of": ""})
+    if py is not None:
+        leaf["py"] = py
+    rows.encode({"calls": [{"name": "a", "call": 0, "type": "T", "leaves": [leaf] if kind == "tensor" else [],
+                            "inputs": [leaf] if kind == "alias" else None}]})  # valid as it is
+    with pytest.raises(ValueError, match=r"cannot hold.*extra"):
+        rows.encode({"calls": [{"name": "a", "call": 0, "type": "T",
+                                "leaves": [{**leaf, "extra": 1}] if kind == "tensor" else [],
+                                "inputs": [{**leaf, "extra": 1}] if kind == "alias" else None}]})
+
+
 # --------------------------------------------------------------------------- malformed tables
 
 

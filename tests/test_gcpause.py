@@ -79,6 +79,28 @@ def test_cycles_made_inside_a_block_are_still_collected(no_freeze: None) -> None
         assert ref() is None
 
 
+def test_a_golden_opened_inside_a_frozen_block_is_frozen_until_the_block_ends(tmp_path: Path, no_freeze: None) -> None:
+    """A compare opens its golden inside the freeze: the parsed index (thousands of containers on a
+    deep model) is frozen with it rather than scanned by the next collections; outside a frozen
+    block opening a golden freezes nothing."""
+    from activation_guard.store import GoldenReader
+
+    m, x = model(), torch.randn(3, 4)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p)
+    r = GoldenReader(p)
+    assert gc.get_freeze_count() == 0
+    r.close()
+    with frozen_gc():
+        r = GoldenReader(p)
+        ids = {id(c) for c in r.calls} | {id(leaf) for c in r.calls for leaf in c.leaves}
+        assert ids and all(gc.is_tracked(c) for c in r.calls)
+        assert not any(id(o) in ids for g in range(3) for o in gc.get_objects(g))  # none in a scanned generation
+        r.close()
+    assert gc.get_freeze_count() == 0
+    assert any(id(o) in ids for o in gc.get_objects(2))  # back in sight of the collector
+
+
 def test_collector_off_switches_back_on_at_the_outermost_block() -> None:
     assert gc.isenabled()
     with collector_off():

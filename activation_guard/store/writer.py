@@ -172,7 +172,7 @@ class GoldenWriter:
         entry: dict[str, Any] = {
             "kind": "tensor",
             "dtype": info.name,
-            "shape": [int(s) for s in t.shape],
+            "shape": list(t.shape),  # (torch.Size holds ints)
             "nbytes": nbytes,
             "crc32": crc,
         }
