@@ -148,7 +148,7 @@ class GoldenReader:
         if int(ver) < 1:
             raise GoldenFormatError(p, f"has an invalid format version {int(ver)}")
         self.version = int(ver)
-        root: dict[str, Any] = {}  # each root object opened once: a lookup by name costs ~50 us
+        root: dict[str, Any] = {}  # each root object opened once, as a low-level id (safety.hard_member)
         members = ROOT_MEMBERS + ROW_TABLES if self.version >= 3 else ROOT_MEMBERS
         for key in f:
             if key not in members:
@@ -157,18 +157,18 @@ class GoldenReader:
         self._groups: dict[str, h5py.Group] = {}
         self._direct: dict[str, tuple[int, int, tuple[int, ...], np.dtype]] = {}
         for grp_name in ("packs", "data"):
-            g = root.get(grp_name)
-            if g is None:
+            gid = root.get(grp_name)
+            if gid is None:
                 continue
-            if not isinstance(g, h5py.Group):
+            if not isinstance(gid, h5py.h5g.GroupID):
                 raise GoldenFormatError(p, f"/{grp_name} should be a group")
-            self._groups[grp_name] = g
+            g = self._groups[grp_name] = h5py.Group(gid)
             for key in g:
                 obj = hard_member(p, g, key, f"/{grp_name}/")
-                if not isinstance(obj, h5py.Dataset):
+                if not isinstance(obj, h5py.h5d.DatasetID):
                     raise GoldenFormatError(p, f"/{grp_name}/{key} should be a dataset")
-                check_dataset(p, obj, f"/{grp_name}/{key}")  # refuse hostile files at open
-                if grp_name == "packs" and (obj.chunks is not None or obj.compression is not None):
+                dcpl = check_dataset(p, obj, f"/{grp_name}/{key}")  # refuse hostile files at open
+                if grp_name == "packs" and dcpl.get_layout() == h5py.h5d.CHUNKED:  # (filters need chunks)
                     # the writer keeps packs contiguous; a compressed one is decompressed whole for
                     # every leaf read from it (a 580 KB file cost minutes of CPU, textconv included)
                     raise GoldenFormatError(p, f"/packs/{key} is chunked or compressed; goldens store packs "
@@ -281,12 +281,13 @@ class GoldenReader:
         p = self.path
         if ds is None:
             raise GoldenFormatError(p, f"has no /{key} record (incomplete or not written by activation_guard)")
-        if not isinstance(ds, h5py.Dataset) or ds.dtype != np.uint8 or ds.ndim != 1:
+        if not isinstance(ds, h5py.h5d.DatasetID) or ds.dtype != np.uint8 or len(ds.shape) != 1:
             raise GoldenFormatError(p, f"/{key} has the wrong type")
         check_dataset(p, ds, f"/{key}")
-        if ds.size > min(MAX_JSON_BYTES, self.file_size) or ds.id.get_storage_size() != ds.size:
-            raise GoldenCorruptError(p, f"/{key} declares {ds.size} bytes but stores {ds.id.get_storage_size()}")
-        raw = ds[()].tobytes()
+        size = int(ds.shape[0])
+        if size > min(MAX_JSON_BYTES, self.file_size) or ds.get_storage_size() != size:
+            raise GoldenCorruptError(p, f"/{key} declares {size} bytes but stores {ds.get_storage_size()}")
+        raw = _read_all(ds).tobytes()
         want = scalar_attr(p, self.f, f"{key}_crc32", "int")
         if not isinstance(want, (int, np.integer)):
             raise GoldenFormatError(p, f"has a malformed {key}_crc32 attribute ({want!r})")
@@ -304,15 +305,14 @@ class GoldenReader:
         if ds is None:
             raise GoldenFormatError(p, f"has no /{key} table (format 3 keeps its index in /index, /calls, /leaves "
                                        f"and /dims; incomplete or not written by activation_guard)")
-        if not isinstance(ds, h5py.Dataset) or ds.dtype != rows.TABLE_DTYPE or ds.shape != shape:
-            got = f"{ds.dtype} {ds.shape}" if isinstance(ds, h5py.Dataset) else "a group"
+        if not isinstance(ds, h5py.h5d.DatasetID) or ds.dtype != rows.TABLE_DTYPE or ds.shape != shape:
+            got = f"{ds.dtype} {ds.shape}" if isinstance(ds, h5py.h5d.DatasetID) else "a group"
             raise GoldenFormatError(p, f"/{key} is {got}; its /index record says int64 {shape}")
-        check_dataset(p, ds, f"/{key}")
-        if ds.chunks is not None or ds.compression is not None:
+        if check_dataset(p, ds, f"/{key}").get_layout() == h5py.h5d.CHUNKED:  # (filters need chunks)
             raise GoldenFormatError(p, f"/{key} is chunked or compressed; goldens store index tables contiguous")
         nbytes = 8 * int(np.prod(shape))
         check_storage(p, ds, nbytes, self.file_size, f"/{key}")
-        arr = ds[()] if nbytes else np.zeros(shape, dtype=rows.TABLE_DTYPE)
+        arr = _read_all(ds) if nbytes else np.zeros(shape, dtype=rows.TABLE_DTYPE)
         if zlib.crc32(arr.tobytes()) != crc:
             raise GoldenCorruptError(p, f"/{key} fails its checksum (the file was modified or damaged)")
         return arr
@@ -328,7 +328,7 @@ class GoldenReader:
             raise GoldenCorruptError(p, f"pack /packs/{key} referenced by the index is missing")
         if ds.dtype != np.uint8 or ds.ndim != 1 or ds.size > PACK_BYTES * 4:
             raise GoldenFormatError(p, f"/packs/{key} has the wrong type or size")
-        check_storage(p, ds, int(ds.size), self.file_size, f"/packs/{key}")
+        check_storage(p, ds.id, int(ds.size), self.file_size, f"/packs/{key}")
         arr = ds[()]
         self._pack_cache = (pack, arr)
         return arr
@@ -415,7 +415,7 @@ class GoldenReader:
                     raise GoldenCorruptError(
                         p, f"{at} has shape {ds.shape} dtype {ds.dtype}, index says {entry.shape} {info.storage}"
                     )
-                check_storage(p, ds, entry.nbytes, self.file_size, at)
+                check_storage(p, ds.id, entry.nbytes, self.file_size, at)
             self._trim.add(entry.nbytes)
             arr = np.empty(entry.shape, dtype=info.storage)
             if arr.size and loc is not None:
@@ -448,6 +448,14 @@ class GoldenReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _read_all(ds: h5py.h5d.DatasetID) -> np.ndarray:
+    """A vetted dataset's values, through its low-level id (its size was checked by the caller)."""
+    arr = np.empty(ds.shape, dtype=ds.dtype)
+    if arr.size:
+        ds.read(h5py.h5s.ALL, h5py.h5s.ALL, arr)
+    return arr
 
 
 def _no_constant(name: str) -> Any:
