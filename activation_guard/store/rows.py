@@ -292,6 +292,7 @@ class Tables:
         for nsid, call, tsid, grad, nl, ni in self.calls:
             name = s[nsid]
             leaves: list[LeafEntry] = []
+            common = True  # every output leaf a packed tensor (none can be an alias: nothing to check)
             for j in range(r, r + nl):
                 kind, path, tp, dt, ndim, nbytes, crc, pack, offset = rows[j][:9]
                 if kind == tensor and pack >= 0 and offset >= 0 and crc >= 0 and dt >= 0:  # the common leaf
@@ -303,6 +304,7 @@ class Tables:
                         leaves.append(LeafEntry(s[path], "tensor", dtype, shape, nbytes, crc, pack, offset, None,
                                                 "Tensor" if tp < 0 else s[tp]))
                         continue
+                common = False
                 leaves.append(parse_leaf(p, self.leaf_dict(j), name, call))
             r += nl
             if nl > 1:
@@ -310,9 +312,11 @@ class Tables:
             if grad < 0:
                 raw = None if ni < 0 else range(r, r + ni)
                 entry = CallEntry(name, call, s[tsid], leaves, len(forward), None, raw, p, self)
-                check_forward(p, entry)
+                if not common:
+                    check_forward(p, entry)
                 forward.append(entry)
-                r += max(ni, 0)
+                if ni > 0:
+                    r += ni
             else:
                 entry = CallEntry(name, call, s[tsid], leaves, len(backward), GRAD_KINDS[grad], None, p)
                 check_backward(p, entry, len(backward))
