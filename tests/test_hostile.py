@@ -459,6 +459,44 @@ def test_filter_plugin_code_never_runs(goldens, tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- sanity
 
 
+@pytest.mark.parametrize("key", ["meta", "index"])
+def test_a_json_record_with_a_null_dataspace_is_the_wrong_type(goldens, tmp_path, key):
+    """h5py.Empty: no shape at all (the low-level id's shape is None), refused as the wrong type."""
+    def edit(f: h5py.File) -> None:
+        del f[key]
+        f.create_dataset(key, data=h5py.Empty("u1"))
+
+    refused(forge(goldens["small"], tmp_path / "g.h5", edit), ag.GoldenFormatError, f"/{key} has the wrong type")
+
+
+@pytest.mark.parametrize("link", ["hard", "soft", "external"])
+def test_a_member_name_that_is_not_utf8_is_refused_unfollowed(goldens, tmp_path, link):
+    def edit(f: h5py.File) -> None:
+        g = f["packs"].id
+        if link == "hard":
+            g.links.create_hard(b"\xff\xfe", f.id, b"packs/0000")
+        elif link == "soft":
+            g.links.create_soft(b"\xff\xfe", b"/packs/0000")
+        else:
+            g.links.create_external(b"\xff\xfe", str(tmp_path / "secret.h5").encode(), b"/x")
+
+    refused(forge(goldens["small"], tmp_path / "g.h5", edit), ag.GoldenFormatError, "/packs", "not UTF-8")
+
+
+def test_a_damaged_root_header_is_corruption_not_a_foreign_file(goldens, tmp_path):
+    """The root group's first header message (its symbol table) set to NIL: the root is no longer
+    a group. Read through the file id, its attributes would just seem absent and the file "not an
+    activation_guard golden"; opened as the root group it is reported damaged."""
+    bad = tmp_path / "g.h5"
+    shutil.copyfile(goldens["small"], bad)
+    raw = bytearray(bad.read_bytes())
+    header = int.from_bytes(raw[64:72], "little")  # superblock v0: the root entry's object header address
+    assert raw[header] == 1, "the writer's files have a version-1 root object header"
+    raw[header + 16] = 0  # first message's type
+    bad.write_bytes(bytes(raw))
+    refused(bad, ag.GoldenCorruptError, "damaged")
+
+
 def test_the_unmodified_bases_still_load(goldens):
     """The forging helpers do not damage anything by themselves (guards the tests above)."""
     for p in goldens.values():

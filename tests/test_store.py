@@ -200,8 +200,11 @@ class FailsMidway(nn.Module):
         raise self.exc
 
 
-@pytest.mark.parametrize("exc", [RuntimeError("boom"), KeyboardInterrupt()], ids=["error", "keyboard_interrupt"])
-def test_interrupted_write_keeps_old_golden_and_leaves_no_temp(tmp_path, exc):
+@pytest.mark.parametrize("make", [lambda: RuntimeError("boom"), KeyboardInterrupt], ids=["error", "keyboard_interrupt"])
+def test_interrupted_write_keeps_old_golden_and_leaves_no_temp(tmp_path, make):
+    # the exception made here, not at collection: one kept by the parameter list would hold its
+    # traceback, with the recording's frames, for the rest of the session
+    exc = make()
     path = tmp_path / "g.h5"
     ag.record(PackedAndLarge(), XB, path=path)
     before = path.read_bytes()

@@ -126,7 +126,10 @@ class GoldenReader:
     # -- validation
     def _open(self) -> None:
         p, f = self.path, self.f
-        fmt = scalar_attr(p, f, "ag_format", "str")
+        # the root group opened as such: a damaged root header fails here (the file's attributes
+        # read through the file id would just seem absent, and the file "not a golden")
+        self._root_id = h5py.h5o.open(f.id, b"/")
+        fmt = scalar_attr(p, self._root_id, "ag_format", "str")
         if isinstance(fmt, bytes):
             fmt = fmt.decode(errors="replace")
         if fmt is not VLEN_UNREAD and fmt != FORMAT_NAME:
@@ -135,7 +138,7 @@ class GoldenReader:
                 "is an HDF5 file but not an activation_guard golden (no ag_format attribute)",
                 fix="point at a golden written by activation_guard, or re-record it",
             )
-        ver = scalar_attr(p, f, "ag_format_version", "int")
+        ver = scalar_attr(p, self._root_id, "ag_format_version", "int")
         if not isinstance(ver, (int, np.integer)):
             raise GoldenFormatError(p, f"has a malformed ag_format_version attribute ({ver!r})")
         if int(ver) > FORMAT_VERSION:
@@ -164,6 +167,9 @@ class GoldenReader:
                 raise GoldenFormatError(p, f"/{grp_name} should be a group")
             g = self._groups[grp_name] = h5py.Group(gid)
             for key in g:
+                if not isinstance(key, str):  # h5py gives a name that is not UTF-8 as bytes
+                    raise GoldenFormatError(p, f"/{grp_name} holds a member named {key!r}, not UTF-8; goldens name "
+                                               f"theirs with digits")
                 obj = hard_member(p, g, key, f"/{grp_name}/")
                 if not isinstance(obj, h5py.h5d.DatasetID):
                     raise GoldenFormatError(p, f"/{grp_name}/{key} should be a dataset")
@@ -281,14 +287,14 @@ class GoldenReader:
         p = self.path
         if ds is None:
             raise GoldenFormatError(p, f"has no /{key} record (incomplete or not written by activation_guard)")
-        if not isinstance(ds, h5py.h5d.DatasetID) or ds.dtype != np.uint8 or len(ds.shape) != 1:
+        if not isinstance(ds, h5py.h5d.DatasetID) or ds.dtype != np.uint8 or ds.rank != 1:  # (shape: None if NULL)
             raise GoldenFormatError(p, f"/{key} has the wrong type")
         check_dataset(p, ds, f"/{key}")
         size = int(ds.shape[0])
         if size > min(MAX_JSON_BYTES, self.file_size) or ds.get_storage_size() != size:
             raise GoldenCorruptError(p, f"/{key} declares {size} bytes but stores {ds.get_storage_size()}")
         raw = _read_all(ds).tobytes()
-        want = scalar_attr(p, self.f, f"{key}_crc32", "int")
+        want = scalar_attr(p, self._root_id, f"{key}_crc32", "int")
         if not isinstance(want, (int, np.integer)):
             raise GoldenFormatError(p, f"has a malformed {key}_crc32 attribute ({want!r})")
         if zlib.crc32(raw) != int(want):

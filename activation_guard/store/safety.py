@@ -32,8 +32,9 @@ COMPRESSION_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SZIP, 32000}
 VLEN_UNREAD = object()  # a variable-length string attribute whose value was deliberately not read
 
 
-def scalar_attr(path: str, obj: h5py.HLObject, name: str, kind: str) -> Any:
-    """Read a root attribute only after checking its declared type and shape.
+def scalar_attr(path: str, obj: h5py.h5o.ObjectID, name: str, kind: str) -> Any:
+    """Read an attribute of ``obj`` (a low-level id: the reader opens the root group once) only
+    after checking its declared type and shape.
 
     A damaged or hostile file can declare an attribute of another type class (a bit flip in
     the datatype message turned ``ag_format`` into a vlen sequence, and reading it segfaulted
@@ -47,9 +48,9 @@ def scalar_attr(path: str, obj: h5py.HLObject, name: str, kind: str) -> Any:
     # use, and reading through it converts types; 4 root attributes cost ~340 us per opened golden
     # that way, ~100 us this way (the checks are the same)
     key = name.encode()
-    if not h5py.h5a.exists(obj.id, key):
+    if not h5py.h5a.exists(obj, key):
         return None
-    aid = h5py.h5a.open(obj.id, key)
+    aid = h5py.h5a.open(obj, key)
     tid = aid.get_type()
     cls = tid.get_class()
     size = tid.get_size()
