@@ -76,7 +76,8 @@ def collector_off() -> Iterator[None]:
     generation, the collector scanned the whole parsed index at the next allocation, and again
     as it aged (~0.6 us per layer call of a compare on `deep`). Frozen, it stays out of sight
     until the outermost freeze ends, as the model does; being acyclic, it is freed by reference
-    counting either way."""
+    counting either way. (``gc.freeze`` takes every tracked object: cyclic garbage made earlier
+    in the block waits for its end too, when it is collected as usual.)"""
     global _off
     with _lock:
         ours = _off > 0 or gc.isenabled()
