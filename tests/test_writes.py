@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 from models import one_thread
@@ -389,6 +390,7 @@ def test_disk_full_is_a_clear_error_and_keeps_the_old_golden(tmp_path, spawn, fu
 # --------------------------------------------------------------------------- pytest -n 4 --ag-update
 
 MANY = """
+import numpy as np
 import pytest
 import torch
 from manymodels import build
@@ -460,3 +462,32 @@ def test_another_hosts_fresh_temp_is_never_removed(tmp_path):
     removed = store.cleanup_stale_temps(str(path))
     assert sorted(removed) == sorted([old_foreign.name, dead_local.name])
     assert foreign.exists()
+
+
+@pytest.mark.parametrize("data", [
+    np.frombuffer(b'{"a": 1}', dtype=np.uint8),
+    np.arange(12, dtype="<i8").reshape(4, 3),
+    np.linspace(-1, 1, 24, dtype=np.float32).reshape(2, 3, 4),
+    np.array([1 + 2j, -3j], dtype=np.complex64),
+    np.array([True, False, True]),
+    np.zeros(0, dtype=np.uint8),
+    np.arange(6, dtype=np.uint16)[::2],  # not contiguous
+], ids=["json", "table", "float32", "complex64", "bool", "empty", "strided"])
+def test_the_writers_low_level_datasets_are_h5pys_byte_for_byte(tmp_path, data):
+    """The writer creates its uncompressed datasets and root attributes through h5py's low-level
+    calls (for speed); the file must be the one h5py's ``create_dataset(..., track_times=False)``
+    and ``attrs[...] =`` write, so goldens stay byte-identical across this change and reproducible."""
+    import h5py
+
+    high, low = tmp_path / "high.h5", tmp_path / "low.h5"
+    with h5py.File(high, "w") as f:
+        f.create_group("packs").create_dataset("0000", data=data, track_times=False)
+        f.create_dataset("meta", data=data, track_times=False)
+        f.attrs["ag_format"] = np.bytes_("activation_guard.golden")
+        f.attrs["ag_format_version"] = np.int64(3)
+    with h5py.File(low, "w") as f:
+        writer._dataset(h5py.h5g.create(f.id, b"packs"), "0000", data)
+        writer._dataset(f.id, "meta", data)
+        writer._attribute(f.id, "ag_format", np.bytes_("activation_guard.golden"))
+        writer._attribute(f.id, "ag_format_version", np.int64(3))
+    assert low.read_bytes() == high.read_bytes()
