@@ -103,7 +103,7 @@ def _dataset(parent: Any, name: str, data: np.ndarray) -> None:
     array, byte for byte, through h5py's low-level calls: the high-level path cost ~75 us a
     dataset (a third of recording a small model) for its option handling and the ``Dataset``
     object it returns. ``parent``: a low-level group or file id."""
-    data = np.ascontiguousarray(data)
+    data = np.asarray(data, order="C")  # (as h5py does; ``ascontiguousarray`` makes a 0-d array 1-d)
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     dcpl.set_obj_track_times(False)
     ds = h5py.h5d.create(parent, name.encode("ascii"), h5py.h5t.py_create(data.dtype, logical=1),
@@ -111,8 +111,19 @@ def _dataset(parent: Any, name: str, data: np.ndarray) -> None:
     ds.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
 
 
+def _group(parent: Any, name: str) -> Any:
+    """A new group without timestamps (as ``create_group`` makes it), low-level, as above."""
+    gcpl = h5py.h5p.create(h5py.h5p.GROUP_CREATE)
+    gcpl.set_obj_track_times(False)
+    return h5py.h5g.create(parent, name.encode("ascii"), gcpl=gcpl)
+
+
 def _attribute(obj: Any, name: str, value: np.generic) -> None:
-    """A new scalar attribute, as ``obj.attrs[name] = value`` writes it (low-level, as above)."""
+    """A new scalar attribute, as ``obj.attrs[name] = value`` writes it (low-level, as above).
+    ``obj``: a group's id, never the file's: on the file id a write that fails for want of
+    space (a file-size limit hit while committing) left HDF5 unable to close the file, and the
+    process crashed instead of raising (found by review; h5py's ``File.attrs`` uses the root
+    group for the same reason)."""
     data = np.asarray(value)
     attr = h5py.h5a.create(obj, name.encode("ascii"), h5py.h5t.py_create(data.dtype, logical=True),
                            h5py.h5s.create_simple(()))
@@ -167,7 +178,7 @@ class GoldenWriter:
         if not self._pack.len:
             return
         if self._packs_group is None:
-            self._packs_group = h5py.h5g.create(self.f.id, b"packs")
+            self._packs_group = _group(self.f.id, "packs")
         for r in self._reserved:
             self._pack.write_at(r.offset, r.fill())
         self._reserved = []
@@ -201,7 +212,7 @@ class GoldenWriter:
             self._pack_small(entry, packed)
         else:
             if self._data_group is None:
-                self._data_group = h5py.h5g.create(self.f.id, b"data")
+                self._data_group = _group(self.f.id, "data")
             name = f"{self._data_id:06d}"
             self._data_id += 1
             arr = raw.view(info.storage).reshape(tuple(t.shape))
@@ -332,10 +343,11 @@ class GoldenWriter:
                 _dataset(root, key, tables[key])
             _dataset(root, "meta", np.frombuffer(mb, dtype=np.uint8))
             # fixed-length ASCII: no global-heap object for a reader to trip over (see safety.scalar_attr)
-            _attribute(root, "ag_format", np.bytes_(FORMAT_NAME))
-            _attribute(root, "ag_format_version", np.int64(FORMAT_VERSION))
-            _attribute(root, "index_crc32", np.int64(zlib.crc32(ib)))
-            _attribute(root, "meta_crc32", np.int64(zlib.crc32(mb)))
+            group = h5py.h5g.open(root, b"/")
+            _attribute(group, "ag_format", np.bytes_(FORMAT_NAME))
+            _attribute(group, "ag_format_version", np.int64(FORMAT_VERSION))
+            _attribute(group, "index_crc32", np.int64(zlib.crc32(ib)))
+            _attribute(group, "meta_crc32", np.int64(zlib.crc32(mb)))
             self.f.close()
             self._closed = True
             os.chmod(self.tmp, default_mode(self.path))
