@@ -7,7 +7,7 @@ dataset is read with one ``pread`` at the offset vetted at open (no HDF5 call pe
 last pack read is cached, so consecutive small leaves cost one memcmp-ready slice each
 (:meth:`GoldenReader.packed_bytes`).
 
-About 460 lines: the defensive opening (format 3's index tables read and vetted like every other
+About 470 lines: the defensive opening (format 3's index tables read and vetted like every other
 dataset), the index checks and the per-leaf reads share the vetted locations and the pack cache of
 one open file; the structure checks themselves are in :mod:`.safety`, the index format in
 :mod:`.format` and format 3's tables in :mod:`.rows`.
@@ -314,10 +314,11 @@ class GoldenReader:
         if not isinstance(ds, h5py.h5d.DatasetID) or ds.dtype != rows.TABLE_DTYPE or ds.shape != shape:
             got = f"{ds.dtype} {ds.shape}" if isinstance(ds, h5py.h5d.DatasetID) else "a group"
             raise GoldenFormatError(p, f"/{key} is {got}; its /index record says int64 {shape}")
-        if check_dataset(p, ds, f"/{key}").get_layout() == h5py.h5d.CHUNKED:  # (filters need chunks)
+        dcpl = check_dataset(p, ds, f"/{key}")
+        if dcpl.get_layout() == h5py.h5d.CHUNKED:  # (filters need chunks)
             raise GoldenFormatError(p, f"/{key} is chunked or compressed; goldens store index tables contiguous")
         nbytes = 8 * int(np.prod(shape))
-        check_storage(p, ds, nbytes, self.file_size, f"/{key}")
+        check_storage(p, ds, nbytes, self.file_size, f"/{key}", dcpl)
         arr = _read_all(ds) if nbytes else np.zeros(shape, dtype=rows.TABLE_DTYPE)
         if zlib.crc32(arr.tobytes()) != crc:
             raise GoldenCorruptError(p, f"/{key} fails its checksum (the file was modified or damaged)")

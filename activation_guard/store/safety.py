@@ -28,7 +28,7 @@ MAX_COMPRESSION_RATIO = 1100
 _ATTR_CLASSES = {"int": h5py.h5t.INTEGER, "str": h5py.h5t.STRING}
 # the filters that make stored bytes fewer than the values' (what h5py's ``Dataset.compression``
 # names: gzip, szip, lzf); shuffle and fletcher32 keep the size
-COMPRESSION_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SZIP, 32000}
+COMPRESSION_FILTERS = {h5py.h5z.FILTER_DEFLATE, h5py.h5z.FILTER_SZIP, h5py.h5z.FILTER_LZF}
 VLEN_UNREAD = object()  # a variable-length string attribute whose value was deliberately not read
 
 
@@ -113,8 +113,10 @@ def check_dataset(path: str, ds: h5py.h5d.DatasetID, what: str) -> h5py.h5p.Prop
     return dcpl
 
 
-def check_storage(path: str, ds: h5py.h5d.DatasetID, nbytes: int, file_size: int, what: str) -> None:
+def check_storage(path: str, ds: h5py.h5d.DatasetID, nbytes: int, file_size: int, what: str,
+                  dcpl: h5py.h5p.PropDCID | None = None) -> None:
     """Refuse a dataset whose declared size the bytes it stores cannot back, before allocating.
+    ``dcpl``: its creation properties, when the caller has them already (:func:`check_dataset`).
 
     A 3.7 KB file can declare a 4 TiB gzip dataset (unwritten chunks read as fill value), and a
     contiguous layout can declare storage past the end of the file; both are caught here.
@@ -122,7 +124,7 @@ def check_storage(path: str, ds: h5py.h5d.DatasetID, nbytes: int, file_size: int
     stored = ds.get_storage_size()
     if stored > file_size:
         raise GoldenCorruptError(path, f"{what} claims {stored} stored bytes in a {file_size}-byte file")
-    plist = ds.get_create_plist()
+    plist = ds.get_create_plist() if dcpl is None else dcpl
     if not any(plist.get_filter(i)[0] in COMPRESSION_FILTERS for i in range(plist.get_nfilters())):
         if stored != nbytes:
             raise GoldenCorruptError(path, f"{what} declares {nbytes} bytes but stores {stored}")
