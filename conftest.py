@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, settings
 # In-process pytester runs drop modules first imported inside them, and h5py, matplotlib and
 # torch's lazily imported compiler stack cannot be imported twice in one process: import them
 # once here, outside any inner run.
-import activation_guard.api
-import activation_guard.calibrate  # noqa: F401
-from activation_guard import visual
-from activation_guard.determinism import deterministic
+import activation_guard.api.run
+import activation_guard.calibration.calibrate  # noqa: F401
+from activation_guard.api.determinism import deterministic
+from activation_guard.report import visual
 
 with deterministic(0):  # imports torch._dynamo & co. (via the determinism switches)
     pass

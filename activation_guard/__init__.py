@@ -2,7 +2,7 @@
 
 Record every module's outputs once (``record``), then check later runs layer by layer
 (``compare``) against that HDF5 golden, or two live models against each other
-(``compare_models``). The pytest plugin (``activation_guard.plugin``) is thin glue over these.
+(``compare_models``). The pytest plugin (``activation_guard.plugin.hooks``) is thin glue over these.
 
 Public names are imported lazily (PEP 562): the plugin is loaded by every pytest run in an
 environment that has this package installed, and must not make those runs pay for importing
@@ -17,35 +17,35 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 _LAZY: dict[str, str] = {
-    "RecordSummary": "api",
-    "compare": "api",
-    "compare_models": "api",
-    "read_golden": "api",
-    "record": "api",
+    "RecordSummary": "api.run",
+    "compare": "api.run",
+    "compare_models": "api.run",
+    "read_golden": "api.run",
+    "record": "api.run",
     "LayerResult": "results",
     "LeafResult": "results",
-    "CompareSpec": "spec",
-    "RecordSpec": "spec",
-    "OptionError": "errors",
-    "emulate_tf32": "tf32",
-    "check_determinism": "determinism",
-    "deterministic": "determinism",
-    "ActivationGuardError": "errors",
-    "ActivationGuardWarning": "errors",
-    "GoldenCorruptError": "errors",
-    "GoldenError": "errors",
-    "GoldenFormatError": "errors",
-    "GoldenNotFoundError": "errors",
-    "GoldenSecurityError": "errors",
-    "GoldenWriteError": "errors",
-    "SelectionError": "errors",
-    "UncalibratedGoldenError": "errors",
-    "UnsupportedModelError": "errors",
-    "Report": "report",
-    "CROSS_DEVICE_DEFAULTS": "tolerances",
-    "DTYPE_DEFAULTS": "tolerances",
-    "Tolerance": "tolerances",
-    "diff_recordings": "diff",
+    "CompareSpec": "options.spec",
+    "RecordSpec": "options.spec",
+    "OptionError": "_core.errors",
+    "emulate_tf32": "_core.tf32",
+    "check_determinism": "api.determinism",
+    "deterministic": "api.determinism",
+    "ActivationGuardError": "_core.errors",
+    "ActivationGuardWarning": "_core.errors",
+    "GoldenCorruptError": "_core.errors",
+    "GoldenError": "_core.errors",
+    "GoldenFormatError": "_core.errors",
+    "GoldenNotFoundError": "_core.errors",
+    "GoldenSecurityError": "_core.errors",
+    "GoldenWriteError": "_core.errors",
+    "SelectionError": "_core.errors",
+    "UncalibratedGoldenError": "_core.errors",
+    "UnsupportedModelError": "_core.errors",
+    "Report": "report.report",
+    "CROSS_DEVICE_DEFAULTS": "options.tolerances",
+    "DTYPE_DEFAULTS": "options.tolerances",
+    "Tolerance": "options.tolerances",
+    "diff_recordings": "api.diff",
 }
 
 __all__ = [
@@ -82,10 +82,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .api import RecordSummary, compare, compare_models, read_golden, record
-    from .determinism import check_determinism, deterministic
-    from .diff import diff_recordings
-    from .errors import (
+    from ._core.errors import (
         ActivationGuardError,
         GoldenCorruptError,
         GoldenError,
@@ -98,11 +95,14 @@ if TYPE_CHECKING:
         UncalibratedGoldenError,
         UnsupportedModelError,
     )
-    from .report import Report
+    from ._core.tf32 import emulate_tf32
+    from .api.determinism import check_determinism, deterministic
+    from .api.diff import diff_recordings
+    from .api.run import RecordSummary, compare, compare_models, read_golden, record
+    from .options.spec import CompareSpec, RecordSpec
+    from .options.tolerances import CROSS_DEVICE_DEFAULTS, DTYPE_DEFAULTS, Tolerance
+    from .report.report import Report
     from .results import LayerResult, LeafResult
-    from .spec import CompareSpec, RecordSpec
-    from .tf32 import emulate_tf32
-    from .tolerances import CROSS_DEVICE_DEFAULTS, DTYPE_DEFAULTS, Tolerance
 
 
 def __getattr__(name: str) -> Any:

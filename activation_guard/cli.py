@@ -24,9 +24,9 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from ._core.errors import UPDATE_HINT, GoldenError, OptionError
 from ._version import __version__
-from .errors import UPDATE_HINT, GoldenError, OptionError
-from .options import is_hdf5_file
+from .store.naming import is_hdf5_file
 
 PROG = "activation-guard"
 
@@ -100,7 +100,7 @@ def _output_change(ref: Any, new: Any) -> tuple[float | None, bool]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import BUGS, run_demo
+    from .api.demo import BUGS, run_demo
 
     keep = args.out is not None
     if keep and os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -146,8 +146,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .inspect_text import format_inspect
-    from .inspection import inspect_golden
+    from .report.inspect_text import format_inspect
+    from .report.inspection import inspect_golden
 
     layer = args.layer or None
     gi = inspect_golden(args.golden, layer)
@@ -160,8 +160,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from .diff import diff_recordings
-    from .spec import CompareSpec
+    from .api.diff import diff_recordings
+    from .options.spec import CompareSpec
 
     tolerances = load_tolerances(args.tolerances) if args.tolerances else None
     spec = CompareSpec.build(
@@ -175,7 +175,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     _check_writable(args.plot, "--plot", (args.a, args.b))
     _check_writable(args.html, "--html", (args.a, args.b, *((args.plot,) if args.plot else ())))
     if args.plot:
-        from .visual import _matplotlib
+        from .report.visual import _matplotlib
 
         _matplotlib()  # fail before the work, with the install hint
     try:
@@ -196,7 +196,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     else:
         _out(str(report))
     if args.plot or args.html:
-        from .visual import plot_available, write_html, write_plot
+        from .report.visual import plot_available, write_html, write_plot
 
         msgs = []
         writing = ""
@@ -219,7 +219,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_textconv(args: argparse.Namespace) -> int:
-    from .inspect_text import textconv_lines
+    from .report.inspect_text import textconv_lines
 
     for line in textconv_lines(args.golden):
         sys.stdout.write(line + "\n")
@@ -230,7 +230,7 @@ def cmd_textconv(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .demo import BUGS
+    from .api.demo import BUGS
 
     p = argparse.ArgumentParser(
         prog=PROG,
@@ -290,7 +290,7 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
-    from .visual import PlotUnavailableError
+    from .report.visual import PlotUnavailableError
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -11,8 +11,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .kernel import TensorStats, unravel
-from .slots import SLOTS
+from ._core.kernel import TensorStats, unravel
+from ._core.slots import SLOTS
 
 # "local_shard" (issue 16, distributed): a rank's piece of a value whose full shape the golden holds
 STATUS_ORDER = ("structure", "shape", "local_shard", "dtype", "missing", "unexpected", "nonfinite", "diverged",

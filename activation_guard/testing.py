@@ -12,7 +12,7 @@ a model change fails naming the layer, and re-recording makes it pass again::
 
 ``run_distributed(fn, world_size=2)`` runs a module-level function on N ranks of a fresh CPU
 (gloo) process group, so a CI without GPUs or torchrun can test parallel models
-(:mod:`activation_guard.spawn`, docs/distributed.md).
+(:mod:`activation_guard.distributed.spawn`, docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Callable, Union
 import pytest
 
 # issue 16: N-rank tests from a plain pytest run (docs/distributed.md); spawn imports no torch
-from .spawn import DistributedRunError, DistributedTimeout, run_distributed
+from .distributed.spawn import DistributedRunError, DistributedTimeout, run_distributed
 
 __all__ = ["DistributedRunError", "DistributedTimeout", "WorkflowResult", "check_golden_workflow", "golden_files",
            "run_distributed"]
@@ -83,7 +83,7 @@ def check_golden_workflow(
     """
     # In-process pytester runs drop modules first imported inside them; h5py cannot be imported
     # twice in one process, so import the engine (torch, h5py) out here, before the inner runs.
-    import activation_guard.api  # noqa: F401
+    import activation_guard.api.run  # noqa: F401
 
     res = WorkflowResult()
     root = pytester.path / golden_dir

@@ -6,7 +6,7 @@ outputs). For each model both recordings run alternately, ``--repeat`` times eac
 so a busy shared machine slows both alike. The ratio is that of the fastest run of each (the least
 disturbed by other work on the machine; the target applies to it), printed next to the ratio of
 the medians, with a plain forward and a plain forward + backward for scale. Models: the README's demo model
-(``activation_guard.demo.build``), a GPT-2 (transformers, random weights from a config, 4 layers,
+(``activation_guard.api.demo.build``), a GPT-2 (transformers, random weights from a config, 4 layers,
 hidden 128, 64 tokens) and, for a wide layer-light case, transformers' ResNet (from a config).
 ``--large`` adds GPT-2 small's size (124M parameters, 64 tokens): there the parameter gradients
 (500 MB, written like outputs) dwarf the activations (7 MB), and writing them sets the ratio.
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 import activation_guard as ag
-from activation_guard.demo import build as build_demo
+from activation_guard.api.demo import build as build_demo
 
 TARGET = 2.5
 

@@ -41,7 +41,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import activation_guard as ag
-from activation_guard.tf32 import emulate_tf32
+from activation_guard._core.tf32 import emulate_tf32
 
 # --------------------------------------------------------------------------- models
 

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from activation_guard.fingerprint import FingerprintParams, compute_fingerprint, should_fingerprint
+from activation_guard.fingerprints.fingerprint import FingerprintParams, compute_fingerprint, should_fingerprint
 
 SIZES = [1_000, 10_000, 100_000, 1_000_000, 10_000_000, 100_000_000]  # bytes of float32
 

@@ -39,9 +39,10 @@ except ImportError:  # Windows: no page-fault counts
 import torch
 
 import activation_guard as ag
-from activation_guard import fingerprint_worker, native
-from activation_guard.fingerprint import FingerprintParams, compute_fingerprint, should_fingerprint
-from activation_guard.leaves import flatten
+from activation_guard._core import native
+from activation_guard.fingerprints import worker as fingerprint_worker
+from activation_guard.fingerprints.fingerprint import FingerprintParams, compute_fingerprint, should_fingerprint
+from activation_guard.values.leaves import flatten
 
 SIZE_TARGET = 0.01  # golden with fingerprints <= 1% of the full golden
 TIME_TARGET = 1.3  # record with fingerprints <= 1.3x the plain forward

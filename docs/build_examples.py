@@ -81,7 +81,7 @@ ELIDED = "  ..."
 PROJECT_TESTS = '''\
 import torch
 
-from activation_guard.demo import TinyTransformer
+from activation_guard.api.demo import TinyTransformer
 
 NORM_EPS = 1e-5  # what the refactor changes
 
@@ -346,7 +346,7 @@ def ex_fingerprint(s: Scratch) -> str:
     import torch
 
     import activation_guard as ag
-    from activation_guard.demo import BUGS, TinyTransformer
+    from activation_guard.api.demo import BUGS, TinyTransformer
 
     torch.manual_seed(0)
     model = TinyTransformer(dim=64).eval()

@@ -18,9 +18,9 @@ import torch
 from cdp import Browser, CDPError, find_browser
 
 import activation_guard as ag
-from activation_guard import visual
-from activation_guard.demo import DemoResult, run_demo
-from activation_guard.report import Report
+from activation_guard.api.demo import DemoResult, run_demo
+from activation_guard.report import visual
+from activation_guard.report.report import Report
 
 BINARY = find_browser()
 pytestmark = pytest.mark.skipif(

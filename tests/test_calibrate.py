@@ -22,9 +22,9 @@ from models import build_cnn, cnn_input
 from torch import nn
 
 import activation_guard as ag
-from activation_guard import calibrate as cal
-from activation_guard import devices, tf32
-from activation_guard.errors import ActivationGuardError, GoldenFormatError
+from activation_guard._core import devices, tf32
+from activation_guard._core.errors import ActivationGuardError, GoldenFormatError
+from activation_guard.calibration import calibrate as cal
 
 # --------------------------------------------------------------------------- models
 

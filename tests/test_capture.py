@@ -17,8 +17,8 @@ from models import one_thread, shared_loop, tiny_mlp
 from torch import nn
 
 import activation_guard as ag
-from activation_guard.capture import hooked, normalize_inputs
-from activation_guard.leaves import flatten
+from activation_guard.capture.hooks import hooked, normalize_inputs
+from activation_guard.values.leaves import flatten
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import activation_guard as ag
+from activation_guard.api.demo import BUGS, build, run_demo
+from activation_guard.api.diff import diff_recordings as diff
 from activation_guard.cli import main
-from activation_guard.demo import BUGS, build, run_demo
-from activation_guard.diff import diff_recordings as diff
-from activation_guard.inspection import tensor_stats
+from activation_guard.report.inspection import tensor_stats
 from activation_guard.store import FORMAT_VERSION
 
 
@@ -97,7 +97,7 @@ def test_demo_is_deterministic():
 def test_inspect_shows_metadata_and_every_layer(demo, capsys):
     rc, out, _ = run(capsys, "inspect", demo.golden)
     assert rc == 0
-    assert "model class : activation_guard.demo.TinyTransformer (eval mode)" in out
+    assert "model class : activation_guard.api.demo.TinyTransformer (eval mode)" in out
     assert f"torch {torch.__version__}" in out
     assert re.search(r"inputs      : args/0: float32 \[2,8,32\] sha256:[0-9a-f]{16}", out)
     assert "float32_matmul_precision=" in out and "deterministic_algorithms=" in out
@@ -120,7 +120,7 @@ def test_inspect_layer_filter_and_json_stats_are_right(demo, capsys):
     names = [x["layer"] for x in d["leaves"]]
     assert names and all(n.startswith("blocks.1.") for n in names)
     assert "blocks.1" not in names and "blocks.0.norm1" not in names
-    assert d["meta"]["model_class"] == "activation_guard.demo.TinyTransformer"
+    assert d["meta"]["model_class"] == "activation_guard.api.demo.TinyTransformer"
     leaf = next(x for x in d["leaves"] if x["layer"] == "blocks.1.mlp.act")
     with ag.read_golden(demo.golden) as r:
         entry = next(c for c in r.calls if c.name == "blocks.1.mlp.act")

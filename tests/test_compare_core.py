@@ -14,9 +14,9 @@ from models import one_thread, scale_weight, shared_loop, tiny_mlp
 from torch import nn
 
 import activation_guard as ag
-from activation_guard.kernel import compare_tensors
-from activation_guard.spec import CompareSpec
-from activation_guard.tolerances import DTYPE_DEFAULTS, ToleranceResolver
+from activation_guard._core.kernel import compare_tensors
+from activation_guard.options.spec import CompareSpec
+from activation_guard.options.tolerances import DTYPE_DEFAULTS, ToleranceResolver
 
 
 def _resolver(golden_device=None, live_device=None, **options):
@@ -641,7 +641,7 @@ def test_diff_keeps_reference_leaves_of_the_other_recording(tmp_path):
 def test_a_difference_that_overflows_the_dtype_is_its_true_size_not_inf(dtype):
     """3e38 vs -3e38 in float32: the difference is 6e38, which float32 cannot hold; the report
     once said 'max abs diff inf' (and plotted it on the inf / NaN line) with no Inf anywhere."""
-    from activation_guard.kernel import compare_tensors
+    from activation_guard._core.kernel import compare_tensors
 
     g = torch.tensor([3e38, 1.0]).to(dtype)
     lv = torch.tensor([-3e38, 1.0]).to(dtype)

@@ -20,8 +20,8 @@ from models import build_hf_bert, token_input
 from torch import nn
 
 import activation_guard as ag
-from activation_guard import capture
-from activation_guard.demo import BUGS, build
+from activation_guard.api.demo import BUGS, build
+from activation_guard.capture import hooks as capture
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import activation_guard as ag
-from activation_guard import determinism as det
-from activation_guard import numerics
+from activation_guard._core import numerics
+from activation_guard.api import determinism as det
 
 
 def _observe() -> dict[str, object]:
@@ -167,7 +167,7 @@ def test_restores_tf32_state_set_through_the_new_and_mixed_apis() -> None:
     driver = textwrap.dedent('''
         import sys, torch
         import activation_guard as ag
-        from activation_guard.determinism import PrecisionFlags
+        from activation_guard.api.determinism import PrecisionFlags
         b = torch.backends
         clean = PrecisionFlags.capture()
         def obs():

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from models import one_thread
 
 import activation_guard as ag
-from activation_guard import dtypes
+from activation_guard._core import dtypes
 from activation_guard.store import SMALL_LEAF_BYTES
 
 

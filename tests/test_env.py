@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import activation_guard as ag
-from activation_guard import env as envmod
-from activation_guard.determinism import PrecisionFlags
+from activation_guard.api.determinism import PrecisionFlags
+from activation_guard.capture import env as envmod
 
 
 @pytest.fixture(autouse=True)

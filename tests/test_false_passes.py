@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import activation_guard as ag
-from activation_guard.kernel import compare_tensors
-from activation_guard.leaves import PathCollisionError, flatten
+from activation_guard._core.kernel import compare_tensors
+from activation_guard.values.leaves import PathCollisionError, flatten
 
 X = torch.randn(4, generator=torch.Generator().manual_seed(0))
 
@@ -73,7 +73,7 @@ class _Pair:
 
 def test_a_duplicate_path_is_refused_not_merged(monkeypatch: pytest.MonkeyPatch) -> None:
     """The last line of defence: were the encoding ever to repeat a path, flatten refuses."""
-    import activation_guard.leaves as leaves_mod
+    import activation_guard.values.leaves as leaves_mod
     monkeypatch.setattr(leaves_mod, "encode_str_key", lambda key: "same")
     with pytest.raises(PathCollisionError, match="share the path 'same'"):
         flatten(_Pair(X, X * 2))
@@ -137,7 +137,7 @@ def test_float8_e8m0_is_exact(tmp_path: Path) -> None:
 
 
 def test_a_golden_from_before_still_compares_dtypes_by_type(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import activation_guard.leaves as leaves_mod
+    import activation_guard.values.leaves as leaves_mod
     p = tmp_path / "old.h5"
     with monkeypatch.context() as m:  # how older versions recorded a dtype: an object leaf
         m.setattr(leaves_mod, "_BY_REPR", ())
@@ -163,8 +163,8 @@ def test_an_infinite_allowance_never_accepts_a_new_inf() -> None:
 def test_the_sampled_check_widens_where_float32_overflows() -> None:
     """rtol 1.5: 3e38 -> -3e38 moves by 6e38 > 4.5e38 (the comparator widens to float64 and fails
     it); the fingerprint's sample of that element once computed inf <= inf in float32 and passed."""
-    from activation_guard.fingerprint import compute_fingerprint
-    from activation_guard.fingerprint_judge import judge_fingerprint
+    from activation_guard.fingerprints.fingerprint import compute_fingerprint
+    from activation_guard.fingerprints.soundness import judge_fingerprint
     g = torch.full((8,), 3e38)
     lv = -g
     assert compare_tensors(g, lv, 1.5, 0.0).mismatched == 8
@@ -175,8 +175,8 @@ def test_the_sampled_check_widens_where_float32_overflows() -> None:
 def test_tiny_float64_values_are_not_below_the_fingerprints_resolution() -> None:
     """The float32-underflow allowance (2**-140) once applied to float64 leaves: a float64 leaf of
     1e-300 values could change by 1e-290 at an unsampled place and pass."""
-    from activation_guard.fingerprint import compute_fingerprint
-    from activation_guard.fingerprint_judge import judge_fingerprint
+    from activation_guard.fingerprints.fingerprint import compute_fingerprint
+    from activation_guard.fingerprints.soundness import judge_fingerprint
     g = torch.full((50_000,), 1e-300, dtype=torch.float64)
     fp = compute_fingerprint(g)
     j = next(i for i in range(g.numel()) if i not in set(fp.positions))
@@ -237,8 +237,8 @@ def test_a_fingerprinted_half_precision_golden_accepts_the_float32_model(tmp_pat
 def test_tiny_and_huge_float64_values_within_tolerance_pass(scale: float) -> None:
     """Squares of values below ~1e-154 underflow in the stored sum of squares: the norm bound must
     not shrink to zero with them (that would be a false alarm)."""
-    from activation_guard.fingerprint import compute_fingerprint
-    from activation_guard.fingerprint_judge import judge_fingerprint
+    from activation_guard.fingerprints.fingerprint import compute_fingerprint
+    from activation_guard.fingerprints.soundness import judge_fingerprint
     gen = torch.Generator().manual_seed(1)
     g = torch.randn(40_000, generator=gen, dtype=torch.float64) * scale
     lv = g * (1 + 0.99e-7 * (2 * torch.rand(40_000, generator=gen, dtype=torch.float64) - 1))
@@ -260,7 +260,7 @@ class Vmapped(nn.Module):
 
 
 def test_a_layer_inside_vmap_is_refused_by_name_and_can_be_excluded(tmp_path: Path) -> None:
-    from activation_guard.errors import ActivationGuardError
+    from activation_guard._core.errors import ActivationGuardError
     x = torch.randn(3, 2, 4)
     with pytest.raises(ActivationGuardError, match=r"layer 'fc' call 0: an input is a tensor inside a torch.func "
                                                    r"transform .*exclude="):
@@ -355,7 +355,7 @@ def test_a_wrapper_subclass_s_metadata_is_compared(tmp_path: Path) -> None:
 
 
 def test_a_dtype_argument_is_a_change_of_precision_not_of_inputs() -> None:
-    from activation_guard import env
+    from activation_guard.capture import env
     a = env.input_fingerprint((torch.ones(2),), {"dtype": torch.float32})
     b = env.input_fingerprint((torch.ones(2, dtype=torch.bfloat16),), {"dtype": torch.bfloat16})
     assert not env.inputs_replaced(a, b)
@@ -366,7 +366,7 @@ def test_a_dtype_argument_is_a_change_of_precision_not_of_inputs() -> None:
 
 def test_a_golden_from_before_the_empty_key_encoding_still_compares(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    import activation_guard.leaf_paths as paths_mod
+    import activation_guard.values.paths as paths_mod
     old_encode = paths_mod.encode_str_key
 
     def before(key: str) -> str:  # how earlier version-2 writers encoded keys: "" stayed ""
@@ -455,8 +455,8 @@ def test_a_named_tuples_field_names_are_compared(tmp_path: Path) -> None:
 
 def test_field_names_are_compared_only_where_both_sides_have_them(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import activation_guard.leaves as leaves_mod
-    import activation_guard.recorder as recorder_mod
+    import activation_guard.capture.recorder as recorder_mod
+    import activation_guard.values.leaves as leaves_mod
     p = tmp_path / "old.h5"
     with monkeypatch.context() as m:  # a golden from before field names were stored
         m.setattr(recorder_mod, "flatten", lambda out, fields=False: leaves_mod.flatten(out))
@@ -507,7 +507,7 @@ def test_replay_all_rebuilds_a_wrapper_subclass_from_the_golden(tmp_path: Path) 
 
 
 def test_gradients_through_a_wrapper_subclass_are_refused_by_name(tmp_path: Path) -> None:
-    from activation_guard.errors import ActivationGuardError
+    from activation_guard._core.errors import ActivationGuardError
     torch.manual_seed(0)
     with pytest.raises(ActivationGuardError, match=r"layer 'l1' call 0 returns a TwoTensor .*forward only"):
         ag.record(Wrapped().train(), torch.randn(2, 4), path=tmp_path / "g.h5", backward=True)
@@ -523,7 +523,7 @@ def test_a_changed_string_value_reports_no_numbers(tmp_path: Path) -> None:
 
 
 def test_inspect_and_textconv_show_the_stored_type_of_a_str_leaf(tmp_path: Path) -> None:
-    from activation_guard.inspect_text import textconv_lines
+    from activation_guard.report.inspect_text import textconv_lines
     p = tmp_path / "t.h5"
     ag.record(Returns(lambda x, k: (x, k, "torch.float32"), torch.float32), (X,), path=p)
     lines = list(textconv_lines(p))
@@ -533,7 +533,7 @@ def test_inspect_and_textconv_show_the_stored_type_of_a_str_leaf(tmp_path: Path)
 
 def test_diff_of_a_new_golden_against_an_older_recording_compares_by_type(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import activation_guard.leaves as leaves_mod
+    import activation_guard.values.leaves as leaves_mod
     new, old = tmp_path / "new.h5", tmp_path / "old.h5"
     ag.record(Returns(lambda x, k: (x, k), torch.float32), (X,), path=new)
     with monkeypatch.context() as m:
@@ -583,7 +583,7 @@ class HoldsWrapped(nn.Module):
 
 
 def test_gradients_through_a_wrapper_inside_a_dataclass_are_refused_by_name(tmp_path: Path) -> None:
-    from activation_guard.errors import ActivationGuardError
+    from activation_guard._core.errors import ActivationGuardError
     with pytest.raises(ActivationGuardError, match=r"layer '<root>' call 0 returns a TwoTensor"):
         ag.record(HoldsWrapped().train(), torch.randn(2, 4), path=tmp_path / "g.h5", backward=True)
 

@@ -18,7 +18,7 @@ from models import build_cnn, cnn_input, one_thread, shared_loop, tiny_mlp
 from torch import nn
 
 import activation_guard as ag
-from activation_guard.recorder import Recorder
+from activation_guard.capture.recorder import Recorder
 
 
 class Recursive(nn.Module):

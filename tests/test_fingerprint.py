@@ -20,9 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from activation_guard import native, sketch
-from activation_guard import seeded_hash as sh
-from activation_guard.fingerprint import (
+from activation_guard._core import native
+from activation_guard._core.kernel import compare_tensors
+from activation_guard.fingerprints import hashing as sh
+from activation_guard.fingerprints import sketch
+from activation_guard.fingerprints.fingerprint import (
     Fingerprint,
     FingerprintError,
     FingerprintFormatError,
@@ -33,8 +35,7 @@ from activation_guard.fingerprint import (
     should_fingerprint,
     solve_multiplier,
 )
-from activation_guard.fingerprint_judge import judge_fingerprint, judge_fingerprint_calibrated
-from activation_guard.kernel import compare_tensors
+from activation_guard.fingerprints.soundness import judge_fingerprint, judge_fingerprint_calibrated
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 3, 17), (1031,), (64, 129), (5, 0, 3), (4, 1, 513)]

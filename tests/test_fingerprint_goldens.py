@@ -29,10 +29,10 @@ from models import one_thread
 from torch import nn
 
 import activation_guard as ag
-from activation_guard import fingerprint_rule
-from activation_guard.fingerprint import FingerprintParams, compute_fingerprint
-from activation_guard.inspect_text import format_inspect, textconv_lines
-from activation_guard.inspection import inspect_golden
+from activation_guard.comparison import fingerprints as fingerprint_rule
+from activation_guard.fingerprints.fingerprint import FingerprintParams, compute_fingerprint
+from activation_guard.report.inspect_text import format_inspect, textconv_lines
+from activation_guard.report.inspection import inspect_golden
 from activation_guard.store import fingerprints as fpstore
 
 
@@ -203,7 +203,7 @@ def test_a_change_only_the_sketch_sees_is_reported_as_a_sketch_estimate(goldens)
     """1,000 unsampled mid-range elements moved by +-1e-3 (100x atol), signs alternating: no
     sampled element, no max/min and no sum can prove it, but ||diff||_2 is ~50x the bound. The
     sketch fails it, and the report says that is an estimate with its false-alarm bound."""
-    from activation_guard.seeded_hash import sample_positions
+    from activation_guard.fingerprints.hashing import sample_positions
 
     with torch.no_grad():
         g = Net().enc(X).reshape(-1)
@@ -596,7 +596,7 @@ def test_a_sample_failure_with_a_note_says_which_check_failed_first(tmp_path: Pa
 
 
 def test_inspect_never_shows_a_std_lost_to_rounding_as_zero() -> None:
-    from activation_guard.inspection import fingerprint_stats
+    from activation_guard.report.inspection import fingerprint_stats
     gen = torch.Generator().manual_seed(0)
     close = 1e4 + 1e-4 * torch.randn(100_000, generator=gen, dtype=torch.float64)
     assert fingerprint_stats(compute_fingerprint(close)).std is None  # sum x^2/n - mean^2 is all rounding

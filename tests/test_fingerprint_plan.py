@@ -8,9 +8,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from activation_guard import dtypes, fingerprint_plan, lru, native, sketch
-from activation_guard.fingerprint import Fingerprint, FingerprintParams, compute_fingerprint, fingerprint_buffer
-from activation_guard.fingerprint_worker import FingerprintWorker
+from activation_guard._core import dtypes, lru, native
+from activation_guard.fingerprints import plan as fingerprint_plan
+from activation_guard.fingerprints import sketch
+from activation_guard.fingerprints.fingerprint import (
+    Fingerprint,
+    FingerprintParams,
+    compute_fingerprint,
+    fingerprint_buffer,
+)
+from activation_guard.fingerprints.worker import FingerprintWorker
 
 needs_native = pytest.mark.skipif(native.get() is None, reason=f"no compiled pass here: {native.status()}")
 
@@ -190,7 +197,7 @@ def test_tensors_inside_torch_func_transforms_are_refused() -> None:
     """Their memory is not their values: a fingerprint read from it was garbage (found by review)."""
     from torch.func import functionalize, vmap
 
-    from activation_guard.fingerprint import FingerprintError
+    from activation_guard.fingerprints.fingerprint import FingerprintError
 
     def f(x: torch.Tensor) -> torch.Tensor:
         y = x * 2

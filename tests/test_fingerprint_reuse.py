@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 import activation_guard as ag
-from activation_guard import fingerprint_leaves, fingerprint_worker
-from activation_guard.fingerprint import FingerprintParams, compute_fingerprint
-from activation_guard.fingerprint_leaves import Fingerprinter
+from activation_guard.capture import fingerprints as fingerprint_leaves
+from activation_guard.capture.fingerprints import Fingerprinter
+from activation_guard.fingerprints import worker as fingerprint_worker
+from activation_guard.fingerprints.fingerprint import FingerprintParams, compute_fingerprint
 from activation_guard.store import GoldenReader
 
 

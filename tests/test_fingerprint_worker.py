@@ -26,10 +26,13 @@ from models import one_thread
 from torch import nn
 
 import activation_guard as ag
-from activation_guard import fingerprint_leaves, fingerprint_worker, native, staging
-from activation_guard.errors import ActivationGuardError, OptionError
-from activation_guard.fingerprint import FingerprintParams, compute_fingerprint
-from activation_guard.fingerprint_worker import FingerprintWorker, PendingFingerprint
+from activation_guard._core import native
+from activation_guard._core.errors import ActivationGuardError, OptionError
+from activation_guard.capture import fingerprints as fingerprint_leaves
+from activation_guard.fingerprints import staging
+from activation_guard.fingerprints import worker as fingerprint_worker
+from activation_guard.fingerprints.fingerprint import FingerprintParams, compute_fingerprint
+from activation_guard.fingerprints.worker import FingerprintWorker, PendingFingerprint
 from activation_guard.store import GoldenReader
 
 THREAD = fingerprint_worker.THREAD_NAME

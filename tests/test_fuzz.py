@@ -24,7 +24,7 @@ from models import Mixed, one_thread
 from torch import nn
 
 import activation_guard as ag
-from activation_guard.leaves import flatten
+from activation_guard.values.leaves import flatten
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import activation_guard as ag
-from activation_guard.gcpause import collector_off, frozen_gc
+from activation_guard._core.gcpause import collector_off, frozen_gc
 
 
 @pytest.fixture
@@ -146,8 +146,8 @@ def test_a_finished_record_or_compare_is_freed_without_the_collector(tmp_path: P
     """Nothing of a record or compare outlives it in a reference cycle: with the collector frozen
     around the run, such a cycle (the capture's two hooks once named each other) kept the whole
     comparator alive until a full collection, with a calibrated compare's float64 model copy."""
-    from activation_guard.comparator import Comparator
-    from activation_guard.recorder import Recorder
+    from activation_guard.capture.recorder import Recorder
+    from activation_guard.comparison.comparator import Comparator
     from activation_guard.store import GoldenReader, GoldenWriter
 
     m, x = model(), torch.randn(3, 4)

@@ -26,10 +26,10 @@ from models import build_hf_gpt2, build_lstm, lstm_input, shared_loop, token_inp
 from torch import nn
 
 import activation_guard as ag
-from activation_guard.capture import hooked, run_forward
-from activation_guard.errors import ActivationGuardError, OptionError
-from activation_guard.grad_loss import LossRule
-from activation_guard.gradients import Event, GradCapture
+from activation_guard._core.errors import ActivationGuardError, OptionError
+from activation_guard.capture.hooks import hooked, run_forward
+from activation_guard.gradients.hooks import Event, GradCapture
+from activation_guard.gradients.loss import LossRule
 
 
 class Collect:
@@ -176,7 +176,7 @@ def test_transformers_resnet_records_and_compares_with_gradients(tmp_path: Path)
 
 def test_the_fallback_node_counter_captures_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's private counter read without a node, or a node made to read it: the same gradients."""
-    from activation_guard import gradients
+    from activation_guard.gradients import hooks as gradients
 
     torch.manual_seed(0)
     model = nn.Sequential(Residual(nn.Sequential(nn.Linear(4, 4), nn.Tanh())), nn.Linear(4, 2))
@@ -417,7 +417,7 @@ def test_backward_option_is_validated_once() -> None:
         ag.record(nn.Linear(2, 2), torch.randn(1, 2), path="x.h5", backward=3)
     with pytest.raises(OptionError, match="must be True, False or a callable"):
         ag.compare(nn.Linear(2, 2), torch.randn(1, 2), path="x.h5", backward="sometimes")
-    from activation_guard.spec import build_specs
+    from activation_guard.options.spec import build_specs
 
     rec, cmp_ = build_specs({"backward": "true"}, "ini")
     assert rec.backward is True and cmp_.backward is True

@@ -15,10 +15,11 @@ from test_gradients_faults import with_scaled_backward
 from torch import nn
 
 import activation_guard as ag
-from activation_guard import tf32, visual
-from activation_guard.errors import UncalibratedGoldenError
-from activation_guard.inspect_text import format_inspect, textconv_lines
-from activation_guard.inspection import inspect_golden
+from activation_guard._core import tf32
+from activation_guard._core.errors import UncalibratedGoldenError
+from activation_guard.report import visual
+from activation_guard.report.inspect_text import format_inspect, textconv_lines
+from activation_guard.report.inspection import inspect_golden
 
 # --------------------------------------------------------------------------- calibrated mode
 
@@ -143,7 +144,7 @@ def test_html_marks_gradient_rows_and_the_backward_first_divergence(diverged: tu
 
 
 def test_markdown_summary_names_the_gradient(diverged: tuple[Path, ag.Report]) -> None:
-    from activation_guard.markdown import _divergence
+    from activation_guard.report.markdown import _divergence
 
     _, report = diverged
     assert _divergence(report, None) == ("backward pass: `relu2` (ReLU) call 0, gradient w.r.t. its input args/0: "
@@ -157,7 +158,7 @@ def test_plot_draws_the_backward_apart(diverged: tuple[Path, ag.Report], tmp_pat
     fwd_only.layers = [r for r in fwd_only.layers if r.phase == "forward"]
     a, b = visual.render_png(report), visual.render_png(fwd_only)
     assert a[:8] == b"\x89PNG\r\n\x1a\n" and a != b
-    from activation_guard.visual import backward_span
+    from activation_guard.report.visual import backward_span
 
     n = sum(1 for r in report.layers if r.position is not None)
     assert backward_span(report) == (report.live_count + 0.5, n + 0.5)

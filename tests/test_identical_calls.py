@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import activation_guard as ag
-from activation_guard.judges import StrictJudge
-from activation_guard.report import Report
+from activation_guard.judges.strict import StrictJudge
+from activation_guard.report.report import Report
 from activation_guard.results import IdenticalCall, LayerResult
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool,

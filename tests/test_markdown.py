@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import activation_guard as ag
-from activation_guard import markdown, visual
-from activation_guard.session import CheckRecord
+from activation_guard.plugin.session import CheckRecord
+from activation_guard.report import markdown, visual
 
 
 def _cells(row: str) -> list[str]:

@@ -20,9 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from activation_guard import api, fingerprint_plan, fingerprint_worker, native, sketch
-from activation_guard.errors import OptionError
-from activation_guard.fingerprint import Fingerprint, FingerprintParams, compute_fingerprint
+from activation_guard._core import native
+from activation_guard._core.errors import OptionError
+from activation_guard.api import run as api
+from activation_guard.fingerprints import plan as fingerprint_plan
+from activation_guard.fingerprints import sketch
+from activation_guard.fingerprints import worker as fingerprint_worker
+from activation_guard.fingerprints.fingerprint import Fingerprint, FingerprintParams, compute_fingerprint
 
 HAVE = native.get() is not None
 needs_native = pytest.mark.skipif(not HAVE, reason=f"no compiled pass here: {native.status()}")
@@ -294,7 +298,7 @@ def test_a_thread_with_the_smallest_stack_survives(tmp_path: Path) -> None:
     script = tmp_path / "small_stack.py"
     script.write_text(
         "import threading, torch\n"
-        "from activation_guard.fingerprint import compute_fingerprint, FingerprintParams\n"
+        "from activation_guard.fingerprints.fingerprint import compute_fingerprint, FingerprintParams\n"
         "threading.stack_size(32768)\n"
         "out = []\n"
         "p = FingerprintParams(buckets=4096, rows=1)\n"

@@ -20,7 +20,7 @@ from models import tiny_mlp
 from torch import nn
 
 import activation_guard as ag
-from activation_guard.leaves import flatten
+from activation_guard.values.leaves import flatten
 
 X = torch.randn(3, generator=torch.Generator().manual_seed(0))
 

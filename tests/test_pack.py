@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import activation_guard as ag
-from activation_guard import staging
+from activation_guard.fingerprints import staging
 from activation_guard.store import GoldenReader, writer
 from activation_guard.store.pack import PackBuffer
 

@@ -25,7 +25,7 @@ def test_no_submodule_shadows_a_public_name_or_the_standard_library():
         importlib.import_module(f"activation_guard.{name}")
     assert not set(names) & set(ag.__all__)
     assert not set(names) & set(sys.stdlib_module_names)
-    assert callable(ag.compare) and ag.compare.__module__ == "activation_guard.api"
+    assert callable(ag.compare) and ag.compare.__module__ == "activation_guard.api.run"
 
 
 def test_loading_the_plugin_does_not_import_torch_or_h5py():

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from activation_guard import paths
-from activation_guard.paths import NodeKey, golden_path, owner_stem, relative_golden_path, stem_of
+from activation_guard.store import naming as paths
+from activation_guard.store.naming import NodeKey, golden_path, owner_stem, relative_golden_path, stem_of
 
 
 @pytest.mark.parametrize(

@@ -419,7 +419,7 @@ def test_unused_goldens(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) ->
 def test_cross_device_defaults_through_the_plugin(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     """A golden recorded on another device type is checked with the documented, looser
     device-pair defaults (CROSS_DEVICE_DEFAULTS); the same change fails against a CPU golden."""
-    import activation_guard.env as envmod
+    import activation_guard.capture.env as envmod
 
     ag.makepyfile(test_xd=WORKFLOW.replace("build(SCALE)", "build()"))
     real = envmod.device_info

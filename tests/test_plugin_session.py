@@ -17,10 +17,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import activation_guard as ag
-from activation_guard import paths
-from activation_guard.check import GoldenCheck, item_key
-from activation_guard.errors import OptionError as SpecOptionError
-from activation_guard.options import (
+from activation_guard._core.errors import OptionError as SpecOptionError
+from activation_guard.options.spec import CompareSpec, RecordSpec
+from activation_guard.options.tolerances import CROSS_DEVICE_DEFAULTS, DTYPE_DEFAULTS, ToleranceResolver
+from activation_guard.plugin.check import GoldenCheck, item_key
+from activation_guard.plugin.session import CheckRecord, GuardSession, jsonable
+from activation_guard.plugin.settings import (
     OptionError,
     Settings,
     engine_specs,
@@ -28,9 +30,7 @@ from activation_guard.options import (
     rerecord_command,
     resolve_options,
 )
-from activation_guard.session import CheckRecord, GuardSession, jsonable
-from activation_guard.spec import CompareSpec, RecordSpec
-from activation_guard.tolerances import CROSS_DEVICE_DEFAULTS, DTYPE_DEFAULTS, ToleranceResolver
+from activation_guard.store import naming as paths
 
 
 def _resolver(golden_device=None, live_device=None, **options):
@@ -326,7 +326,7 @@ def test_cross_device_defaults_apply_only_across_device_types() -> None:
 
 def test_golden_recorded_on_cuda_is_checked_with_device_pair_defaults(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    import activation_guard.env as envmod
+    import activation_guard.capture.env as envmod
 
     m = _model()
     x = torch.linspace(-3, 3, 12).reshape(4, 3)
@@ -343,7 +343,7 @@ def test_golden_recorded_on_cuda_is_checked_with_device_pair_defaults(tmp_path: 
 def test_unused_goldens_are_not_judged_when_the_run_cannot_tell(tmp_path: Path) -> None:
     """A crashed xdist worker's used goldens are lost (its passed outcomes are not): a golden a
     passing test used was listed as unused. --lf and --sw leave tests out silently."""
-    from activation_guard.plugin import _unused_blocker
+    from activation_guard.plugin.hooks import _unused_blocker
 
     class Config:
         def __init__(self, **opts: bool) -> None:
@@ -366,7 +366,7 @@ def test_unused_goldens_are_not_judged_when_the_run_cannot_tell(tmp_path: Path) 
 
 
 def test_summary_counts_read_as_words() -> None:
-    from activation_guard.session import counted
+    from activation_guard.plugin.session import counted
 
     assert counted({"checked": 1, "passed": 0, "errors": 1}) == "1 checked, 0 passed, 1 error"
     assert counted({"checked": 2, "errors": 2}) == "2 checked, 2 errors"

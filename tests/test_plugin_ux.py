@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from activation_guard import visual
+from activation_guard.report import visual
 from activation_guard.testing import golden_files
 
 MODELS = '''

@@ -24,9 +24,9 @@ from models import (
 from torch import nn
 
 import activation_guard as ag
-from activation_guard.children import PLACEHOLDER, skeleton
-from activation_guard.report import Report
-from activation_guard.shadow import float32_random
+from activation_guard.calibration.shadow import float32_random
+from activation_guard.replay.children import PLACEHOLDER, skeleton
+from activation_guard.report.report import Report
 
 
 def _check(model: nn.Module, changed: nn.Module, args: Any, tmp_path: Path, kwargs: Any = None,

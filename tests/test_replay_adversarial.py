@@ -78,7 +78,7 @@ def test_a_buffer_used_before_its_update_is_found_in_every_mode(tmp_path: Path, 
 
 def test_a_large_buffer_changed_in_place_is_not_replayed_and_says_why(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from activation_guard import callstart
+    from activation_guard.replay import callstart
 
     monkeypatch.setattr(callstart, "SNAPSHOT_NUMEL", 4)  # the 8-element buffer counts as large
     m, x, p = _norm_model(tmp_path)
@@ -208,7 +208,7 @@ def test_a_layer_drawing_random_numbers_says_a_shifted_stream_looks_the_same(tmp
 def test_inputs_only_cast_to_another_dtype_are_a_precision_change_not_new_inputs() -> None:
     """replay="all" is the cross-precision gate: the same inputs in bfloat16 keep it judging each
     layer by its own error; other values, shapes or inputs make the outputs' verdicts stand."""
-    from activation_guard.env import input_fingerprint, inputs_replaced
+    from activation_guard.capture.env import input_fingerprint, inputs_replaced
 
     x = torch.randn(2, 4)
     golden = input_fingerprint((x,), {})

@@ -242,7 +242,7 @@ def test_report_round_trips_through_json(tmp_path):
     """A JSON report (e.g. from an xdist worker) rebuilds the same report, text included."""
     import json
 
-    from activation_guard.report import Report
+    from activation_guard.report.report import Report
 
     class M(nn.Module):
         def __init__(self):
@@ -347,8 +347,8 @@ def test_control_characters_from_the_model_or_the_golden_never_reach_a_terminal(
     import h5py
     from golden_edit import set_json
 
-    from activation_guard.inspect_text import format_inspect, textconv_lines
-    from activation_guard.inspection import inspect_golden
+    from activation_guard.report.inspect_text import format_inspect, textconv_lines
+    from activation_guard.report.inspection import inspect_golden
 
     evil = type("Evil" + ESC, (nn.Module,), {"forward": lambda s, x: {"key" + ESC + "\nforged line": x * s.k}})
     root = nn.Module()

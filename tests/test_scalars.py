@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import activation_guard as ag
-from activation_guard import scalars
-from activation_guard.leaves import flatten, flatten_inputs
+from activation_guard.values import scalars
+from activation_guard.values.leaves import flatten, flatten_inputs
 
 _NUMBERS = st.one_of(st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=True),
                      st.complex_numbers(allow_nan=True))
@@ -134,8 +134,8 @@ def test_shared_numbers_are_stored_as_values_never_as_references(tmp_path: Path)
 def test_a_number_passed_through_a_call_is_not_memory_it_shares() -> None:
     """replay="all" treats a child whose output shares memory with its inputs as aliased (no stub):
     the same number in and out (one shared tensor) must not count; a real view still does."""
-    from activation_guard import replay
-    from activation_guard.capture import Frame
+    from activation_guard.capture.hooks import Frame
+    from activation_guard.replay import replay
 
     assert not replay._shares_memory(Frame("c", nn.Identity(), (torch.randn(2), 3), {"flag": True}, None),
                                      (torch.randn(2), 3, True))

@@ -13,9 +13,9 @@ from models import tiny_mlp
 from torch import nn
 
 import activation_guard as ag
+from activation_guard._core.errors import OptionError
 from activation_guard.cli import main
-from activation_guard.errors import OptionError
-from activation_guard.spec import OPTIONS, CompareSpec, RecordSpec, build_specs
+from activation_guard.options.spec import OPTIONS, CompareSpec, RecordSpec, build_specs
 
 X = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
 

@@ -340,14 +340,16 @@ def _run_isolated(code: str) -> str:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
 
 
-def test_store_is_the_bottom_layer():
-    """The store imports only ``dtypes``, ``errors``, ``gcpause``, ``slots`` and ``mapping``
-    (standard library only) and the fingerprint value type from the package: never capture, the
-    comparator, the API or the pytest layer (or pytest itself)."""
+def test_store_imports_only_core_and_the_fingerprint_type():
+    """Reading and writing goldens imports only ``_core`` (dtypes, errors, gcpause, slots, mapping:
+    standard library only) and the fingerprint value type from the package: never capture, the
+    comparator, the API or the pytest layer (or pytest itself). tests/test_layers.py checks the
+    general rule on the source; this checks what an import really loads."""
     code = (
         "import sys, activation_guard\n"
         "before = set(sys.modules)\n"
         "import activation_guard.store as s\n"
+        "s.GoldenReader, s.GoldenWriter\n"
         "print(s.__file__)\n"
         "print(' '.join(sorted(m for m in set(sys.modules) - before if m.startswith('activation_guard'))))\n"
         "print('pytest' in sys.modules)\n"
@@ -355,21 +357,23 @@ def test_store_is_the_bottom_layer():
     where, mods, has_pytest = _run_isolated(code).splitlines()
     assert where == os.path.join(os.path.dirname(os.path.abspath(ag.__file__)), "store", "__init__.py")
     added = set(mods.split())
-    assert "activation_guard.capture" not in added
+    assert "activation_guard.capture.hooks" not in added
     assert {m for m in added if not m.startswith("activation_guard.store")} == {
-        "activation_guard.dtypes",
-        "activation_guard.errors",
-        "activation_guard.gcpause",
-        "activation_guard.slots",
-        "activation_guard.fingerprint",
-        "activation_guard.fingerprint_params",
-        "activation_guard.sketch",
-        "activation_guard.native",  # the sketch's optional compiled pass (standard library and torch only)
-        "activation_guard.fingerprint_plan",  # its prepared calls (sketch, native, numpy)
-        "activation_guard.lru",  # the kernel's caches (standard library only)
-        "activation_guard.switches",  # the compiled pass's environment switch (errors only)
-        "activation_guard.seeded_hash",
-        "activation_guard.mapping",  # private memory mappings for the pack (standard library only)
+        "activation_guard._core",
+        "activation_guard.fingerprints",
+        "activation_guard._core.dtypes",
+        "activation_guard._core.errors",
+        "activation_guard._core.gcpause",
+        "activation_guard._core.slots",
+        "activation_guard.fingerprints.fingerprint",
+        "activation_guard.fingerprints.params",
+        "activation_guard.fingerprints.sketch",
+        "activation_guard._core.native",  # the sketch's optional compiled pass (standard library and torch only)
+        "activation_guard.fingerprints.plan",  # its prepared calls (sketch, native, numpy)
+        "activation_guard._core.lru",  # the kernel's caches (standard library only)
+        "activation_guard._core.switches",  # the compiled pass's environment switch (errors only)
+        "activation_guard.fingerprints.hashing",
+        "activation_guard._core.mapping",  # private memory mappings for the pack (standard library only)
     }
     assert {"activation_guard.store.writer", "activation_guard.store.safety"} <= added  # the import ran here
     assert has_pytest == "False"
@@ -379,7 +383,7 @@ def test_writer_takes_plain_leaves(tmp_path):
     """Any object with the LeafLike attributes is recorded exactly as a capture.Leaf is."""
     from dataclasses import dataclass
 
-    from activation_guard.leaves import Leaf
+    from activation_guard.values.leaves import Leaf
 
     @dataclass(frozen=True)
     class Plain:

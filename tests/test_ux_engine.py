@@ -11,7 +11,7 @@ from torch import nn
 
 import activation_guard as ag
 from activation_guard.cli import main
-from activation_guard.inspection import inspect_golden
+from activation_guard.report.inspection import inspect_golden
 
 X = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
 

@@ -15,10 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import activation_guard as ag
-from activation_guard import visual
+from activation_guard.api.demo import run_demo
 from activation_guard.cli import main
-from activation_guard.demo import run_demo
-from activation_guard.report import Report
+from activation_guard.report import visual
+from activation_guard.report.report import Report
 from activation_guard.results import LayerResult
 
 pytest.importorskip("matplotlib")

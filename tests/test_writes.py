@@ -466,7 +466,7 @@ def test_parallel_update_writes_every_golden_valid(pytester, monkeypatch):
     """`pytest -n 4 --ag-update` over 24 checks in 12 tests: every golden is written once,
     complete and correct, no temp is left, and the merged summary counts all of them."""
     pytest.importorskip("xdist")
-    from activation_guard import plugin
+    from activation_guard.plugin import hooks as plugin
 
     if not hasattr(plugin, "pytest_addoption"):
         pytest.skip("activation_guard.plugin has no --ag-update yet")

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes
-from ..errors import GoldenFormatError
-from ..fingerprint import (
+from .._core import dtypes
+from .._core.errors import GoldenFormatError
+from ..fingerprints.fingerprint import (
     ARRAY_NAMES,
     COUNT_FIELDS,
     FORMAT,

@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import dtypes
-from ..errors import GoldenFormatError
-from ..slots import SLOTS
+from .._core import dtypes
+from .._core.errors import GoldenFormatError
+from .._core.slots import SLOTS
 
 FORMAT_NAME = "activation_guard.golden"
 FORMAT_VERSION = 3

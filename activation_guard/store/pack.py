@@ -6,7 +6,7 @@ activations, they split the activations' freed blocks in malloc's heap, so that 
 activations came from fresh memory: an inline recording of the ``wide`` benchmark with
 fingerprints faulted ~32 K pages per run where the plain forward faulted none
 (docs/performance.md, "ninth session: page faults"). Copied into a private anonymous mapping of
-the writer's own (:mod:`activation_guard.mapping`), each leaf's bytes are temporary: malloc
+the writer's own (:mod:`activation_guard._core.mapping`), each leaf's bytes are temporary: malloc
 reuses their block for the next leaf.
 
 Only the pages written become resident; the mapping is reused for every pack of the golden and
@@ -20,7 +20,7 @@ import mmap
 
 import numpy as np
 
-from ..mapping import private_anonymous
+from .._core.mapping import private_anonymous
 
 
 class PackBuffer:

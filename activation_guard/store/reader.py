@@ -26,10 +26,10 @@ import h5py
 import numpy as np
 import torch
 
-from .. import dtypes
-from ..errors import GoldenCorruptError, GoldenError, GoldenFormatError, GoldenNotFoundError
-from ..fingerprint import Fingerprint, FingerprintFormatError, FingerprintParams
-from ..gcpause import collector_off
+from .._core import dtypes
+from .._core.errors import GoldenCorruptError, GoldenError, GoldenFormatError, GoldenNotFoundError
+from .._core.gcpause import collector_off
+from ..fingerprints.fingerprint import Fingerprint, FingerprintFormatError, FingerprintParams
 from . import fingerprints as fpstore
 from . import rows
 from .format import (

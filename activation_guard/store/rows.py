@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import GoldenFormatError
+from .._core.errors import GoldenFormatError
 from .format import (
     GRAD_KINDS,
     ITEMSIZE,

@@ -19,7 +19,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ..errors import GoldenCorruptError, GoldenFormatError, GoldenSecurityError
+from .._core.errors import GoldenCorruptError, GoldenFormatError, GoldenSecurityError
 from .format import ALLOWED_FILTERS
 
 DELETE_FIX = "delete this file and re-record the golden"

@@ -22,9 +22,9 @@ import h5py
 import numpy as np
 import torch
 
-from .. import dtypes
-from ..errors import GoldenWriteError
-from ..fingerprint import Fingerprint, FingerprintParams
+from .._core import dtypes
+from .._core.errors import GoldenWriteError
+from ..fingerprints.fingerprint import Fingerprint, FingerprintParams
 from . import fingerprints as fpstore
 from . import rows
 from .format import (

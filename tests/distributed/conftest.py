@@ -11,7 +11,7 @@ import pytest
 from filelock import FileLock
 
 import activation_guard as ag
-from activation_guard.spawn import run_distributed
+from activation_guard.distributed.spawn import run_distributed
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Functions the distributed tests run on every rank (through activation_guard.spawn.run_distributed).
+"""Functions the distributed tests run on every rank (through activation_guard.distributed.spawn.run_distributed).
 
 Kept free of pytest so each rank imports only torch and activation_guard. Results are JSON.
 """
@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 import activation_guard as ag
-from activation_guard.distributed import RankInfo, rank_golden_path, rank_info
-from activation_guard.rank_summary import gather_verdicts
+from activation_guard.api.rank_summary import gather_verdicts
+from activation_guard.distributed.ranks import RankInfo, rank_golden_path, rank_info
 
 
 def mlp(seed: int = 0) -> nn.Sequential:
@@ -39,7 +39,7 @@ def _tp_mlp() -> nn.Module:
 
 
 def _describe(o: Any) -> str:
-    from activation_guard.distributed import _async_type, is_dtensor
+    from activation_guard.distributed.ranks import _async_type, is_dtensor
 
     if is_dtensor(o):
         return f"DTensor{tuple(o.shape)} local{tuple(o.to_local().shape)} {list(map(str, o.placements))}"
@@ -196,7 +196,7 @@ def gather_pieces() -> dict[str, Any]:
     """reassemble() on uneven pieces and odd dtypes; a shape mismatch raises on every rank."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from activation_guard.placements import reassemble
+    from activation_guard.distributed.placements import reassemble
 
     rank = dist.get_rank()
     out: dict[str, Any] = {}
@@ -224,7 +224,7 @@ def parallel_suite(golden: str, llama_golden: str, per_rank_golden: str) -> dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from activation_guard.distributed import chunk_sizes
+    from activation_guard.distributed.ranks import chunk_sizes
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     local_rows = distribute_tensor(torch.zeros(5, 3), mesh, [Shard(0)]).to_local().shape[0]
@@ -254,7 +254,7 @@ def env_and_allreduce(x: float) -> dict[str, Any]:
 
 def _blocked_forever() -> None:
     """Wait for a store key nobody sets: stuck, and unaware that a peer died (unlike gloo ops)."""
-    from activation_guard.rank_summary import default_store
+    from activation_guard.api.rank_summary import default_store
 
     default_store().wait(["activation_guard/test/never-set"])
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import activation_guard as ag
-from activation_guard.distributed import RankInfo
-from activation_guard.options import DEFAULT_RANK_TIMEOUT, OptionError, Settings
-from activation_guard.rank_session import RankContext, process_group
-from activation_guard.session import CheckRecord, GuardSession
+from activation_guard.distributed.ranks import RankInfo
+from activation_guard.plugin.ranks import RankContext, process_group
+from activation_guard.plugin.session import CheckRecord, GuardSession
+from activation_guard.plugin.settings import DEFAULT_RANK_TIMEOUT, OptionError, Settings
 
 pytestmark = pytest.mark.distributed
 

@@ -7,7 +7,7 @@ import time
 import dist_ranks
 import pytest
 
-from activation_guard.spawn import DistributedRunError, DistributedTimeout, run_distributed
+from activation_guard.distributed.spawn import DistributedRunError, DistributedTimeout, run_distributed
 
 pytestmark = pytest.mark.distributed
 

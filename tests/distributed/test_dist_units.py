@@ -15,9 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import activation_guard as ag
-from activation_guard import rank_summary as rs
-from activation_guard.dist_capture import for_compare, for_record
-from activation_guard.distributed import (
+from activation_guard._core.errors import DistributedError, OptionError
+from activation_guard.api import rank_summary as rs
+from activation_guard.distributed.placements import PlacementMatcher, Placements
+from activation_guard.distributed.ranks import (
     LocalShard,
     RankInfo,
     ShardLayout,
@@ -32,9 +33,8 @@ from activation_guard.distributed import (
     split_rank_path,
     wait_async,
 )
-from activation_guard.errors import DistributedError, OptionError
-from activation_guard.placements import PlacementMatcher, Placements
-from activation_guard.spec import CompareSpec
+from activation_guard.distributed.transform import for_compare, for_record
+from activation_guard.options.spec import CompareSpec
 
 pytestmark = pytest.mark.distributed
 
@@ -348,10 +348,11 @@ def test_gather_verdicts_outside_a_process_group_is_inert():
 def test_imports_stay_light():
     code = (
         "import sys; sys.modules['pytest'] = None\n"
-        "import activation_guard, activation_guard.spawn\n"
+        "import activation_guard, activation_guard.distributed.spawn\n"
         "assert 'torch' not in sys.modules, 'torch imported by import activation_guard'\n"
-        "import activation_guard.distributed, activation_guard.dist_capture, activation_guard.rank_summary\n"
-        "import activation_guard.api\n"
+        "import activation_guard.distributed.ranks, activation_guard.distributed.transform\n"
+        "import activation_guard.api.rank_summary\n"
+        "import activation_guard.api.run\n"
         "heavy = [m for m in ('torch.distributed.tensor', 'torch.distributed.fsdp') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
@@ -366,7 +367,7 @@ def test_imports_stay_light():
 @pytest.fixture
 def pretend_rank1_of_2(monkeypatch):
     """dist_capture as it behaves on rank 1 of 2 (no collective runs on plain tensors)."""
-    from activation_guard import dist_capture
+    from activation_guard.distributed import transform as dist_capture
 
     monkeypatch.setattr(dist_capture, "rank_info", lambda: RankInfo(1, 2))
 
@@ -415,7 +416,7 @@ def test_comparator_reports_local_shards_and_compares_full_ones(tmp_path, preten
     wide = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh())
     x = torch.randn(3, 4)
     with pytest.MonkeyPatch.context() as mp:  # a single-device golden
-        from activation_guard import dist_capture
+        from activation_guard.distributed import transform as dist_capture
 
         mp.setattr(dist_capture, "rank_info", lambda: None)
         ag.record(wide, x, path=tmp_path / "g.h5")
@@ -441,7 +442,7 @@ def test_comparator_reports_local_shards_and_compares_full_ones(tmp_path, preten
 
 @given(stem=names, info=st.integers(2, 64).flatmap(lambda w: st.tuples(st.integers(0, w - 1), st.just(w))))
 def test_the_plugin_and_the_engine_agree_on_rank_parts(stem, info):
-    from activation_guard import paths
+    from activation_guard.store import naming as paths
 
     ranked = rank_golden_path(stem + ".h5", RankInfo(*info)) if split_rank_path(stem + ".h5") is None else None
     for name in filter(None, [ranked, stem + ".h5"]):
@@ -456,7 +457,7 @@ def test_the_plugin_and_the_engine_agree_on_rank_parts(stem, info):
        info=st.integers(2, 64).flatmap(lambda w: st.tuples(st.integers(0, w - 1), st.just(w))))
 def test_no_test_or_check_name_spells_a_rank_golden(parts, name, info):
     """A name ending in '.rank0-of-2' must not give the file another check's rank 0 would write."""
-    from activation_guard import paths
+    from activation_guard.store import naming as paths
 
     try:
         fname = paths.file_component(parts, name)
@@ -468,7 +469,7 @@ def test_no_test_or_check_name_spells_a_rank_golden(parts, name, info):
 
 
 def test_rank_like_names_are_escaped_and_rank_goldens_have_owners():
-    from activation_guard import paths
+    from activation_guard.store import naming as paths
 
     assert paths.file_component(["test_a"], "x.rank0-of-2") == "test_a--x%2Erank0-of-2.h5"
     assert paths.file_component(["T", "rank1-of-2"]) == "T%2Erank1-of-2.h5"
@@ -479,7 +480,7 @@ def test_rank_like_names_are_escaped_and_rank_goldens_have_owners():
 
 
 def test_gradient_goldens_of_sharded_parameters_are_refused_before_the_forward(monkeypatch):
-    from activation_guard import dist_capture
+    from activation_guard.distributed import transform as dist_capture
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     dist_capture.refuse_sharded_backward(model, True)  # plain parameters: fine

@@ -1,0 +1,1 @@
+"""Small utilities every layer may use: errors, dtypes, devices, the comparison kernel, switches."""

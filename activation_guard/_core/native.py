@@ -1,0 +1,236 @@
+"""The optional compiled fingerprint pass: built at first use with the system C compiler.
+
+Fingerprinting in torch ops reads every element ~15 times (a float64 copy, min/max, three sums,
+and per sketch row a signed copy and an ``index_add_`` of 64-element slices); one fused C pass
+(``csrc/fpchunk.c``) reads each block once. The kernel alone went from 2.3x to 0.33x a plain
+forward on the ``wide`` benchmark and from 0.96x to 0.15x on GPT-2 small (docs/performance.md).
+It is an accelerator, never a requirement:
+
+- no compiler, a failed build or ``ACTIVATION_GUARD_NATIVE=0`` leaves the torch path, which
+  computes the same fingerprint (the sketch bit for bit, the statistics within their rounding
+  bound); :func:`status` says which path runs and why;
+- the library is built into a fresh private temporary folder per process and unlinked once
+  loaded: no shared cache to go stale, to race on under xdist, or for another user to plant a
+  library in. A build takes ~0.2 s (plain C, no torch headers).
+
+The call goes through ctypes, which releases the GIL: the fingerprint worker thread then runs
+beside the forward on another core.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import switches
+
+SOURCE = Path(__file__).with_name("csrc") / "fpchunk.c"
+VERSION = 7  # ag_version() of the source this module speaks to
+ENV = "ACTIVATION_GUARD_NATIVE"
+FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu99", "-Wno-psabi"]
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_ARGTYPES = [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P]
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: plans are cached per library
+class Native:
+    """The loaded library's entry points: a chunk of float32 or float64 values, the fold, a whole
+    leaf (``ag_leaf``), the worker's copy (``ag_copy``), and which vector width they use."""
+
+    f32: Callable[..., None]
+    f64: Callable[..., None]
+    fold_fn: Callable[..., None]
+    leaf_fn: Callable[..., None]  # ag_leaf: called by fingerprint_plan.LeafPlan, which checks its arguments
+    simd: int  # ag_simd(): which chunk functions ag_leaf calls (all compute the same bits)
+    # ag_copy(dst, src, n) as a PYFUNCTYPE function, which keeps the GIL: the fingerprint worker's
+    # snapshot, on the forward's thread (fingerprint_worker.FingerprintWorker._copy says why)
+    copy_fn: Callable[[int, int, int], None]
+    lib: ctypes.CDLL  # keeps the library mapped for copy_fn, which holds only its address
+
+    def chunk(self, x: torch.Tensor, rows: int, buckets: int, w: torch.Tensor, route: torch.Tensor,
+              routed: torch.Tensor, stats: torch.Tensor, scratch: torch.Tensor) -> None:
+        """Statistics of ``x`` into ``stats`` (sum, sum of absolute values, sum of squares, min, max)
+        and each row's signed blocks added to ``routed`` at their routes. The C side trusts the
+        pointers and strides it is given, so they are checked here, once per chunk (the route
+        values are not: they are sketch.py's own hashes, ``row * 2B + bucket`` by construction).
+        ``scratch``: at least ``buckets`` float64 values the C side may overwrite."""
+        fn = self.f32 if x.dtype == torch.float32 else self.f64
+        K = (x.numel() + buckets - 1) // buckets
+        ok = (x.is_contiguous() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+              and x.data_ptr() % x.element_size() == 0 and _scratch_ok(scratch, buckets)
+              and w.dtype == torch.float64 and w.device.type == "cpu" and w.stride(1) == 1
+              and w.shape[0] >= rows and w.shape[1] >= K + buckets - 1
+              and route.dtype == torch.int64 and route.device.type == "cpu" and route.stride(1) == 1
+              and route.shape[0] >= rows and route.shape[1] >= K
+              and routed.dtype == torch.float64 and routed.is_contiguous() and routed.device.type == "cpu"
+              and routed.numel() >= rows * 2 * buckets * buckets
+              and stats.dtype == torch.float64 and stats.is_contiguous() and stats.numel() >= 5
+              and stats.device.type == "cpu"
+              and 0 < buckets <= 4096)
+        if not ok:  # not an assert: it must hold under python -O, the C side trusts these pointers
+            raise ValueError("native fingerprint chunk: arguments of the wrong dtype, device, shape or layout")
+        fn(x.data_ptr(), x.numel(), rows, buckets, w.data_ptr(), w.stride(0), route.data_ptr(), route.stride(0),
+           routed.data_ptr(), stats.data_ptr(), scratch.data_ptr())
+
+    def fold(self, rows: int, buckets: int, routed: torch.Tensor, u: torch.Tensor, total: torch.Tensor,
+             scratch: torch.Tensor) -> None:
+        """sketch.py's fold of the routing matrix into ``total`` (the same bits), and ``routed`` zeroed."""
+        ok = (0 < buckets <= 4096 and rows > 0
+              and all(t.dtype == torch.float64 and t.device.type == "cpu" and t.is_contiguous()
+                      for t in (routed, u, total))
+              and routed.numel() == rows * 2 * buckets * buckets and u.numel() == rows * buckets
+              and total.numel() == rows * buckets and _scratch_ok(scratch, buckets))
+        if not ok:
+            raise ValueError("native fingerprint fold: arguments of the wrong dtype, device, shape or layout")
+        self.fold_fn(rows, buckets, routed.data_ptr(), u.data_ptr(), total.data_ptr(), scratch.data_ptr())
+
+
+def _scratch_ok(t: torch.Tensor, buckets: int) -> bool:
+    return t.dtype == torch.float64 and t.device.type == "cpu" and t.is_contiguous() and t.numel() >= buckets
+
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+class _BuildError(Exception):
+    """Why there is no library: the message ends up in :func:`status`."""
+
+
+# Flags that make GCC link crtfastmath.o, whose constructor turns on flush-to-zero for the thread
+# that loads the library: the model's own subnormal arithmetic would change after the first
+# fingerprint (a false alarm against a golden recorded without it).
+FAST_MATH = ("-ffast-math", "-Ofast", "-funsafe-math-optimizations")
+
+
+def compiler() -> list[str]:
+    """The C compiler's command line: ``$CC`` (which may carry arguments: ``ccache gcc``), else
+    ``cc``, ``gcc`` or ``clang`` on the PATH. Raises :class:`_BuildError` saying what is wrong."""
+    cc = os.environ.get("CC", "").strip()
+    if not cc:
+        found = next((p for p in (shutil.which(c) for c in ("cc", "gcc", "clang")) if p), None)
+        if found is None:
+            raise _BuildError("no C compiler found ($CC, cc, gcc, clang)")
+        return [found]
+    try:
+        argv = shlex.split(cc)
+    except ValueError as e:
+        raise _BuildError(f"cannot read $CC={cc!r}: {e}") from e
+    found = shutil.which(argv[0])
+    if found is None:
+        raise _BuildError(f"$CC={cc!r}: {argv[0]!r} was not found on the PATH")
+    bad = [a for a in argv[1:] if a in FAST_MATH]
+    if bad:
+        raise _BuildError(f"$CC={cc!r} carries {' '.join(bad)}, which would turn on flush-to-zero for the "
+                          "thread that loads the library (maybe the model's own): not built")
+    return [found, *argv[1:]]
+
+
+def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
+    """A fresh build (``extra_flags`` for tests: ``-DAG_NO_AVX512``, ``-DAG_NO_AVX2`` leave out the
+    wider vector functions, ``-DAG_NO_CONVERT`` converts floats through memory), and
+    what happened; :func:`get` keeps the first one of the process. Whatever goes wrong with the
+    build leaves the torch path and says why; only a value of ``ENV`` that is not on, off or auto
+    raises (an :class:`~activation_guard._core.errors.OptionError` naming it), as the worker's switch does."""
+    if switches.read(ENV) is False:  # unset, auto or on: build (an unknown value raises, naming ENV)
+        return None, f"disabled by {ENV}={os.environ[ENV]}"
+    if sys.platform == "win32":
+        return None, "not built on Windows (the torch path runs)"
+    try:
+        argv = compiler()
+    except _BuildError as e:
+        return None, str(e)
+    cc = " ".join(argv)
+    try:
+        dll = _compile_and_load(argv, extra_flags)
+        if dll.ag_version() != VERSION:
+            return None, f"the built library speaks version {dll.ag_version()}, this module {VERSION}"
+        simd = dll.ag_simd()
+        fns = []
+        for name in ("ag_chunk_f32", "ag_chunk_f64"):
+            fn = getattr(dll, name + _SIMD_SUFFIX[simd])
+            fn.argtypes = _ARGTYPES
+            fn.restype = None
+            fns.append(fn)
+        fold = dll.ag_fold
+        fold.argtypes = [_I, _I, _P, _P, _P, _P]
+        fold.restype = None
+        leaf = dll.ag_leaf
+        leaf.argtypes = [_I, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P]
+        leaf.restype = None
+        address = ctypes.cast(dll.ag_copy, _P).value
+        if not address:
+            raise AttributeError("ag_copy has no address")
+        copy = ctypes.PYFUNCTYPE(None, _P, _P, _I)(address)
+    except _BuildError as e:
+        return None, f"the build with {cc} failed: {e}"
+    except (OSError, AttributeError) as e:  # no writable temporary folder, a noexec one, a missing symbol
+        return None, f"the build with {cc} could not be loaded: {e}"
+    return Native(fns[0], fns[1], fold, leaf, simd, copy, dll), f"built with {cc}{_SIMD_SAYS[simd]}"
+
+
+# ag_simd(): the widest vector functions the CPU runs and the build has (all compute the same bits)
+_SIMD_SUFFIX = {0: "", 1: "_avx2", 2: "_avx512"}
+_SIMD_SAYS = {0: "", 1: ", AVX2", 2: ", AVX-512"}
+
+BUILD_TIMEOUT = 30  # seconds: a build takes ~0.2 s; a compiler that hangs must not hold fingerprints up long
+
+
+def _compile_and_load(argv: list[str], extra_flags: tuple[str, ...]) -> ctypes.CDLL:
+    with tempfile.TemporaryDirectory(prefix="activation_guard-native-") as tmp:
+        lib = Path(tmp) / "fpchunk.so"
+        try:
+            r = subprocess.run([*argv, *FLAGS, *extra_flags, "-o", str(lib), str(SOURCE), "-lm"],
+                               capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise _BuildError(str(e)) from e
+        if r.returncode != 0:
+            lines = r.stderr.strip().splitlines() or ["no message"]
+            said = next((x for x in lines if "error" in x.lower()), lines[-1])
+            raise _BuildError(f"exit {r.returncode}: {said.strip()}")
+        return ctypes.CDLL(str(lib))  # mapped: the file can go with the folder
+
+
+def get() -> Native | None:
+    """The compiled pass, built on first call (once per process); None where it is not available."""
+    with _lock:
+        if "native" not in _state:
+            _state["native"], _state["why"] = build()
+        return _state["native"]  # type: ignore[return-value]
+
+
+def status() -> str:
+    """Which fingerprint pass runs, and why: for reports, benchmarks and bug reports."""
+    native = get()
+    return f"compiled C pass ({_state['why']})" if native else f"torch ops ({_state['why']})"
+
+
+def _after_fork_in_child() -> None:
+    """A fork while another thread was building leaves the child's lock held forever: the child
+    starts over with a fresh lock (and builds again if the build had not finished)."""
+    global _lock
+    _lock = threading.Lock()
+    if "why" not in _state:
+        _state.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def reset() -> None:
+    """Forget the build (tests switch :data:`ENV` and build again)."""
+    with _lock:
+        _state.clear()

@@ -1,0 +1,275 @@
+"""The float64 shadow forward: the reference a run's noise floor is measured against.
+
+The model is deep-copied to float64 (on the CPU when the live device has no float64), run once on
+the same inputs with full-precision float32 switches and autocast off, with every RNG isolated so
+the real forward sees exactly the random numbers it would have seen. Its outputs go to a
+temporary golden, so memory stays near one layer's worth as for the real golden.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .._core.devices import reference_device
+from .._core.dtypes import dtype_name
+from .._core.errors import ActivationGuardError
+from .._core.numerics import full_fp32_precision
+from ..capture.hooks import Frame, hooked, run_forward
+from ..gradients.hooks import GradCapture
+from ..gradients.loss import LossRule
+from ..gradients.store import GradRecorder
+from ..store import GoldenReader, GoldenWriter
+from ..store.floors import CALIBRATED_DTYPES, FloorTable, NoiseFloor, diff_stats
+from ..values.leaves import Leaf, flatten
+from ..values.rebuild import clone_inputs, map_tensors
+
+# --------------------------------------------------------------------------- shadow forward
+
+
+def to_reference(obj: Any, device: torch.device) -> Any:
+    """Inputs for the shadow: floating tensors become float64 copies on ``device``; other
+    tensors are copied (the model may modify its inputs in place); containers are rebuilt."""
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.is_floating_point():
+            return t.to(device=device, dtype=torch.float64, copy=True)
+        return t.to(device=device, copy=True)
+
+    return map_tensors(obj, convert)
+
+
+@contextmanager
+def isolated_rng(device: torch.device) -> Iterator[None]:
+    """Every generator (torch on the CPU and on ``device``, Python's, numpy's) as it was on entry
+    when the block ends: a shadow forward or a diagnostic run must not advance what the real
+    forward will draw."""
+    py, npst = random.getstate(), np.random.get_state()
+    devices = ([device.index if device.index is not None else torch.cuda.current_device()]
+               if device.type == "cuda" else [])
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npst)
+
+
+@contextmanager
+def _no_autocast() -> Iterator[None]:
+    with ExitStack() as stack:
+        for dev_type in ("cpu", "cuda"):
+            if dev_type == "cuda" and not torch.cuda.is_available():
+                continue
+            stack.enter_context(torch.autocast(device_type=dev_type, enabled=False))
+        yield
+
+
+class float32_random(TorchFunctionMode):
+    """Within a float64 shadow or replay, random numbers are drawn in float32 and widened: the very
+    numbers the float32 run draws from the same generator state. Drawn in float64 they differ
+    (``torch.rand`` maps the generator's bits to another value per dtype; ``torch.bernoulli`` of a
+    float64 probability draws differently), so a drop-path mask would differ and the noise floor
+    would measure the mask, not the rounding. Dropout's own draws do not depend on the dtype."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        f64 = torch.float64
+        if func in (torch.rand, torch.randn) and kwargs.get("dtype") == f64:
+            return func(*args, **{**kwargs, "dtype": torch.float32}).to(f64)
+        if func is torch.normal and "out" not in kwargs and (kwargs.get("dtype") == f64 or any(
+                isinstance(a, torch.Tensor) and a.dtype == f64 for a in (*args, *kwargs.values()))):
+            # mean and std in float32 (as the float32 run has them), the draw widened
+            narrow = [a.float() if isinstance(a, torch.Tensor) and a.dtype == f64 else a for a in args]
+            kw: dict[str, Any] = {k: (v.float() if isinstance(v, torch.Tensor) and v.dtype == f64 else v)
+                                  for k, v in kwargs.items()}
+            if kw.get("dtype") == f64:
+                kw["dtype"] = torch.float32
+            return func(*narrow, **kw).to(f64)
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if first is None or (kwargs.get("dtype") or first.dtype) != f64:
+            return func(*args, **kwargs)
+        if func in (torch.rand_like, torch.randn_like):
+            return func(*args, **{**kwargs, "dtype": torch.float32}).to(f64)
+        if func in (torch.bernoulli, torch.Tensor.bernoulli) and len(args) == 1 and set(kwargs) <= {"generator"}:
+            return func(first.float(), **kwargs).to(f64)
+        if func is torch.Tensor.bernoulli_ and len(args) <= 2 and set(kwargs) <= {"p", "generator"}:
+            # x.bernoulli_(probs): a float64 tensor of probabilities draws another mask than float32
+            p = args[1] if len(args) == 2 else kwargs.pop("p", 0.5)
+            p = p.float() if isinstance(p, torch.Tensor) and p.dtype == f64 else p
+            drawn = torch.empty_like(first, dtype=torch.float32).bernoulli_(p, **kwargs)
+            with torch.no_grad():
+                return first.copy_(drawn)
+        if func in (torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.exponential_, torch.Tensor.log_normal_,
+                    torch.Tensor.cauchy_, torch.Tensor.geometric_):
+            drawn = func(torch.empty_like(first, dtype=torch.float32), *args[1:], **kwargs)
+            with torch.no_grad():
+                return first.copy_(drawn)
+        return func(*args, **kwargs)
+
+
+def _fails_as_is(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> bool:
+    """Whether a copy of the model, in its own dtype, raises on copies of the inputs (asked only
+    after its float64 copy raised: which of the two errors to show). The model is left untouched."""
+    try:
+        probe = copy.deepcopy(model)
+    except Exception:
+        return False
+    try:
+        with torch.no_grad(), isolated_rng(device):
+            probe(*clone_inputs(args), **clone_inputs(kwargs))
+    except Exception:
+        return True
+    return False
+
+
+class ShadowRun:
+    """The float64 copy of a model, run once on the inputs; its outputs kept in a temporary
+    golden file so memory stays near one layer's worth, as for the real golden."""
+
+    def __init__(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 include: Sequence[str] | None, exclude: Sequence[str] | None, live_device: torch.device,
+                 *, grad: bool = False, keep_model: bool = False, backward: LossRule | None = None):
+        """``keep_model``: keep the float64 copy (``model``) for replays' own noise floors.
+        ``backward``: also run the backward with this loss and keep the float64 gradients."""
+        self.live_device = live_device
+        self.grad = grad
+        self.backward = backward
+        self.keep_model = keep_model
+        self.model: torch.nn.Module | None = None
+        self.device = reference_device(live_device)
+        self._tmp = tempfile.TemporaryDirectory(prefix="activation_guard-shadow-")
+        self.reader: GoldenReader | None = None
+        self._calls: dict[tuple[str, int], dict[str, Any]] = {}
+        try:
+            self._run(model, args, kwargs, include, exclude)
+        except BaseException:
+            self.close()
+            raise
+
+    def _run(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             include: Sequence[str] | None, exclude: Sequence[str] | None) -> None:
+        try:
+            shadow = copy.deepcopy(model)
+        except Exception as e:
+            raise ActivationGuardError(
+                f"calibrated tolerances need a float64 copy of the model, but copy.deepcopy({type(model).__name__}) "
+                f"failed ({type(e).__name__}: {e}); use tolerance='strict' for this model") from e
+        try:
+            for m in shadow.modules():  # `m.compile()` in place: its compiled call runs the original
+                if getattr(m, "_compiled_call_impl", None) is not None:
+                    m._compiled_call_impl = None
+            if self.device != self.live_device:
+                shadow.to(self.device)
+            shadow.double()
+            a = to_reference(args, self.device)
+            kw = to_reference(kwargs, self.device)
+            path = os.path.join(self._tmp.name, "shadow.h5")
+            writer = GoldenWriter(path)
+
+            # --- gradients (issue 14): the float64 backward, with the golden's loss
+            grads = None if self.backward is None else GradCapture(GradRecorder(writer))
+
+            def on_output(frame: Frame, output: Any) -> None:
+                writer.add_call(frame.name, frame.call, type(frame.module).__name__, flatten(output))
+                if grads is not None:
+                    grads.on_output(frame, output)
+
+            try:
+                with isolated_rng(self.live_device), _no_autocast(), full_fp32_precision(), float32_random():
+                    with hooked(shadow, on_output, include, exclude,
+                                on_enter=None if grads is None else grads.on_enter) as state:
+                        out = run_forward(shadow, a, kw, state, grad=self.grad or grads is not None)
+                    if grads is not None and self.backward is not None:
+                        grads.backward(shadow, out, self.backward, a, kw)
+                writer.commit({})
+            except BaseException:
+                writer.abort()
+                raise
+            finally:
+                if grads is not None:
+                    grads.close()
+            # --- end gradients
+        except ActivationGuardError:
+            raise
+        except Exception as e:
+            if _fails_as_is(model, args, kwargs, self.live_device):  # the model's own error: it keeps its type
+                if hasattr(e, "add_note"):
+                    e.add_note("activation_guard: raised in the float64 copy of the model that calibrated "
+                               "tolerances run first; the model itself raises on these inputs too")
+                raise
+            raise ActivationGuardError(
+                f"the float64 shadow forward for calibrated tolerances failed on {self.device} "
+                f"({type(e).__name__}: {e}), while the model runs as it is; record with calibrate=False "
+                f"and compare with tolerance='strict' for this model") from e
+        if self.keep_model:
+            self.model = shadow
+        del shadow
+        self.reader = GoldenReader(path)
+
+    def reference(self, name: str, call: int, path: str) -> torch.Tensor | None:
+        """The float64 output of layer ``name`` call ``call`` at ``path`` (CPU), if recorded."""
+        if self.reader is None:
+            return None
+        entry = self.reader.by_key.get((name, call))
+        if entry is None:
+            return None
+        leaves = self._calls.get((name, call))
+        if leaves is None:
+            leaves = {leaf.path: leaf for leaf in entry.leaves}
+            self._calls = {(name, call): leaves}  # keep one call's index at a time
+        leaf = leaves.get(path)
+        if leaf is None or leaf.kind != "tensor" or leaf.dtype not in CALIBRATED_DTYPES:
+            return None
+        return self.reader.load(leaf, f"shadow layer {name!r} call {call} output {path!r}")
+
+    def floor(self, name: str, call: int, path: str, value: torch.Tensor) -> NoiseFloor | None:
+        """``value``'s noise floor against the shadow's float64 output at the same place."""
+        ref = self.reference(name, call, path)
+        if ref is None or tuple(ref.shape) != tuple(value.shape):
+            return None
+        f = diff_stats(value, ref)
+        return f if f.finite else None
+
+    # --- gradients (issue 14)
+    def grad_floor(self, name: str, call: int, path: str, value: torch.Tensor) -> NoiseFloor | None:
+        """``value``'s noise floor against the float64 gradient at ``path`` (``"<output|input|param>:<leaf>"``)."""
+        grad, _, leaf_path = path.partition(":")
+        entry = None if self.reader is None else self.reader.by_grad.get((grad, name, call))
+        leaf = None if entry is None else next((x for x in entry.leaves if x.path == leaf_path), None)
+        if leaf is not None and leaf.kind == "alias" and self.reader is not None:
+            leaf = self.reader.resolve(leaf, f"shadow gradient {path!r} of layer {name!r} call {call}")
+        if leaf is None or leaf.kind != "tensor" or leaf.dtype not in CALIBRATED_DTYPES or \
+                tuple(leaf.shape) != tuple(value.shape):
+            return None
+        assert self.reader is not None
+        f = diff_stats(value, self.reader.load(leaf, f"shadow gradient {path!r} of layer {name!r} call {call}"))
+        return f if f.finite else None
+    # --- end gradients
+
+    def measure(self, name: str, call: int, leaves: list[Leaf], table: FloorTable) -> None:
+        """Record-time: floors of every real floating leaf of one layer call into ``table``."""
+        for leaf in leaves:
+            if leaf.kind != "tensor" or leaf.tensor is None or leaf.type_name != "Tensor":
+                continue
+            if dtype_name(leaf.tensor) not in CALIBRATED_DTYPES:
+                continue
+            table.add(name, call, leaf.path, self.floor(name, call, leaf.path, leaf.tensor))
+
+    def close(self) -> None:
+        self.model = None
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+        self._tmp.cleanup()

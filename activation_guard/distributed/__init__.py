@@ -1,0 +1,1 @@
+"""torch.distributed runs: per-rank goldens, local shards made comparable, spawned ranks."""

@@ -1,0 +1,246 @@
+"""Every record and compare option, validated once: :class:`RecordSpec` and :class:`CompareSpec`.
+
+Options reach the engine from five places: keyword arguments of the Python API, the pytest
+marker, ``check()`` arguments, ``--ag-*`` flags and ini keys, and the command line's ``diff``.
+Each of them builds a spec with :func:`build_specs` (or ``CompareSpec.build``), and nothing else
+checks an option's value. A bad value therefore gets the same message wherever it was set, and
+that message names the option, the value and where it came from (its *source*)::
+
+    activation_guard option rtol=-1 (marker): must be a finite number >= 0, got -1
+
+Specs are frozen: the comparator, judges and reports read them and never change them. Options
+given as text (ini keys, command-line flags) are parsed here too, so ``"1e-3"`` from an ini file
+and ``1e-3`` from Python are one value with one set of rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from .._core.errors import OptionError
+from ..fingerprints.params import FingerprintParams
+from .parse import (
+    COMPRESSIONS,
+    REPLAY_MODES,
+    TOLERANCE_MODES,
+    Bad,
+    PlacementRule,
+    PlacementTable,
+    RenameRule,
+    ToleranceRule,
+    _backward,
+    _choice,
+    _fingerprint,
+    _fingerprint_params,
+    _flag,
+    _optional_number,
+    _patterns,
+    _placements,
+    _rename,
+    _tolerances,
+    fmt,
+    specificity,
+)
+
+ARGUMENT = "argument"  # the source of a keyword argument of record/compare/compare_models
+__all__ = [
+    "ARGUMENT",
+    "COMPRESSIONS",
+    "OPTIONS",
+    "REPLAY_MODES",
+    "TOLERANCE_MODES",
+    "CompareSpec",
+    "Option",
+    "PlacementRule",
+    "PlacementTable",
+    "RecordSpec",
+    "RenameRule",
+    "ToleranceRule",
+    "build_specs",
+    "describe",
+    "specificity",
+]
+
+
+# --------------------------------------------------------------------------- the option table
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    parse: Callable[[Any], Any]
+    record: bool  # RecordSpec has it
+    compare: bool  # CompareSpec has it
+    help: str
+
+
+OPTIONS: dict[str, Option] = {o.name: o for o in (
+    Option("rtol", _optional_number, False, True, "relative tolerance for every float output"),
+    Option("atol", _optional_number, False, True, "absolute tolerance for every float output"),
+    Option("tolerances", _tolerances, False, True, "per-layer {glob: dict(rtol=, atol=)}; most specific wins"),
+    Option("include", _patterns, True, True, "only layers matching these globs"),
+    Option("exclude", _patterns, True, True, "skip layers matching these globs"),
+    Option("rename", _rename, False, True, "{golden name or glob: live name}: compare renamed layers"),
+    Option("fail_fast", _flag, False, True, "stop at the first diverging layer call"),
+    Option("allow_dtype_change", _flag, False, True, "compare float outputs whose dtype changed, in float32"),
+    Option("tolerance", _choice(TOLERANCE_MODES), False, True, "'strict' rtol/atol or 'calibrated' noise floors"),
+    Option("compression", _choice(COMPRESSIONS), True, False, "HDF5 compression of large outputs: gzip or lzf"),
+    Option("calibrate", _flag, True, False, "also store float64 noise floors (for tolerance='calibrated')"),
+    Option("grad", _flag, True, True, "run the forward with autograd on (forwards that call torch.autograd.grad)"),
+    Option("placements", _placements, False, True,
+           "multi-rank runs: {glob: Shard(dim) | Replicate()} for plain local shards, gathered to compare"),
+    Option("inputs", _flag, True, False, "also record each layer call's inputs (needed to replay and attribute)"),
+    Option("replay", _choice(REPLAY_MODES), False, True,
+           "re-run diverging layers on the golden's inputs: 'first' (attribute the first divergence), "
+           "'all' (judge every layer by its own error) or 'off'"),
+    Option("fingerprint", _fingerprint, True, False,
+           "store fixed-size fingerprints instead of values: True (every large float output) or layer globs"),
+    Option("fingerprint_params", _fingerprint_params, True, False,
+           "fingerprint size and false-alarm bound: dict(samples=, rows=, buckets=, false_alarm=, seed=)"),
+    Option("backward", _backward, True, True,  # gradients (issue 14)
+           "also record (compare) gradients: True (loss = outputs x seeded random cotangents), a callable(output) "
+           "-> scalar loss, or False"),
+)}
+
+
+def _parse(name: str, value: Any, source: str) -> Any:
+    opt = OPTIONS[name]
+    try:
+        return opt.parse(value)
+    except Bad as e:
+        raise OptionError(name, value, source, str(e)) from None
+
+
+def _source_of(sources: Mapping[str, str] | str, key: str) -> str:
+    return sources if isinstance(sources, str) else sources.get(key, ARGUMENT)
+
+
+class _SpecBase:
+    """Shared construction: parse each given option, remember where it came from."""
+
+    sources: Mapping[str, str]
+    given: Mapping[str, Any]
+
+    @classmethod
+    def build(cls, values: Mapping[str, Any] | None = None, sources: Mapping[str, str] | str = ARGUMENT) -> Any:
+        """A spec from option values (``None`` means "not set": the default applies)."""
+        values = values or {}
+        mine = {f.name for f in fields(cls)} - {"sources", "given"}  # type: ignore[arg-type]
+        unknown = sorted(k for k in values if k not in mine)
+        if unknown:
+            k = unknown[0]
+            raise OptionError(k, values[k], _source_of(sources, k),
+                              f"is not an option of {cls.__name__} (it takes {', '.join(sorted(mine))})")
+        kw: dict[str, Any] = {}
+        src: dict[str, str] = {}
+        given: dict[str, Any] = {}
+        for k, v in values.items():
+            if v is None:
+                continue
+            s = _source_of(sources, k)
+            kw[k] = _parse(k, v, s)
+            src[k] = s
+            given[k] = v
+        return cls(**kw, sources=src, given=given)  # type: ignore[call-arg]
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, "default")
+
+    def explicit(self) -> dict[str, tuple[str, str]]:
+        """Each option set explicitly: ``name -> (value as shown, source)``. Scalars are shown
+        parsed (``--ag-rtol 1e-5`` is ``1e-05``), structures as given."""
+        out = {}
+        for k, src in self.sources.items():
+            v = getattr(self, k)
+            out[k] = (fmt(v) if v is None or isinstance(v, (bool, int, float, str)) else fmt(self.given[k]), src)
+        return out
+
+    def describe(self) -> str:
+        """The options set explicitly, with their sources: "rtol=0.001 (marker), ..."."""
+        return describe(self)
+
+
+@dataclass(frozen=True)
+class RecordSpec(_SpecBase):
+    """How a golden is recorded."""
+
+    include: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] | None = None
+    compression: str | None = None
+    calibrate: bool = False
+    grad: bool = False
+    inputs: bool = True
+    fingerprint: bool | tuple[str, ...] = False
+    fingerprint_params: FingerprintParams = field(default_factory=FingerprintParams)
+    backward: bool | Callable[[Any], Any] = False  # gradients (issue 14): False, True or a loss function
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if "fingerprint_params" in self.sources and "fingerprint" not in self.sources:
+            raise OptionError("fingerprint_params", self.given.get("fingerprint_params"),
+                              self.sources["fingerprint_params"],
+                              "has no effect unless fingerprint is set too (True, or layer globs)")
+
+
+@dataclass(frozen=True)
+class CompareSpec(_SpecBase):
+    """How a live run (or a second recording) is judged against a golden.
+
+    ``tolerance="calibrated"`` judges float outputs against noise floors; there, explicit numbers
+    keep a precise meaning (docs/architecture.md): a layer matched by a ``tolerances`` pattern is
+    judged strictly with that pattern's numbers, and ``rtol``/``atol`` are the strict numbers for
+    outputs that have no noise floor. The report says which rule judged each output.
+    """
+
+    rtol: float | None = None
+    atol: float | None = None
+    tolerances: tuple[ToleranceRule, ...] = ()
+    include: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] | None = None
+    rename: tuple[RenameRule, ...] = ()
+    fail_fast: bool = False
+    allow_dtype_change: bool = False
+    tolerance: str = "strict"
+    grad: bool = False
+    placements: PlacementTable = field(default_factory=PlacementTable)  # issue 16 (distributed): docs/distributed.md
+    replay: str = "first"
+    # gradients (issue 14): None checks them when the golden has them; False never; True or a loss function
+    backward: bool | Callable[[Any], Any] | None = None
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.tolerance == "calibrated"
+
+    def with_selection(self, include: Iterable[str] | None, exclude: Iterable[str] | None) -> CompareSpec:
+        """A copy selecting these layers (the golden's recorded selection, applied by default)."""
+        return replace(self, include=None if include is None else tuple(include),
+                                   exclude=None if exclude is None else tuple(exclude))
+
+
+def describe(*specs: _SpecBase) -> str:
+    """The options set explicitly in any of ``specs``, with their sources, sorted by name."""
+    items: dict[str, tuple[str, str]] = {}
+    for spec in specs:
+        items.update(spec.explicit())
+    if not items:
+        return "engine defaults"
+    return ", ".join(f"{k}={v} ({src})" for k, (v, src) in sorted(items.items()))
+
+
+def build_specs(values: Mapping[str, Any],
+                sources: Mapping[str, str] | str = ARGUMENT) -> tuple[RecordSpec, CompareSpec]:
+    """Split one set of options (a marker's, a ``check()``'s, merged) into both specs.
+
+    An option neither spec knows is an error naming it and its source."""
+    for k, v in values.items():
+        if k not in OPTIONS:
+            raise OptionError(k, v, _source_of(sources, k),
+                              f"is not an activation_guard option (options: {', '.join(sorted(OPTIONS))})")
+    rec = RecordSpec.build({k: v for k, v in values.items() if OPTIONS[k].record}, sources)
+    cmp_ = CompareSpec.build({k: v for k, v in values.items() if OPTIONS[k].compare}, sources)
+    return rec, cmp_

@@ -1,0 +1,1 @@
+"""Replay: re-run a layer call on the golden's own inputs to say where a difference was made."""
