@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from activation_guard.plugin.settings import join_optional_values
 from activation_guard.testing import check_golden_workflow, golden_files
 
 MODELS = '''
@@ -122,6 +123,38 @@ def test_missing_golden_and_update_missing(ag: pytest.Pytester, monkeypatch: pyt
     r.stdout.fnmatch_lines(["*goldens: 1 checked, 0 passed, 1 diverged, 1 written, 0 missing*"])
     assert (ag.path / "golden/test_two/test_b.h5").is_file()
 
+
+
+@pytest.mark.parametrize("flag, word, joined", [("--ag-update", "missing", "--ag-update=missing"),
+                                                 ("--ag-update", "all", "--ag-update=all"),
+                                                 ("--ag-unused", "list", "--ag-unused=list")])
+def test_an_optional_value_may_follow_as_its_own_word(flag: str, word: str, joined: str) -> None:
+    args = ["-q", flag, word, "tests/"]
+    join_optional_values(args, lambda w: False)
+    assert args == ["-q", joined, "tests/"]
+    kept = [flag, word]  # a file or folder of that name stays a path
+    join_optional_values(kept, lambda w: w == word)
+    assert kept == [flag, word]
+    other = [flag, "tests/", word]  # a value only right after its flag
+    join_optional_values(other, lambda w: False)
+    assert other == [flag, "tests/", word]
+
+
+def test_ag_update_missing_as_two_words(ag: pytest.Pytester) -> None:
+    """``pytest --ag-update missing`` creates the missing golden and compares the existing one, as
+    ``--ag-update=missing`` does; without the join, argparse took ``missing`` for a test path."""
+    ag.makepyfile(test_two='''
+        from agmodels import build, inputs
+        def test_a(activation_guard):
+            activation_guard.check(build(), inputs())
+        def test_b(activation_guard):
+            activation_guard.check(build(), inputs(3))
+    ''')
+    ag.runpytest("--ag-update", "-k", "test_a").assert_outcomes(passed=1, deselected=1)
+    r = ag.runpytest("--ag-update", "missing")
+    r.assert_outcomes(passed=2)
+    r.stdout.fnmatch_lines(["*goldens: 1 checked, 1 passed, 0 diverged, 1 written, 0 missing*"])
+    assert (ag.path / "golden/test_two/test_b.h5").is_file()
 
 PRECEDENCE = '''
 import pytest

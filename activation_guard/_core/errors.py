@@ -89,3 +89,12 @@ class OptionError(ActivationGuardError, TypeError, ValueError):
         self.problem = problem
         shown = f"{value:g}" if isinstance(value, float) else repr(value)
         super().__init__(f"option {option}={shown} ({source}): {problem}")
+
+    @classmethod
+    def usage(cls, option: str, message: str) -> OptionError:
+        """A usage error of the pytest layer or the CLI that is not one value's (a folder where a file
+        belongs, an empty flag): ``message`` already names the option, its value and the fix."""
+        e = cls.__new__(cls)
+        e.option, e.value, e.source, e.problem = option, None, "command line", message
+        Exception.__init__(e, message)
+        return e

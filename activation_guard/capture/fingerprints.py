@@ -42,7 +42,6 @@ class Fingerprinter:
         switches.read(native.ENV)  # a bad value raises here, on the caller's thread, not on the worker's
         self.worker = FingerprintWorker() if (wanted() if worker is None else worker) else None
         self.fingerprinted = 0  # leaves stored as fingerprints
-        self.raw_bytes = 0  # the bytes those leaves' values would have taken
         self.matched: set[str] = set()  # globs that named at least one layer
         # id -> (the tensor, its version, where its values are, and its fingerprint): see _taken
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[Any, ...], Taken]] = {}
@@ -76,7 +75,6 @@ class Fingerprinter:
                     fp = inline_or_queued(self.worker, t, self.params, f"{where or repr(name)} path {leaf.path!r}")
                     self._remember(t, fp)
                 self.fingerprinted += 1
-                self.raw_bytes += t.numel() * t.element_size()
                 out.append(Leaf(leaf.path, "fingerprint", type_name=leaf.type_name, legacy_path=leaf.legacy_path,
                                 fingerprint=fp))
             else:

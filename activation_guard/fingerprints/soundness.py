@@ -32,7 +32,6 @@ from .._core import dtypes
 from .._core.kernel import element_rule, pair_dtype
 from .fingerprint import Fingerprint, FingerprintError, compute_fingerprint, fingerprintable_dtype
 
-STATUSES = ("ok", "diverged", "nonfinite", "shape", "dtype")
 U = 2.0**-53  # float64 unit roundoff
 # The comparator evaluates the element rule in float32 for float32 and narrower dtypes: an
 # element it accepts is within (1 + 3 * 2**-24) times the exact tolerance, plus float32
@@ -81,7 +80,6 @@ class FingerprintVerdict:
     bound: float = math.nan  # ||live - golden||_2 can be at most this if every element is within tolerance
     threshold: float = math.nan  # what the row estimates were compared with: c * bound + rounding
     multiplier: float = math.nan  # c
-    rounding: float = 0.0  # float64 rounding allowance included in the threshold
     rows_over: int = 0  # sketch rows above the threshold (a majority fails)
     rows: int = 0
     sampled: int = 0
@@ -318,7 +316,6 @@ def _sketch(g: Fingerprint, lf: Fingerprint, v: FingerprintVerdict, bound: float
             failures: list[tuple[str, str]], rms: bool) -> None:
     p = g.params
     eps = _up(gamma(depth + 2) * (_inflated_abs(g) + _inflated_abs(lf)))
-    v.rounding = eps
     norms = _row_norms(np.asarray(lf.sketch, dtype=np.float64) - np.asarray(g.sketch, dtype=np.float64))
     v.estimate = float(np.median(norms))
     # a computed row norm above this proves the exact one exceeds c * bound (docs/fingerprint.md)

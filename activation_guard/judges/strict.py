@@ -20,7 +20,7 @@ import torch
 
 from .._core.dtypes import BY_NAME, dtype_name, numpy_view
 from .._core.kernel import compare_tensors
-from ..options.tolerances import DTYPE_DEFAULTS, Tolerance, ToleranceResolver
+from ..options.tolerances import Tolerance, ToleranceResolver
 from ..results import LeafResult, leaf_from_stats
 
 # precision rank for allow_dtype_change: the lower precision's tolerance applies
@@ -147,8 +147,3 @@ def identical_leaf(ctx: LeafContext, shape: tuple[int, ...], first: Any, tol: To
         index=(0,) * len(shape) if numel else None, golden_value=first, live_value=first,
         rtol=tol.rtol, atol=tol.atol, tolerance_source=tol.source,
     )
-
-
-def is_exact_dtype(dtype_name: str) -> bool:
-    """Integers and bools compare exactly under every rule."""
-    return dtype_name not in DTYPE_DEFAULTS

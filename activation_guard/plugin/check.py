@@ -17,14 +17,20 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .._core.errors import UPDATE_HINT, ActivationGuardError, ActivationGuardWarning, GoldenError, UnsupportedModelError
+from .._core.errors import (
+    UPDATE_HINT,
+    ActivationGuardError,
+    ActivationGuardWarning,
+    GoldenError,
+    OptionError,
+    UnsupportedModelError,
+)
 from ..options.spec import describe
 from ..store import naming as paths
 from .session import CheckRecord, GuardSession
 from .settings import (
     DEVICE_FIXTURE,
     RECORD_DEVICE,
-    OptionError,
     ResolvedOptions,
     engine_specs,
     prefixed,

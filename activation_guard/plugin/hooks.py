@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from .._core.errors import OptionError as SpecOptionError
+from .._core.errors import OptionError
 from ..store import naming as paths
 from .check import GoldenCheck, item_key
 from .session import ALERT_PREFIXES, GuardSession, partial_modules
-from .settings import DEVICE_FIXTURE, RECORD_DEVICE, OptionError, Settings, marker_options, prefixed
+from .settings import DEVICE_FIXTURE, RECORD_DEVICE, Settings, join_optional_values, marker_options, prefixed
 
 SESSION_KEY = pytest.StashKey[GuardSession]()
 WORKER_KEY = "activation_guard"
@@ -91,6 +91,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                   "separated by spaces or commas (those layers only); default false", default="")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
+    join_optional_values(args, lambda word: Path(early_config.invocation_params.dir, word).exists())
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_DOC)
     o = config.option
@@ -119,7 +124,7 @@ def pytest_configure(config: pytest.Config) -> None:
             cli_rootdir=getattr(o, "rootdir", None),
             has_config_file=config.inipath is not None,
         )
-    except (OptionError, SpecOptionError) as e:
+    except OptionError as e:
         raise pytest.UsageError(prefixed(str(e))) from None
     gs = GuardSession(settings, is_worker=hasattr(config, "workerinput"))
     config.stash[SESSION_KEY] = gs

@@ -18,8 +18,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .._core.errors import OptionError
 from ..store import naming as paths
-from .settings import RECORD_DEVICE, OptionError, Settings
+from .settings import RECORD_DEVICE, Settings
 
 MARKDOWN_SUFFIXES = (".md", ".markdown")
 HTML_SUFFIXES = (".html", ".htm")
@@ -129,8 +130,8 @@ class GuardSession:
         if prev is None:
             other = next((o for o, p in self.planned.get(key, ()) if p != path), None)
             if other is not None:
-                raise OptionError(
-                    f"{nodeid} (name={name!r}) and {other} map to golden files that differ only by letter case "
+                raise OptionError.usage(
+                    "name", f"{nodeid} (name={name!r}) and {other} map to golden files that differ only by letter case "
                     f"({self.settings.display(path)}); rename one of the tests")
             self.claims[key] = (*me, nodeid)
             return
@@ -138,12 +139,12 @@ class GuardSession:
             if prev[2] != nodeid:
                 return  # another device variant of the same test
             what = f"name={name!r}" if name else "no name"
-            raise OptionError(
-                f"{nodeid}: two checks with {what} in one test would share the golden "
+            raise OptionError.usage(
+                "name", f"{nodeid}: two checks with {what} in one test would share the golden "
                 f"{self.settings.display(path)}; give each check its own name=..."
             )
-        raise OptionError(
-            f"{nodeid} (name={name!r}) and {prev[2]} (name={prev[1]!r}) map to golden files that "
+        raise OptionError.usage(
+            "name", f"{nodeid} (name={name!r}) and {prev[2]} (name={prev[1]!r}) map to golden files that "
             f"differ only by letter case ({self.settings.display(path)}); rename one of the tests"
         )
 

@@ -18,8 +18,9 @@ import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from .._core.errors import OptionError
 from ..options.spec import CompareSpec, RecordSpec, build_specs
 from ..store.naming import is_hdf5_file
 
@@ -29,19 +30,32 @@ def _report_path(p: Path, golden_dir: Path) -> Path:
     HDF5 file (a golden: the report would replace it on a run that asked for no golden write), a
     name a golden would have, or a place inside the golden folder."""
     if p.is_dir():
-        raise OptionError(f"--ag-report {p}: is a folder; give a file name")
+        raise OptionError.usage("--ag-report", f"--ag-report {p}: is a folder; give a file name")
     if p.suffix.lower() in (".h5", ".hdf5") or golden_dir in p.parents:
-        raise OptionError(f"--ag-report {p}: names a golden file or a place in the golden folder {golden_dir}; a "
-                          f"report (.json, .html, .md) goes elsewhere")
+        raise OptionError.usage("--ag-report", f"--ag-report {p}: names a golden file or a place in the golden "
+                                f"folder {golden_dir}; a report (.json, .html, .md) goes elsewhere")
     if is_hdf5_file(p):
-        raise OptionError(f"--ag-report {p}: is an HDF5 file (a golden?), which a report never overwrites; give "
-                          f"another file name")
+        raise OptionError.usage("--ag-report", f"--ag-report {p}: is an HDF5 file (a golden?), which a report "
+                                f"never overwrites; give another file name")
     return p
 
 DEVICE_FIXTURE = "ag_device"
 RECORD_DEVICE = "cpu"  # the ag_device variant that writes goldens under --ag-update
 UPDATE_MODES = (None, "all", "missing")
 UNUSED_MODES = (None, "fail", "list")
+# the flags that take an optional value, and the values a separate word may give them
+OPTIONAL_VALUES = {"--ag-update": ("all", "missing"), "--ag-unused": ("fail", "list")}
+
+
+def join_optional_values(args: list[str], exists: Callable[[str], bool]) -> None:
+    """``--ag-update missing`` read as ``--ag-update=missing`` (in place): argparse would take the word
+    for a test path. A word that names an existing file or folder stays a path."""
+    i = 0
+    while i < len(args) - 1:
+        values = OPTIONAL_VALUES.get(args[i])
+        if values is not None and args[i + 1] in values and not exists(args[i + 1]):
+            args[i : i + 2] = [f"{args[i]}={args[i + 1]}"]
+        i += 1
 # Options the plugin itself consumes (never forwarded as-is to record/compare).
 PLUGIN_KEYS = frozenset({"path", "model", "args", "kwargs"})
 PREFIX = "activation_guard"
@@ -59,10 +73,6 @@ CLI_FLAGS = {
 }
 
 
-class OptionError(ValueError):
-    """A bad activation_guard option; the message names where it was set."""
-
-
 DEFAULT_RANK_TIMEOUT = 120.0
 
 
@@ -74,7 +84,8 @@ def _rank_timeout(value: str | float | None) -> float:
     except ValueError:
         seconds = -1.0
     if not 0 < seconds < float("inf"):
-        raise OptionError(f"--ag-rank-timeout must be a number of seconds > 0, got {value!r}")
+        raise OptionError.usage("--ag-rank-timeout",
+                                f"--ag-rank-timeout must be a number of seconds > 0, got {value!r}")
     return seconds
 
 
@@ -107,9 +118,11 @@ class Settings:
 
     def __post_init__(self) -> None:
         if self.update not in UPDATE_MODES:
-            raise OptionError(f"--ag-update must be given alone or as --ag-update=missing, got {self.update!r}")
+            raise OptionError.usage("--ag-update",
+                                    f"--ag-update must be given alone or as --ag-update=missing, got {self.update!r}")
         if self.unused not in UNUSED_MODES:
-            raise OptionError(f"--ag-unused must be given alone or as --ag-unused=list, got {self.unused!r}")
+            raise OptionError.usage("--ag-unused",
+                                    f"--ag-unused must be given alone or as --ag-unused=list, got {self.unused!r}")
 
     @classmethod
     def build(
@@ -142,19 +155,21 @@ class Settings:
         for option, given in (("--ag-golden-dir", cli_golden_dir), ("--ag-rtol", cli_rtol), ("--ag-atol", cli_atol),
                               ("--ag-report", report_path)):
             if isinstance(given, str) and not given.strip():  # `--ag-golden-dir=$DIR` with DIR unset
-                raise OptionError(f"{option} is empty; give a value or leave the option out")
+                raise OptionError.usage(option, f"{option} is empty; give a value or leave the option out")
         if cli_golden_dir:
             gdir = Path(invocation_dir, cli_golden_dir)
         else:
             if not ini_golden_dir or not ini_golden_dir.strip():
-                raise OptionError(
-                    'ini option ag_golden_dir is empty; set it to a folder, e.g. ag_golden_dir = "golden"'
+                raise OptionError.usage(
+                    "ag_golden_dir",
+                    'ini option ag_golden_dir is empty; set it to a folder, e.g. ag_golden_dir = "golden"',
                 )
             gdir = Path(rootdir, ini_golden_dir.strip())
         if gdir.exists() and not gdir.is_dir():
             src = "--ag-golden-dir" if cli_golden_dir else "ini option ag_golden_dir"
-            raise OptionError(
-                f"{src}: {gdir} exists and is not a folder; point it at a folder (created when goldens are written)"
+            raise OptionError.usage(
+                src,
+                f"{src}: {gdir} exists and is not a folder; point it at a folder (created when goldens are written)",
             )
         # raw values (ini text, flags as typed), judged once by the spec right here, so a bad one
         # is a usage error before any test runs, worded as from every other source
@@ -255,8 +270,8 @@ def marker_options(marks: Iterable[Any], where: str) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for mark in list(marks)[::-1]:
         if mark.args:
-            raise OptionError(
-                f"{where}: @pytest.mark.activation_guard takes keyword options only "
+            raise OptionError.usage(
+                "marker", f"{where}: @pytest.mark.activation_guard takes keyword options only "
                 f"(e.g. rtol=1e-4), got positional {mark.args!r}"
             )
         merged.update(mark.kwargs)
@@ -273,7 +288,8 @@ def engine_specs(opts: ResolvedOptions) -> tuple[RecordSpec, CompareSpec]:
     keys it sets itself, and that a calibrated comparison records the golden's noise floors."""
     bad = sorted(k for k in opts.values if k in PLUGIN_KEYS)
     if bad:
-        raise OptionError(f"option(s) {bad} are set by the plugin and cannot be given ({opts.describe()})")
+        raise OptionError.usage(", ".join(bad),
+                                f"option(s) {bad} are set by the plugin and cannot be given ({opts.describe()})")
     rec, cmp_ = build_specs(opts.values, opts.sources)
     if cmp_.calibrated and "calibrate" not in opts.values:
         rec = replace(rec, calibrate=True,

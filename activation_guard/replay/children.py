@@ -175,8 +175,7 @@ class GoldenOutputs:
 
 class ChildHooks:
     """Hooks on the direct children of one replayed call (see the module docstring). After the
-    replay, ``inputs[i]`` holds the tensors child call ``i`` received (copies, by input path) and
-    ``substituted`` how many calls returned the golden's output."""
+    replay, ``inputs[i]`` holds the tensors child call ``i`` received (copies, by input path)."""
 
     def __init__(self, calls: Sequence[ChildCall], golden: GoldenOutputs):
         self.calls = calls
@@ -186,7 +185,6 @@ class ChildHooks:
             self.queues.setdefault(c.name, deque()).append(i)
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}
         self.active: list[int | None] = []  # calls of hooked children in progress (outermost first)
-        self.substituted = 0
 
     @contextmanager
     def installed(self, modules: Mapping[str, torch.nn.Module], *, widen: bool = False) -> Iterator[None]:
@@ -246,13 +244,11 @@ class ChildHooks:
         live = {leaf.path: leaf.tensor for leaf in flatten(output) if leaf.kind == "tensor" and leaf.tensor is not None}
         if not _fits({p: (tuple(t.shape), t.dtype, t.device) for p, t in live.items()}, golden):
             return None  # another structure: this call keeps its own output
-        self.substituted += 1
         # a copy each time: the parent may change what it gets in place
         try:
             return rebuild(output, {p: golden[p].to(device=t.device, dtype=t.dtype, copy=True)
                                     for p, t in live.items()})
         except UnsupportedTensorError:  # a wrapper subclass that cannot be rebuilt: it keeps its own output
-            self.substituted -= 1
             return None
 
     def _stub(self, name: str, mod: torch.nn.Module, widen: bool, *args: Any, **kwargs: Any) -> Any:
@@ -271,7 +267,6 @@ class ChildHooks:
                 with torch.no_grad():
                     for b, v in saved:
                         b.copy_(v)
-        self.substituted += 1
         end = self.calls[i].rng_end
         if end is not None:
             set_rng_state(end)

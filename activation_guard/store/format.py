@@ -40,7 +40,6 @@ FORMAT_VERSION = 3
 # its own paths (the comparator maps live leaves to them). 3 stores the same index as integer
 # tables (/calls, /leaves, /dims) beside a JSON table of strings (:mod:`.rows`): a third of the
 # time a compare of many small layers spent opening the golden went to decoding format 2's JSON.
-READABLE_VERSIONS = (1, 2, 3)
 ROW_TABLES = ("calls", "leaves", "dims")  # format 3's index tables, root members beside /index
 PACK_BYTES = 8 * 1024 * 1024  # small leaves are packed into datasets of at most this size
 SMALL_LEAF_BYTES = 64 * 1024  # leaves up to this size go into packs
