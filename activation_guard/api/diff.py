@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Callable
 
 from .._core.gcpause import with_frozen_gc
 from ..capture import env as envmod
@@ -24,9 +24,27 @@ from ..options.spec import ARGUMENT, CompareSpec
 from ..options.tolerances import ToleranceResolver
 from ..report.report import Report
 from ..store import CallEntry, GoldenReader
+from ..values.calls import LiveCall
 from ..values.leaves import Leaf
 from .gradients import diff_rows
 from .run import report_meta
+
+
+class RecordingSource:
+    """A recording as a :class:`~activation_guard.values.calls.LiveSource`: its calls in recorded
+    order, the selected ones only, each call's leaves read from the file when asked for."""
+
+    def __init__(self, reader: GoldenReader, wanted: Callable[[str], bool]):
+        self.reader = reader
+        self.wanted = wanted
+
+    def calls(self) -> Iterator[LiveCall]:
+        for c in self.reader.calls:
+            if self.wanted(c.name):
+                yield LiveCall(c.name, c.call, c.type_name, functools.partial(_leaves, self.reader, c))
+
+    def describe(self) -> str:
+        return f"live values read from the recording {os.fspath(self.reader.path)}"
 
 
 def _leaves(reader: GoldenReader, c: CallEntry) -> list[Leaf]:
@@ -80,11 +98,8 @@ def diff_recordings(
         # as compare: default to the layers the golden recorded
         golden_filter = Comparator.default_filter(gmeta, spec) if inc is None and exc is None else None
         comp = Comparator(ga, spec, StrictJudge(resolver), golden_filter=golden_filter)
-        wanted = Selector(inc, exc, [c.name for c in gb.calls])
-        for c in gb.calls:
-            if not wanted(c.name):
-                continue
-            comp.on_leaves(c.name, c.call, c.type_name, functools.partial(_leaves, gb, c))
+        source = RecordingSource(gb, Selector(inc, exc, [c.name for c in gb.calls]))
+        comp.consume(source)
         layers, order = comp.finish()
         if not layers:
             raise nothing_selected(inc, exc, [c.name for c in gb.calls if c.call == 0])
@@ -106,7 +121,7 @@ def diff_recordings(
     b_modes = {"training": bmeta.get("training"), "training_differs": bmeta.get("training_differs")}
     if isinstance(b_modes["training"], bool) and isinstance(b_modes["training_differs"], list):
         report.mode_changes = envmod.describe_training_change(gmeta, b_modes, "the other recording was")
-    report.notes.append(f"live values read from the recording {os.fspath(other)}")
+    report.notes.append(source.describe())
     report.notes += selective_note(gmeta)
     report.notes += fp_notes
     report.notes += grad_notes

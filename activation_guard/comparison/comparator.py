@@ -41,6 +41,7 @@ from ..replay.hints import string_hint
 from ..replay.replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
 from ..results import IdenticalCall, LayerResult, LeafResult, Origin
 from ..store import CallEntry, GoldenReader, LeafEntry
+from ..values.calls import LiveSource
 from ..values.leaves import WALKED_SINCE, Leaf, LeafTransform, UnsupportedTensorError, flatten, value_at
 from ..values.paths import EMPTY_KEY, first_duplicate, is_fields, match_old_empty_keys
 from .fingerprints import FingerprintJudge
@@ -180,6 +181,16 @@ class Comparator:
                                                       self.results)
         if self.spec.fail_fast and not res.ok:
             raise StopForward
+
+    def consume(self, source: LiveSource) -> None:
+        """Compare every call a source yields, in its order (a source other than module hooks:
+        a recording, an exported graph, a runtime session); ``fail_fast`` stops at the first
+        diverging call."""
+        try:
+            for c in source.calls():
+                self.on_leaves(c.name, c.call, c.type_name, c.leaves)
+        except StopForward:
+            pass
 
     def on_leaves(self, name: str, call: int, tname: str, get_leaves: Callable[[], list[Leaf]]) -> None:
         """Compare one layer call given its flattened outputs (a recording's: :mod:`activation_guard.api.diff`)."""
