@@ -14,7 +14,7 @@ from typing import Any
 from ._core.kernel import TensorStats, unravel
 from ._core.slots import SLOTS
 
-# "local_shard" (issue 16, distributed): a rank's piece of a value whose full shape the golden holds
+# "local_shard" (distributed): a rank's piece of a value whose full shape the golden holds
 STATUS_ORDER = ("structure", "shape", "local_shard", "dtype", "missing", "unexpected", "nonfinite", "diverged",
                 "match")
 # a fingerprinted output's numbers (LeafResult fields): estimates, not measured differences
@@ -86,7 +86,7 @@ class LeafResult:
     error_multiple: float | None = None  # calibrated mode: error / allowed noise
     type_name: str | None = None  # the live value's Python type, when it is not a plain tensor
     type_only: bool = False  # an opaque object (a cache, a generator): only its type was compared
-    ranks: list[int] | None = None  # issue 16 (distributed): ranks holding the worst element of a gathered value
+    ranks: list[int] | None = None  # distributed: ranks holding the worst element of a gathered value
     # judged against a fingerprint (docs/fingerprint.md): "l2" (strict rule) or "rms" (calibrated rule
     # in L2 form); None for outputs compared value by value. The numbers are estimates from the sketch:
     estimate: str | None = None
@@ -167,7 +167,7 @@ class LayerResult:
 
     @property
     def label(self) -> str:
-        if self.phase == "param-grad":  # gradients (issue 14)
+        if self.phase == "param-grad":  # gradients
             return f"{self.name or '<root>'} (param grads)"
         if self.phase == "backward":
             return f"{self.name or '<root>'}[{self.call}] (grad wrt {self.wrt or '?'})"

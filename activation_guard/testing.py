@@ -25,7 +25,7 @@ from typing import Any, Callable, Union
 
 import pytest
 
-# issue 16: N-rank tests from a plain pytest run (docs/distributed.md); spawn imports no torch
+# N-rank tests from a plain pytest run (docs/distributed.md); spawn imports no torch
 from .distributed.spawn import DistributedRunError, DistributedTimeout, run_distributed
 
 __all__ = ["DistributedRunError", "DistributedTimeout", "WorkflowResult", "check_golden_workflow", "golden_files",

@@ -2,7 +2,7 @@
 hash tables (``sketch.HASHES``) and its prepared plans (``fingerprint_plan.PLANS``).
 
 Each cache has one lock. A fork while another thread holds it would leave the child's copy held
-forever (a review saw 18 of 200 forked children hang), so every cache gets a fresh lock in the
+forever (18 of 200 forked children hung), so every cache gets a fresh lock in the
 child.
 """
 

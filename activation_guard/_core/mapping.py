@@ -2,7 +2,7 @@
 
 Private matters: ``mmap.mmap(-1, n)`` alone is a *shared* mapping on POSIX, so a process forked
 later would write into the same pages. Two forked children recording at once then took the same
-idle copy buffer and fingerprinted each other's values (a review's repro, where ``MAP_POPULATE``
+idle copy buffer and fingerprinted each other's values (where ``MAP_POPULATE``
 is missing: Python 3.9 on Linux, macOS). Windows has no fork; there the plain call is used.
 """
 

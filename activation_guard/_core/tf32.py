@@ -21,7 +21,7 @@ def _round_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 class _StraightThrough(torch.autograd.Function):
-    """The rounded values forward, the gradient passed through unchanged (gradients, issue 14):
+    """The rounded values forward, the gradient passed through unchanged (gradients):
     a TF32 matmul's backward is a matmul of the same operands, so an emulated run's gradients
     keep flowing into its weights instead of stopping at the rounding."""
 

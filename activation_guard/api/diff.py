@@ -104,7 +104,7 @@ def diff_recordings(
         if not layers:
             raise nothing_selected(inc, exc, [c.name for c in gb.calls if c.call == 0])
         fp_notes = comp.notes()
-        # gradients (issue 14): the other recording's backward, judged the same way
+        # gradients: the other recording's backward, judged the same way
         layers, order, grad_notes = diff_rows(ga, gb, spec, comp.judge, comp.live_to_golden, layers, order)
     env_changes = envmod.describe_env_change(
         gmeta.get("numerics"), bmeta.get("numerics") if isinstance(bmeta.get("numerics"), dict) else {})

@@ -29,7 +29,7 @@ from ..capture.hooks import Target, check_model, hook_notes, hooked, layer_name,
 from ..capture.recorder import Recorder
 from ..comparison.comparator import Comparator, StopForward
 from ..comparison.golden_selection import recorded_selection, selective_note
-from ..distributed import transform as distcap  # issue 16 (distributed)
+from ..distributed import transform as distcap  # distributed
 from ..fingerprints.fingerprint import FingerprintParams
 from ..judges.strict import Judge, StrictJudge
 from ..options.selection import Selector, nothing_selected, parent_hint, selected, unmatched
@@ -154,17 +154,17 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
                 path: str | os.PathLike[str], spec: RecordSpec, per_rank: bool = True) -> RecordSummary:
     """:func:`record` with its options already in a :class:`RecordSpec` (the plugin's entry).
 
-    ``per_rank=False`` (issue 16): in a multi-rank run write ``path`` itself, with full values, as
+    ``per_rank=False``: in a multi-rank run write ``path`` itself, with full values, as
     a single-device golden (only for a path no other rank writes: compare_models' private one)."""
     target = check_model(model)
     model = target.root
     a, kw = normalize_inputs(args, kwargs)
     inc, exc = spec.include, spec.exclude
     meta = _build_meta(model, a, kw, spec, target.modules)  # fingerprint inputs before the forward can mutate them
-    path, dcap = distcap.for_record(golden_path(path), per_rank)  # issue 16: a multi-rank run: this rank's golden
+    path, dcap = distcap.for_record(golden_path(path), per_rank)  # a multi-rank run: this rank's golden
     if dcap is not None:
         meta["distributed"] = dcap.meta()
-    rule = grad_api.RecordGradients.loss_for(spec, target)  # gradients (issue 14): None without backward
+    rule = grad_api.RecordGradients.loss_for(spec, target)  # gradients: None without backward
     if dcap is not None:
         distcap.refuse_sharded_backward(model, rule is not None)
     fingerprinter = Fingerprinter.for_spec(spec)  # its worker thread starts with the first leaf it takes
@@ -190,7 +190,7 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
         state_notes = buffers.updated_note(target.modules, before)
         if not writer.calls:
             raise nothing_selected(inc, exc, [n for n, _ in model.named_modules()])
-        if grads is not None:  # gradients (issue 14): the one backward, after the forward
+        if grads is not None:  # gradients: the one backward, after the forward
             meta[grad_api.META_KEY] = grads.run(model, out, a, kw)
             out = grad_api.detached(out)
         meta["layer_calls"] = len(writer.calls)
@@ -304,7 +304,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     user_hooks = hook_notes(target)  # before ours are added
     dev = envmod.model_device(model, a, kw)
     judge: Judge | None = None
-    # issue 16: the golden this rank compares with (replay is off in a multi-rank run)
+    # the golden this rank compares with (replay is off in a multi-rank run)
     path, dcap, spec = distcap.for_compare(golden_path(path), spec)
     grads: grad_api.CompareGradients | None = None
     reader = GoldenReader(path)
@@ -318,7 +318,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
                 spec = spec.with_selection(*recorded_selection(gmeta))
         gdev = envmod.recorded_device(gmeta)
         resolver = ToleranceResolver(spec, golden_device=gdev, live_device=str(dev))
-        rule = grad_api.compare_rule(spec, gmeta, path, target)  # gradients (issue 14): the golden's loss, or None
+        rule = grad_api.compare_rule(spec, gmeta, path, target)  # gradients: the golden's loss, or None
         if dcap is not None:
             distcap.refuse_sharded_backward(model, rule is not None)
         judge = _judge(spec, resolver, gmeta, path, model, a, kw, dev, backward=rule)
@@ -349,7 +349,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         except StopForward:
             stopped = True
         state_notes = buffers.updated_note(target.modules, before)
-        if grads is not None and not stopped:  # gradients (issue 14): the one backward, after the forward
+        if grads is not None and not stopped:  # gradients: the one backward, after the forward
             grads.run(model, out, a, kw)
             out = grad_api.detached(out)
         layers, order = comp.finish()
@@ -364,7 +364,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
             layers = [layers[i] for i in keep]
         notes = judge.notes() + comp.notes() + ([] if comp.replayer is None else comp.replayer.notes())
         notes += grad_api.skipped_note(spec, gmeta)
-        if grads is not None:  # gradients (issue 14): rows after the forward's, attribution, notes
+        if grads is not None:  # gradients: rows after the forward's, attribution, notes
             layers, order = grads.rows(layers, order)
             notes += grads.notes(stopped)
     finally:
@@ -382,7 +382,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         origin=origin, replay=spec.replay,
     )
     report.mode_changes = envmod.describe_training_change(gmeta, live_modes)
-    if grads is not None and report.origin is None:  # gradients (issue 14): where the backward changed
+    if grads is not None and report.origin is None:  # gradients: where the backward changed
         report.origin = grads.origin(report.first_divergence, layers)
     if resolver.cross_device:
         report.notes.append(f"golden recorded on {gdev}, live run on {dev}: "
@@ -392,7 +392,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     report.notes += notes
     report.notes += user_hooks
     report.notes += state_notes
-    if dcap is not None:  # issue 16 (distributed): the report names the rank
+    if dcap is not None:  # distributed: the report names the rank
         report.rank, report.world_size = dcap.info.rank, dcap.info.world_size
         report.notes += dcap.notes()
     return report
@@ -439,7 +439,7 @@ def report_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
     cal = out.get(calmod.META_KEY)
     if isinstance(cal, Mapping):
         out[calmod.META_KEY] = {k: v for k, v in cal.items() if k != "floors"}
-    bwd = out.get(grad_api.META_KEY)  # gradients (issue 14): their floors too
+    bwd = out.get(grad_api.META_KEY)  # gradients: their floors too
     if isinstance(bwd, Mapping) and isinstance(bwd.get(grad_api.CALIBRATION_KEY), Mapping):
         out[grad_api.META_KEY] = {**bwd, grad_api.CALIBRATION_KEY: {
             k: v for k, v in bwd[grad_api.CALIBRATION_KEY].items() if k != "floors"}}
@@ -468,7 +468,7 @@ def compare_models(
         # not hand the candidate different inputs
         a, kw = normalize_inputs(args, kwargs)
         # per_rank=False: a private file holding full values, so a parallel candidate is compared
-        # with it as with a single-device golden (issue 16)
+        # with it as with a single-device golden
         # both models start from one random state: a training-mode Dropout draws the same mask
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if cuda else None)

@@ -191,8 +191,8 @@ PLAUSIBLE_FLOOR_DEFAULT = 0.01
 def implausible_floor(golden: torch.Tensor, gf: NoiseFloor, lf: NoiseFloor, dtype: str) -> str | None:
     """Why the floors cannot be rounding error, or None. A float64 reference run that drew other
     random numbers (a ``torch.Generator`` it shared, a draw it makes in float64) or branched on the
-    dtype has floors the size of the values, and judging with them passes real changes (found by
-    review: a 10% weight change passed). Such an output is judged strictly instead."""
+    dtype has floors the size of the values, and judging with them passes real changes (a 10% weight
+    change passed). Such an output is judged strictly instead."""
     g = golden.detach().to(torch.float64)
     g = g[torch.isfinite(g)]
     if g.numel() == 0:

@@ -178,7 +178,7 @@ class ShadowRun:
             path = os.path.join(self._tmp.name, "shadow.h5")
             writer = GoldenWriter(path)
 
-            # --- gradients (issue 14): the float64 backward, with the golden's loss
+            # --- gradients: the float64 backward, with the golden's loss
             grads = None if self.backward is None else GradCapture(GradRecorder(writer))
 
             def on_output(frame: Frame, output: Any) -> None:
@@ -242,7 +242,7 @@ class ShadowRun:
         f = diff_stats(value, ref)
         return f if f.finite else None
 
-    # --- gradients (issue 14)
+    # --- gradients
     def grad_floor(self, name: str, call: int, path: str, value: torch.Tensor) -> NoiseFloor | None:
         """``value``'s noise floor against the float64 gradient at ``path`` (``"<output|input|param>:<leaf>"``)."""
         grad, _, leaf_path = path.partition(":")

@@ -3,7 +3,7 @@
 A golden holds what each layer returned. A forward can also change the model itself: BatchNorm's
 running statistics in training mode, a cache or a step counter kept in a buffer. Those new values
 are what the next forward (or eval mode) computes with, but no layer returns them, so a refactor
-that updates them differently passes every layer of this forward (found by review: a BatchNorm
+that updates them differently passes every layer of this forward (a BatchNorm
 port with a wrong momentum passed record and compare). The report says so instead of staying
 silent; comparing the state itself would need a section of its own in the golden.
 """

@@ -153,7 +153,7 @@ MAX_HELD_DEPTH = 4  # attribute levels searched for tensors inside an object inp
 def _held_tensors_digest(obj: Any) -> str | None:
     """SHA-256 over the tensors an opaque input object holds through its attributes (and lists,
     tuples and dicts of them), in attribute order; None when it holds none. A changed KV cache
-    passed to the model was not an input change (found by review): the first layer that read it
+    passed to the model was not an input change: the first layer that read it
     was blamed instead."""
     h = hashlib.sha256()
     seen: set[int] = set()

@@ -35,7 +35,7 @@ class Fingerprinter:
 
     def __init__(self, layers: bool | tuple[str, ...], params: FingerprintParams, *, worker: bool | None = None):
         """``worker``: compute CPU fingerprints on a worker thread beside the forward
-        (:mod:`.fingerprint_worker`); ``None``: as :func:`~.fingerprint_worker.wanted` says.
+        (:mod:`..fingerprints.worker`); ``None``: as :func:`~..fingerprints.worker.wanted` says.
         Call :meth:`close`."""
         self.layers = layers
         self.params = params

@@ -13,7 +13,7 @@ the fix: two modules under one qualified name, and a module called from several 
 
 About 460 lines: eager and compiled capture share the hook pair and the call stack, and the
 refusals must see the same module walk; splitting them would pass that state between modules.
-How the hooks go into a module's hook dicts (and out of a copy's) is :mod:`.hook_install`.
+How the hooks go into a module's hook dicts (and out of a copy's) is :mod:`.install`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _is_optimized(m: torch.nn.Module) -> bool:
 def _is_compiled(m: torch.nn.Module) -> bool:
     """``module.compile()`` (in place), the ``torch.compile`` wrapper, or a compiled bound forward
     (``m.forward = torch.compile(m.forward)``: after a warm-up, dynamo ran it without the hooks
-    added later and its inner layers went silently uncaptured; found by review)."""
+    added later and its inner layers went silently uncaptured)."""
     return (getattr(m, "_compiled_call_impl", None) is not None or _is_optimized(m)
             or getattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable", None) is not None)
 
@@ -308,7 +308,7 @@ def hooked(
     # objects alive now (the model, torch, a golden's parsed index) are not this forward's garbage
     with frozen_gc():
         try:
-            # post: prepend=True (issue 16, distributed), eager and staged alike: the output as the
+            # post: prepend=True (distributed), eager and staged alike: the output as the
             # module returned it, before other forward hooks rewrite it (tensor parallelism's own
             # hook turns a DTensor into a local shard; docs/distributed.md)
             handles.append(install([mod for _, mod in layers], pre, post, installed))
@@ -368,7 +368,7 @@ def _reset_dynamo() -> None:
 def _check_root_ran(target: Target, layers: list[tuple[str, torch.nn.Module]], state: HookState) -> None:
     """The forward returned, but the model's own hooks never fired: its ``__call__`` does not go
     through ``nn.Module.__call__``. Its output, and its own code after its last child, would go
-    uncompared while every layer inside matched: an error, never a pass (found by review)."""
+    uncompared while every layer inside matched: an error, never a pass."""
     root = next((m for n, m in layers if n == ""), None)
     if root is None or state.calls.get(""):
         return

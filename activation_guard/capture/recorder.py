@@ -79,7 +79,7 @@ class Recorder:
             leaves = flatten_inputs(frame.args, frame.kwargs)
         except UnsupportedTensorError as e:
             raise e.in_layer(frame.name, call, "an input") from None
-        if self.transform is not None:  # issue 16 (distributed)
+        if self.transform is not None:  # distributed
             self.transform(frame.name, leaves)
         running: list[tuple[int, int]] = []  # (leaf index, frame id) of references to a running call's inputs
         for i, leaf in enumerate(leaves):
@@ -183,7 +183,7 @@ class Recorder:
         self._calls_started[name] = call + 1
         try:
             leaves = flatten(output, fields=True)
-            if self.transform is not None:  # issue 16 (distributed)
+            if self.transform is not None:  # distributed
                 self.transform(name, leaves)
             stored = (leaves if self.fingerprinter is None  # on their device, or on the worker
                       else self.fingerprinter(name, leaves, f"layer {name or '<root>'!r} call {call} output"))

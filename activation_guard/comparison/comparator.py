@@ -281,7 +281,7 @@ class Comparator:
         if len(leaves) == 1 and len(entry.leaves) == 1 and leaves[0].path == entry.leaves[0].path:
             only = leaves[0]  # one output, where the golden has it: no path matching to do
             res = self._compare_leaf(entry.leaves[0], only, name, entry, judge)
-            if only.dist is not None:  # issue 16 (distributed): name the rank holding the worst element
+            if only.dist is not None:  # distributed: name the rank holding the worst element
                 attribute(res, only.dist)
             return [res]
         live = {leaf.path: leaf for leaf in leaves}
@@ -307,7 +307,7 @@ class Comparator:
                                               f"{_out(g.path)} ({_kind(g)}) is missing from the live output"))
                 continue
             res = self._compare_leaf(g, lv, name, entry, judge)
-            if lv.dist is not None:  # issue 16 (distributed): name the rank holding the worst element
+            if lv.dist is not None:  # distributed: name the rank holding the worst element
                 attribute(res, lv.dist)
             results.append(res)
         for leaf in leaves:
@@ -385,7 +385,7 @@ class Comparator:
         assert t is not None and g.dtype is not None
         ldt = dtype_name(t)
         lshape = tuple(int(s) for s in t.shape)
-        if lshape != g.shape:  # issue 16 (distributed): a rank's piece of the golden's value is a local shard
+        if lshape != g.shape:  # distributed: a rank's piece of the golden's value is a local shard
             why = None if lv.dist is None else shard_verdict(lv.dist, name, p, g.shape)
             detail = why or f"{_out(p)} shape {list(g.shape)} -> {list(lshape)}"
             return LeafResult(p, "local_shard" if why else "shape", detail,

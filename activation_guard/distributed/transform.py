@@ -158,7 +158,7 @@ def for_compare(path: str, spec: CompareSpec) -> tuple[str, RankCapture | None, 
 
 
 def refuse_sharded_backward(model: Any, backward: bool) -> None:
-    """Gradient goldens (issue 14) of a model whose parameters are ``DTensor`` shards (tensor
+    """Gradient goldens of a model whose parameters are ``DTensor`` shards (tensor
     parallelism, FSDP2) are not supported: their gradients are sharded ``DTensor`` values, which
     the gradient capture does not convert. Said before the forward, with what works."""
     if not backward:

@@ -282,7 +282,7 @@ def compute_fingerprint(t: torch.Tensor, params: FingerprintParams | None = None
 
     Memory beyond ``t`` stays O(chunk x rows); only the fingerprint crosses to the host, in one
     transfer (two when the tensor holds NaN/Inf: a second pass then masks them). A contiguous CPU
-    leaf goes through a prepared compiled call where there is one (:mod:`.fingerprint_plan`).
+    leaf goes through a prepared compiled call where there is one (:mod:`.plan`).
     """
     p = params or FingerprintParams()
     if not isinstance(t, torch.Tensor):
@@ -324,7 +324,7 @@ def fingerprint_buffer(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, 
 
 def _transformed(t: torch.Tensor) -> bool:
     """A functionalized or functorch-wrapped tensor: ops on it are right, but reading its memory
-    (numpy, a pointer) reads the wrapper's, not its values (review: a garbage fingerprint)."""
+    (numpy, a pointer) reads the wrapper's, not its values (it would fingerprint garbage)."""
     functional = getattr(torch, "_is_functional_tensor", None)
     wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
     return bool((functional is not None and functional(t)) or (wrapped is not None and wrapped(t)))

@@ -1,7 +1,7 @@
 """The device-side half of fingerprints: the chunked kernel behind statistics, samples and sketch.
 
 Everything here runs where the tensor lives and is written so that any device computes the same
-numbers: hashes are pure integer functions of (seed, flat index) (:mod:`.seeded_hash`); only
+numbers: hashes are pure integer functions of (seed, flat index) (:mod:`.hashing`); only
 float64 sums differ between devices, by rounding that ``docs/fingerprint.md`` bounds. The kernel
 reads each chunk of ``CHUNK`` elements once into a float64 buffer and never builds an n-sized
 temporary; its results stay on the device until one transfer at the end (:func:`to_host`, the
@@ -14,15 +14,15 @@ bucket ``j XOR m_r[k]``. The signs multiply a whole block at once through a stri
 ``w``; blocks are routed to their masks with one ``index_add_`` per row and chunk, and the in-block XOR
 permutation is applied once per few million elements on a ``B x B`` matrix, not per element.
 
-On the CPU the per-chunk work and the fold go to the compiled pass of :mod:`.native` where it
+On the CPU the per-chunk work and the fold go to the compiled pass of :mod:`.._core.native` where it
 was built (the same hashes, windows and order of additions: the same sketch bit for bit); the
 torch ops below are the path for CUDA and for CPUs without a C compiler (MPS: its chunks come to
 the CPU, and go through the compiled pass). A contiguous CPU leaf of float32/64 or complex64/128
-within :mod:`.fingerprint_plan`'s limits skips this module's loop altogether: the plan hands it
+within :mod:`.plan`'s limits skips this module's loop altogether: the plan hands it
 to the compiled pass in one call, with hash tables from :func:`block_hashes`.
 
 About 510 lines: the chunking, the kernel and its hash cache are one hot loop, tuned together
-(docs/performance.md, "Fingerprint goldens"); the hashing itself is in :mod:`.seeded_hash`.
+(docs/performance.md, "Fingerprint goldens"); the hashing itself is in :mod:`.hashing`.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def storage_holds(t: torch.Tensor) -> bool:
     """Whether a strided tensor's elements all lie inside its storage, at a real address. A
     ZeroTensor, a storage resized to nothing (as FSDP does between uses) or one shrunk under a view
     would otherwise have C read from address 0 or past the allocation; torch's own ops raise for
-    them, so they go to the torch path, which says what torch says (found by review)."""
+    them, so they go to the torch path, which says what torch says."""
     if t.layout != torch.strided:
         return False
     if t.numel() == 0:

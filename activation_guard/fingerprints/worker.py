@@ -1,4 +1,4 @@
-"""Fingerprints computed beside the forward, on one worker thread (issue 15's record-time target).
+"""Fingerprints computed beside the forward, on one worker thread.
 
 On CPU the fingerprint kernel costs 0.15-0.33x a plain forward with the compiled pass (0.9-2.3x
 with torch ops; docs/performance.md); computed inline in the hook, a recording waits for all of
@@ -7,7 +7,7 @@ the recorder hands each CPU leaf to one worker thread instead: the hook takes a 
 memory pass, and the snapshot: a later in-place op cannot reach it) and returns, and the kernel
 runs on the copy while the forward goes on. The compiled call releases the GIL, so the two
 overlap; the worker otherwise avoids torch ops (each one hands the GIL back and forth with the
-forward's thread: :mod:`.fingerprint_plan`).
+forward's thread: :mod:`.plan`).
 
 The golden is byte-identical to an inline recording: the kernel is a pure function of the values
 in logical order, and the writer reserves each fingerprint's place in its pack (the blob's size

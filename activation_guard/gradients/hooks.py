@@ -43,7 +43,7 @@ training flag are never changed, every hook is removed, and the graph is freed (
 About 450 lines, most of them :class:`GradCapture`: its forward hooks, the graph walk and the
 backward share one set of per-call records (the nodes each call created, the edges into its
 inputs, the gradients arriving), and each half is only correct given the other's order of
-events. The loss rule and the comparison live in :mod:`.grad_loss` and :mod:`.grad_compare`.
+events. The loss rule and the comparison live in :mod:`.loss` and :mod:`..comparison.gradients`.
 """
 
 from __future__ import annotations

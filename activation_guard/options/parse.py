@@ -94,7 +94,7 @@ def _choice(options: tuple[Any, ...]) -> Callable[[Any], Any]:
     return parse
 
 
-# --- gradients (issue 14)
+# --- gradients
 def _backward(v: Any) -> bool | Callable[[Any], Any]:
     """``backward``: True/False (also as text from ini and flags) or a loss function."""
     if isinstance(v, str) and v.strip().lower() in _TRUE | _FALSE:
@@ -197,7 +197,7 @@ def _rename(v: Any) -> tuple[RenameRule, ...]:
     return tuple(rules)
 
 
-# --------------------------------------------------------------------------- placements (issue 16, distributed)
+# --------------------------------------------------------------------------- placements (distributed)
 
 
 @dataclass(frozen=True)

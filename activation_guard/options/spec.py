@@ -99,7 +99,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "store fixed-size fingerprints instead of values: True (every large float output) or layer globs"),
     Option("fingerprint_params", _fingerprint_params, True, False,
            "fingerprint size and false-alarm bound: dict(samples=, rows=, buckets=, false_alarm=, seed=)"),
-    Option("backward", _backward, True, True,  # gradients (issue 14)
+    Option("backward", _backward, True, True,  # gradients
            "also record (compare) gradients: True (loss = outputs x seeded random cotangents), a callable(output) "
            "-> scalar loss, or False"),
 )}
@@ -174,7 +174,7 @@ class RecordSpec(_SpecBase):
     inputs: bool = True
     fingerprint: bool | tuple[str, ...] = False
     fingerprint_params: FingerprintParams = field(default_factory=FingerprintParams)
-    backward: bool | Callable[[Any], Any] = False  # gradients (issue 14): False, True or a loss function
+    backward: bool | Callable[[Any], Any] = False  # gradients: False, True or a loss function
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -205,9 +205,9 @@ class CompareSpec(_SpecBase):
     allow_dtype_change: bool = False
     tolerance: str = "strict"
     grad: bool = False
-    placements: PlacementTable = field(default_factory=PlacementTable)  # issue 16 (distributed): docs/distributed.md
+    placements: PlacementTable = field(default_factory=PlacementTable)  # distributed: docs/distributed.md
     replay: str = "first"
-    # gradients (issue 14): None checks them when the golden has them; False never; True or a loss function
+    # gradients: None checks them when the golden has them; False never; True or a loss function
     backward: bool | Callable[[Any], Any] | None = None
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)

@@ -174,7 +174,7 @@ class GoldenCheck:
     def rerecord_command(self, opts: ResolvedOptions | None = None, *, fingerprinted: bool = False) -> str:
         cmd = rerecord_command(self._session.settings, opts, self.record_nodeid, fingerprinted=fingerprinted)
         ranks = self._session.ranks
-        if ranks is not None and cmd.startswith("pytest "):  # issue 16: every rank re-records its own golden
+        if ranks is not None and cmd.startswith("pytest "):  # every rank re-records its own golden
             cmd = f"torchrun --nproc-per-node {ranks.info.world_size} -m {cmd}"
         return cmd
 
@@ -194,7 +194,7 @@ class GoldenCheck:
         from .ranks import rank_context  # lazy: torch is imported by the first check, not at start-up
 
         self.last_report = None
-        ranks = rank_context(self._session)  # issue 16: None outside a multi-rank torch.distributed run
+        ranks = rank_context(self._session)  # None outside a multi-rank torch.distributed run
         if ranks is None:
             return self._check(model, args, kwargs, name, options, None)
         return ranks.gate(self._session, self.nodeid, name,
@@ -213,7 +213,7 @@ class GoldenCheck:
             path = self.path(name)
             where = str(path)
             s.claim(path, self.nodeid, name, owner=self.key.nodeid)
-            # issue 16: in a multi-rank run, this rank's golden (record) and the one it compares with
+            # in a multi-rank run, this rank's golden (record) and the one it compares with
             if ranks is None:
                 rec_path = path
             else:

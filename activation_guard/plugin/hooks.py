@@ -308,7 +308,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if s.is_worker:
         config.workeroutput[WORKER_KEY] = s.to_worker_output()  # type: ignore[attr-defined]
         return
-    if s.ranks is not None:  # issue 16 (torchrun): ranks > 0 send their results, rank 0 merges and reports
+    if s.ranks is not None:  # torchrun: ranks > 0 send their results, rank 0 merges and reports
         if s.ranks.follower:
             s.ranks.send_session(s)
             return
@@ -333,7 +333,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     s = _session(config)
     if s.is_worker:
         return
-    if s.ranks is not None and s.ranks.follower:  # issue 16 (torchrun)
+    if s.ranks is not None and s.ranks.follower:  # torchrun
         terminalreporter.line(f"activation_guard: {s.ranks.info}: results sent to rank 0, which prints the summary")
         return
     lines = s.summary_lines(verbose=config.option.verbose)

@@ -45,7 +45,7 @@ class CheckRecord:
     report: dict[str, Any] | None = None  # Report.to_dict(), only with --ag-report
     nondeterministic: list[str] | None = None  # with --ag-check-determinism: layers that differ run to run
     seconds: float = 0.0
-    rank: int | None = None  # issue 16 (distributed): the rank that ran it, in a multi-rank run
+    rank: int | None = None  # distributed: the rank that ran it, in a multi-rank run
 
     def label(self) -> str:
         rank = "" if self.rank is None else f" [rank {self.rank}]"
@@ -103,7 +103,7 @@ class GuardSession:
         self.unused_blocked: str | None = None  # why --ag-unused could not tell this run (then nothing is listed)
         self.worker_failures: list[str] = []
         self.report_error: str | None = None
-        # issue 16 (distributed): a rank_session.RankContext once a check ran in a multi-rank process group
+        # distributed: a rank_session.RankContext once a check ran in a multi-rank process group
         self.ranks: Any = None
 
     # -- checks

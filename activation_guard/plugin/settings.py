@@ -107,7 +107,7 @@ class Settings:
     report_path: Path | None = None
     unused: str | None = None  # None, "fail" or "list"
     check_determinism: bool = False  # run each checked forward twice and list unstable layers
-    rank_timeout: float = DEFAULT_RANK_TIMEOUT  # issue 16: seconds rank 0 waits for other ranks' verdicts
+    rank_timeout: float = DEFAULT_RANK_TIMEOUT  # seconds rank 0 waits for other ranks' verdicts
     ini_options: dict[str, Any] = field(default_factory=dict)  # from [tool.pytest.ini_options]
     cli_options: dict[str, Any] = field(default_factory=dict)  # from --ag-rtol/--ag-atol/--ag-fail-fast/...
     rootdir: Path = field(default_factory=Path.cwd)

@@ -123,7 +123,7 @@ class ChildCall:
     rng_end: RngState | None = None
     # its output shared memory with its input (a view, or the input itself: Identity, eval Dropout):
     # in the parent's replay it runs and keeps its own output, so the parent's later in-place ops
-    # reach it as in the live run (a golden copy broke that: a false alarm, found by review)
+    # reach it as in the live run (a golden copy broke that: a false alarm)
     aliased: bool = False
 
 

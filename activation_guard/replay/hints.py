@@ -4,8 +4,8 @@ A replay attributes a difference by re-running calls on the golden's inputs, the
 returning the golden's outputs. That assumes each child that passed returned the golden's values
 and that the call got the recorded arguments. Two cases break it without anything failing:
 a child that passed a difference on (a looser ``tolerances`` entry, or a child the golden does not
-have), and a plain string argument that changed (replays pass strings as given). Both were found
-by review, where the report blamed a parent's code, "randomness", or the wrong layer.
+have), and a plain string argument that changed (replays pass strings as given). Unrecognized, the
+report would blame a parent's code, "randomness", or the wrong layer.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def unjudged_source(frame: Frame, found: Origin, earlier: Sequence[LayerResult])
     just before) whose output reached the diverging call without being held to the tolerance it
     failed: a layer not in the golden (renamed or new: it ran live in the replay too), or one that
     passed under a looser ``tolerances`` entry with values that differ. The difference may come
-    from there, not from parent code or randomness (found by review: a changed layer under a
+    from there, not from parent code or randomness (a changed layer under a
     loosened tolerance was reported as its parent's code)."""
     if found.kind == "parent-code" and found.child is not None:  # between two children: the one before
         names = {found.previous} if found.previous is not None else set()
@@ -42,7 +42,7 @@ def unjudged_source(frame: Frame, found: Origin, earlier: Sequence[LayerResult])
         if (r.status == "match" and r.max_abs_diff is not None and r.max_abs_diff > 0
                 and "tolerances[" in (r.tolerance_source or "")
                 # a parent whose own replay (its children returning the golden's values) differs
-                # by far more than the child passed on changed its own code (found by review)
+                # by far more than the child passed on changed its own code
                 and not (found.own_error is not None and found.own_error > 10 * r.max_abs_diff)):
             return Origin(r.name, r.call, "unknown", r.max_abs_diff, type_name=tname, detail=(
                 f"its output differs from the golden's (max abs diff {r.max_abs_diff:.3g}) but passed under "
@@ -53,7 +53,7 @@ def unjudged_source(frame: Frame, found: Origin, earlier: Sequence[LayerResult])
 
 def string_hint(entry: CallEntry, frame: Frame) -> str:
     """What to add to an origin that blames a call's own code when a plain string it was given
-    differs from the recording (:func:`.replay_args.string_changes`), or ""."""
+    differs from the recording (:func:`.args.string_changes`), or ""."""
     strings = string_changes(entry, frame)
     if not strings:
         return ""

@@ -25,9 +25,9 @@ About 500 lines, over the ~400 we aim for: running a replay (as the capture saw 
 hooks included: :func:`call_as_captured`), judging the inputs a parent's code hands its children,
 and turning both into an origin are one sequence of decisions over the same call. The snapshot
 taken at each call's start (:mod:`.callstart`), the children standing in during a replay
-(:mod:`.children`), rebuilding arguments around golden tensors (:mod:`.rebuild`) and which golden
-tensors a call gets, or why its arguments do not line up (:mod:`.replay_args`), and what an origin
-says when a replay's assumptions do not hold (:mod:`.origin_hints`), live in their own modules.
+(:mod:`.children`), rebuilding arguments around golden tensors (:mod:`..values.rebuild`) and which golden
+tensors a call gets, or why its arguments do not line up (:mod:`.args`), and what an origin
+says when a replay's assumptions do not hold (:mod:`.hints`), live in their own modules.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def meta_lines(meta: dict[str, Any]) -> list[str]:
     for k in ("include", "exclude"):
         if meta.get(k):
             out.append(f"{k:<12}: {meta[k]}")
-    bwd = meta.get("backward")  # gradients (issue 14)
+    bwd = meta.get("backward")  # gradients
     if isinstance(bwd, dict):
         loss = (f"sum of each floating output times a seeded random cotangent (seed {bwd.get('seed')})"
                 if bwd.get("loss") == "cotangent" else f"the custom loss {bwd.get('function', '?')}")
@@ -140,7 +140,7 @@ def format_inspect(gi: GoldenInfo, layer: str | Sequence[str] | None = None) -> 
         return "\n".join(map(safe_line, lines))
     fwd = [x for x in gi.leaves if x.section == "forward"]
     calls = {(x.layer, x.call) for x in fwd}
-    ngrad = len(gi.leaves) - len(fwd)  # gradients (issue 14)
+    ngrad = len(gi.leaves) - len(fwd)  # gradients
     grads = f", then {ngrad} gradients in backward order" if ngrad else ""
     lines.append(f"{len(calls)} layer calls, {len(fwd)} outputs, in execution order{grads}"
                  + (f" (layers matching {layer!r})" if layer else "") + "; stats over finite values:")

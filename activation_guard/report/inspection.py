@@ -72,7 +72,7 @@ class LeafInfo:
     shape: tuple[int, ...] | None = None
     value: str | None = None  # str leaves, or the type name of an object leaf
     stats: LeafStats | None = None
-    section: str = "forward"  # gradients (issue 14): "grad-output", "grad-input" or "param-grad"
+    section: str = "forward"  # gradients: "grad-output", "grad-input" or "param-grad"
     py: str | None = None  # a str leaf's stored type when not str (dtype, device, an enum, bytes, int)
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,7 +178,7 @@ SECTIONS = {"output": "grad-output", "input": "grad-input", "param": "param-grad
 
 def _leaf_info(reader: GoldenReader, c: CallEntry, leaf: LeafEntry, with_stats: bool) -> LeafInfo:
     info = LeafInfo(c.name, c.call, c.type_name, c.position, leaf.path, leaf.kind)
-    if c.grad is not None:  # gradients (issue 14): positions continue after the forward's
+    if c.grad is not None:  # gradients: positions continue after the forward's
         info.section = SECTIONS[c.grad]
         info.position = len(reader.calls) + c.position
         if leaf.kind == "alias":  # the same values as a gradient stored before: shown as what they are
@@ -210,7 +210,7 @@ def iter_leaves(reader: GoldenReader, layer: str | Sequence[str] | None = None,
     One leaf's values are loaded at a time, so inspecting a large golden needs little memory.
     """
     pats = [layer] if isinstance(layer, str) else list(layer or [])
-    for c in [*reader.calls, *reader.backward]:  # gradients (issue 14) after the forward, in backward order
+    for c in [*reader.calls, *reader.backward]:  # gradients after the forward, in backward order
         if pats and not match_any(c.name, pats):
             continue
         for leaf in c.leaves:

@@ -101,7 +101,7 @@ def _divergence(report: Report | None, check: CheckLike) -> str:
         if fd is not None:
             kind = f" ({text_cell(fd.type_name)})" if fd.type_name else ""
             cell = f"{code_span(fd.name or '<root>')}{kind} call {fd.call}: {text_cell(WHY.get(fd.status, fd.status))}"
-            if fd.phase != "forward":  # gradients (issue 14): which gradient, in the backward pass
+            if fd.phase != "forward":  # gradients: which gradient, in the backward pass
                 call = "" if fd.phase == "param-grad" else f" call {fd.call}"
                 cell = (f"backward pass: {code_span(fd.name or '<root>')}{kind}{call}, {text_cell(gradient_text(fd))}: "
                         f"{text_cell(why(fd))}")

@@ -61,7 +61,7 @@ class Report:
     stopped_early: bool = False
     mode: str = "strict"
     notes: list[str] = field(default_factory=list)
-    rank: int | None = None  # issue 16 (distributed): this process's rank in a multi-rank run
+    rank: int | None = None  # distributed: this process's rank in a multi-rank run
     world_size: int | None = None
     origin: Origin | None = None  # where the difference was made (replay), None when OK or not replayed
     replay: str = "off"
@@ -167,7 +167,7 @@ class Report:
             "golden_device": recorded_device(self.golden_meta),
             "first_divergence": None if fd is None else {
                 "name": fd.name, "call": fd.call, "status": fd.status, "position": fd.position,
-                **({} if fd.phase == "forward" else {"phase": fd.phase, "wrt": fd.wrt})},  # gradients (issue 14)
+                **({} if fd.phase == "forward" else {"phase": fd.phase, "wrt": fd.wrt})},  # gradients
             "counts": self.counts(),
             "stopped_early": self.stopped_early,
             "input_changes": list(self.input_changes),
@@ -215,7 +215,7 @@ class Report:
     # ------------------------------------------------------------------ text
     def headline(self) -> str:
         text = self._headline()
-        if self.rank is not None and self.world_size is not None:  # issue 16: name the rank
+        if self.rank is not None and self.world_size is not None:  # name the rank
             text = text.replace("activation_guard: ", f"activation_guard: rank {self.rank} of {self.world_size}: ", 1)
         return text
 
@@ -234,14 +234,14 @@ class Report:
                 largest = fp
             elif fp:
                 tail = f"; {fp}{tail}"
-            what = f"{n} layer calls" + (f" and {ng} gradients" if ng else "")  # gradients (issue 14)
+            what = f"{n} layer calls" + (f" and {ng} gradients" if ng else "")  # gradients
             if mults:  # calibrated mode: how close the worst layer came to its noise allowance
                 return (f"activation_guard: OK, {what} match {self.path} ({largest}, "
                         f"largest error {max(mults):.3g}x the calibrated allowance){tail}")
             if self.input_changes:
                 tail += "; NOTE inputs differ from the recording"
             return f"activation_guard: OK, {what} match {self.path} ({largest}){tail}"
-        if fd.phase != "forward":  # gradients (issue 14): the forward matched
+        if fd.phase != "forward":  # gradients: the forward matched
             call = "" if fd.phase == "param-grad" else f" call {fd.call}"
             head = (f"activation_guard: first divergence in the backward pass at layer {display_name(fd.name)!r} "
                     f"({fd.type_name or '?'}){call}: {gradient_text(fd)}")
@@ -294,7 +294,7 @@ class Report:
         if o is None:
             return []
         who = f"{display_name(o.name)!r} ({o.type_name or '?'})" + (f" call {o.call}" if o.call else "")
-        if fd.phase != "forward":  # gradients (issue 14): not a replay
+        if fd.phase != "forward":  # gradients: not a replay
             return [f"  origin        : {who} {o.detail}"]
         if (o.name, o.call) == (fd.name, fd.call) and (o.kind == "layer" or (
                 o.kind == "unknown" and o.detail.startswith(("re-run", "not replayed")))):  # its own replay
@@ -305,7 +305,7 @@ class Report:
         out = []
         if fd.golden_name is not None and fd.golden_name != fd.name:
             out.append(f"  golden layer  : {fd.golden_name!r} (renamed)")
-        if fd.phase != "forward":  # gradients (issue 14)
+        if fd.phase != "forward":  # gradients
             out.append(f"  gradient      : {gradient_text(fd).replace('gradient ', '', 1)}")
         elif fd.path is not None:
             out.append(f"  output path   : {fd.path or '(the output itself)'}")
@@ -313,7 +313,7 @@ class Report:
             out.append(f"  what          : {fd.detail}")
         focus = next((leaf for leaf in fd.leaves if leaf.path == fd.path and leaf.status == fd.status), None)
         # a call of several outputs: the numbers shown are the named output's own (the layer's
-        # aggregates mixed outputs: 13 mismatched of 24 under a path holding 12; found by review)
+        # aggregates mixed outputs: 13 mismatched of 24 under a path holding 12)
         src: LayerResult | LeafResult = focus if focus is not None and len(fd.leaves) > 1 else fd
         if focus is not None and focus.estimate:
             out += estimate_lines(focus)
@@ -352,7 +352,7 @@ class Report:
 
     def _context(self, fd: LayerResult) -> list[str]:
         live = [layer for layer in self.layers if layer.position is not None and
-                (layer.phase == "forward") == (fd.phase == "forward")]  # gradients (issue 14): same pass
+                (layer.phase == "forward") == (fd.phase == "forward")]  # gradients: same pass
         live.sort(key=lambda x: x.position or 0)
         if not live:
             return []
@@ -403,7 +403,7 @@ class Report:
         c = Counter(layer.status for layer in fwd)
         parts = ", ".join(f"{c[k]} {k}" for k in STATUS_ORDER if c.get(k))
         out = f"{self.live_count} live layer calls; {parts}"
-        if len(fwd) != len(self.layers):  # gradients (issue 14)
+        if len(fwd) != len(self.layers):  # gradients
             g = Counter(layer.status for layer in self.layers if layer.phase != "forward")
             out += (f"; backward: {self.grad_count} gradients; "
                     + ", ".join(f"{g[k]} {k}" for k in STATUS_ORDER if g.get(k)))

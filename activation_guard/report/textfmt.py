@@ -15,13 +15,13 @@ WHY = {
     "diverged": "values outside tolerance",
     "nonfinite": "new NaN/Inf values",
     "shape": "output shape changed",
-    "local_shard": "a rank's local shard, not the full tensor",  # issue 16 (distributed)
+    "local_shard": "a rank's local shard, not the full tensor",  # distributed
     "dtype": "output dtype changed",
     "structure": "output structure changed",
     "missing": "layer call did not run",
     "unexpected": "layer call not in the golden",
 }
-# --- gradients (issue 14)
+# --- gradients
 GRAD_WHY = {
     "shape": "gradient shape changed",
     "dtype": "gradient dtype changed",

@@ -77,7 +77,7 @@ def _pos_or_nan(v: float | None) -> float:
 
 
 def backward_span(report: Report) -> tuple[float, float] | None:
-    """The x range of the gradient rows (gradients, issue 14), drawn shaded; None without any."""
+    """The x range of the gradient rows (gradients), drawn shaded; None without any."""
     live = _live_layers(report)
     first = next((i for i, x in enumerate(live) if x.phase != "forward"), None)
     return None if first is None else (first + 0.5, len(live) + 0.5)
@@ -163,7 +163,7 @@ def _render_png(report: Report, *, title: str | None, dpi: int) -> bytes:
             for mx, x in missing[:8]:
                 ax.annotate(_tick(x.label), xy=(mx, floor), xytext=(0, 8), textcoords="offset points", rotation=90,
                             ha="center", va="bottom", fontsize=7, color=c_bad)
-        span = backward_span(report)  # gradients (issue 14): the backward pass shaded and labelled
+        span = backward_span(report)  # gradients: the backward pass shaded and labelled
         if span is not None:
             ax.axvspan(*span, color="#9467bd", alpha=0.08, lw=0, label="backward pass (gradients, backward order)")
             ax.text(span[0], 0.99, " backward", transform=ax.get_xaxis_transform(), va="top", ha="left",
@@ -335,7 +335,7 @@ def _layer_rows(report: Report, fd_id: str, calibrated: bool) -> list[str]:
 
 
 def _phase_tag(x: LayerResult) -> str:
-    """Gradient rows (issue 14) are marked in the name cell: which gradient the row is."""
+    """Gradient rows are marked in the name cell: which gradient the row is."""
     if x.phase == "param-grad":
         return ' <span class="phase">param grads</span>'
     if x.phase == "backward":

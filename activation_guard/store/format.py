@@ -52,7 +52,7 @@ COMPRESSIONS = {None, "gzip", "lzf"}
 ROOT_MEMBERS = ("index", "meta", "packs", "data")  # formats 1 and 2; format 3 adds ROW_TABLES
 LEAF_KINDS = ("tensor", "none", "str", "object", "ref", "alias", "fingerprint")
 SECTIONS = ("out", "in")  # a call's outputs ("leaves") and its inputs ("inputs")
-# --- gradients (issue 14): the index's optional "backward" list, in backward execution order; each
+# --- gradients: the index's optional "backward" list, in backward execution order; each
 # entry is a call entry with "grad": "output" | "input" (a module call's gradient w.r.t. its
 # outputs / inputs) or "param" (a module's parameter gradients, call 0, leaf path = parameter name)
 GRAD_KINDS = ("output", "input", "param")
@@ -157,14 +157,14 @@ def parse_calls(path: str, calls: list[Any]) -> list[CallEntry]:
 
 def check_forward(path: str, entry: CallEntry) -> None:
     """A layer call's outputs are stored values: an ``alias`` (an input or gradient that is a value
-    stored before) never stands among them (found by review: ``diff`` then hit an assertion)."""
+    stored before) never stands among them (``diff`` then hit an assertion)."""
     for leaf in entry.leaves:
         if leaf.kind == "alias":
             raise GoldenFormatError(path, f"layer {entry.name!r} call {entry.call} output path {leaf.path!r} is an "
                                           f"alias; only inputs and gradients refer to stored values")
 
 
-# --- gradients (issue 14)
+# --- gradients
 def parse_backward(path: str, entries: Any) -> list[CallEntry]:
     """Decode the index's optional ``backward`` list (absent: a golden without gradients)."""
     if entries is None:

@@ -25,7 +25,7 @@ directory can never be mistaken for a golden file. A component longer than
 SHA-256; ``~`` is always escaped otherwise, so shortened names cannot equal unshortened ones.
 Every result is verified to lie inside ``golden_dir``.
 
-Per-rank goldens (issue 16, docs/distributed.md): a multi-rank run writes ``<stem>.rank<r>-of-<w>.h5``
+Per-rank goldens (docs/distributed.md): a multi-rank run writes ``<stem>.rank<r>-of-<w>.h5``
 beside ``<stem>.h5``. So that no test or check name can spell such a suffix itself, the ``.``
 before a trailing ``rank<r>-of-<w>`` of a stem is escaped (``%2E``), and :func:`owner_stem`
 strips a raw rank part to find the test a per-rank golden belongs to.

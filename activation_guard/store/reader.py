@@ -202,13 +202,13 @@ class GoldenReader:
             if not isinstance(index, dict) or not isinstance(index.get("calls"), list):
                 raise GoldenFormatError(p, "has a malformed index or meta record")
             self.calls = parse_calls(p, index["calls"])
-            self.backward = parse_backward(p, index.get("backward"))  # gradients (issue 14)
+            self.backward = parse_backward(p, index.get("backward"))  # gradients
         self.by_key: dict[tuple[str, int], CallEntry] = {}
         for c in self.calls:
             if (c.name, c.call) in self.by_key:
                 raise GoldenFormatError(p, f"lists layer {c.name!r} call {c.call} twice")
             self.by_key[(c.name, c.call)] = c
-        # --- gradients (issue 14): the optional backward section, in backward execution order
+        # --- gradients: the optional backward section, in backward execution order
         self.by_grad: dict[tuple[str, str, int], CallEntry] = {}
         for c in self.backward:
             assert c.grad is not None
@@ -373,7 +373,7 @@ class GoldenReader:
             return entry
         assert entry.alias is not None
         name, call, section, path = entry.alias
-        if section.startswith("grad-"):  # gradients (issue 14): a gradient stored before
+        if section.startswith("grad-"):  # gradients: a gradient stored before
             c = self.by_grad.get((section[5:], name, call))
             leaves = None if c is None else c.leaves
             what = f"{section[5:]} gradient"

@@ -122,7 +122,7 @@ def _attribute(obj: Any, name: str, value: np.generic) -> None:
     """A new scalar attribute, as ``obj.attrs[name] = value`` writes it (low-level, as above).
     ``obj``: a group's id, never the file's: on the file id a write that fails for want of
     space (a file-size limit hit while committing) left HDF5 unable to close the file, and the
-    process crashed instead of raising (found by review; h5py's ``File.attrs`` uses the root
+    process crashed instead of raising (h5py's ``File.attrs`` uses the root
     group for the same reason)."""
     data = np.asarray(value)
     attr = h5py.h5a.create(obj, name.encode("ascii"), h5py.h5t.py_create(data.dtype, logical=True),
@@ -159,7 +159,7 @@ class GoldenWriter:
                 self.path, f"cannot create a temporary file in {d}: {e}", fix="check the folder exists and is writable"
             ) from e
         self.calls: list[dict[str, Any]] = []
-        self.backward: list[dict[str, Any]] = []  # gradients (issue 14), in backward execution order
+        self.backward: list[dict[str, Any]] = []  # gradients, in backward execution order
         self._pack = PackBuffer(PACK_BYTES)  # the current pack's bytes (pack.py: not one allocation per leaf)
         self._reserved: list[_Reserved] = []  # places in it still to fill
         self._pack_id = 0
@@ -316,7 +316,7 @@ class GoldenWriter:
             rec["inputs"] = inputs
         self.calls.append(rec)
 
-    # --- gradients (issue 14)
+    # --- gradients
     def add_backward(self, grad: str, name: str, call: int, module_type: str, leaves: list[dict[str, Any]]) -> None:
         """Record one gradient entry of the index's ``backward`` section (``grad``: output, input or
         param), with the index entries of its leaves (written earlier by :meth:`write_leaves`).

@@ -24,11 +24,10 @@ reached a second time (a repeated reference, or a cycle such as ``d["self"] = d`
 ``ref`` leaf naming the path of its first occurrence and is never walked again. Anything else (a
 KV-cache object, a generator) is an ``object`` leaf recorded by type name only; reports count
 those, so "OK" never hides a value that was not compared. Path components are spelled by
-:mod:`.leaf_paths`; the way back (values into structures) is :mod:`.rebuild`.
+:mod:`.paths`; the way back (values into structures) is :mod:`.rebuild`; the tensor predicates the
+recording path shares are in :mod:`.._core.tensors`.
 
-About 420 lines, a little over the ~400 we aim for: the walker covers every kind of value above in
-one pass, and beside it sit the two tensor predicates the recording path shares
-(now in :mod:`.._core.tensors`).
+A little over the ~400 lines we aim for: the walker covers every kind of value above in one pass.
 """
 
 from __future__ import annotations
@@ -72,8 +71,8 @@ _BY_REPR = (torch.dtype, torch.device, torch.layout, torch.memory_format, enum.E
 EMPTY_PREFIX = "empty "  # type names of empty containers: a structure marker, not a value
 
 
-# a ``deque`` is walked like a list, a ``SimpleNamespace`` like a dict of its attributes (found by
-# review: they were compared by type only). Exactly those types: a subclass may have an __init__
+# a ``deque`` is walked like a list, a ``SimpleNamespace`` like a dict of its attributes (by type
+# only, their values would go uncompared). Exactly those types: a subclass may have an __init__
 # that cannot rebuild it, and a namespace with a non-str attribute cannot be rebuilt either. Goldens
 # from before store them as ``object`` leaves: compared by type, with a note (comparator).
 WALKED_SINCE = ("deque", "SimpleNamespace")  # once recorded by type only
@@ -131,7 +130,7 @@ class Leaf:
     type_name: str = "Tensor"
     value: str | None = None
     legacy_path: str | None = None
-    # issue 16 (distributed): how the tensor was distributed over ranks (a distributed.LocalShard or
+    # distributed: how the tensor was distributed over ranks (a distributed.LocalShard or
     # ShardLayout), set by dist_capture.RankCapture in a multi-rank run; None everywhere else
     dist: object | None = None
     alias: dict[str, Any] | None = None  # kind "alias": where the identical stored value is
