@@ -425,7 +425,7 @@ def normalize(text: str, scratch: Path) -> str:
     text = text.replace(str(scratch) + os.sep, "/path/to/")
     tmp = re.escape(tempfile.gettempdir())
     text = re.sub(tmp + r"/activation_guard-demo-\w+", "/tmp/activation_guard-demo-XXXXXXXX", text)
-    text = re.sub(r"\bin \d+(\.\d+)?s\b", "in X.XXs", text)
+    text = re.sub(r"\bin \d+(\.\d+)?s\b( \(\d+:\d\d:\d\d\))?", "in X.XXs", text)
     lines = [pytest_rule(x.rstrip()) for x in text.splitlines() if not re.match(r"\[gw\d+\] ", x)]
     while lines and not lines[-1]:
         lines.pop()
