@@ -9,6 +9,7 @@ be placed in it, so its place in the data flow is a decision, not an accident.
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,11 +93,16 @@ def module_edges(name: str, source: str, is_package: bool, modules: set[str]) ->
 
 
 def package_edges(root: Path = ROOT) -> list[Edge]:
+    return list(_package_edges(root))
+
+
+@functools.lru_cache(maxsize=None)
+def _package_edges(root: Path) -> tuple[Edge, ...]:
     mods = module_names(root)
-    out = []
+    out: list[Edge] = []
     for name, path in sorted(mods.items()):
         out += module_edges(name, path.read_text(encoding="utf-8"), path.name == "__init__.py", set(mods))
-    return out
+    return tuple(out)
 
 
 def top(module: str) -> str:
