@@ -274,9 +274,11 @@ class GoldenCheck:
             return summary.output
         if not exists:
             done("missing")
+            moved = s.move_hint(path)
             pytest.fail(
                 prefixed(
                     f"no golden for this check: {shown}\n"
+                    + ("" if moved is None else f"  {moved}\n") +
                     f"  nothing was written (goldens are only written when asked). To create it, run:\n"
                     f"    {self.rerecord_command(opts)}\n"
                     f"  or create every missing golden with `{rerecord_command(s.settings, missing_only=True)}`."

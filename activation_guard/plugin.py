@@ -19,7 +19,7 @@ from . import paths
 from .check import GoldenCheck, item_key
 from .errors import OptionError as SpecOptionError
 from .options import DEVICE_FIXTURE, RECORD_DEVICE, OptionError, Settings, marker_options, prefixed
-from .session import ALERT_PREFIXES, GuardSession, partial_modules
+from .session import ALERT_PREFIXES, GuardSession, collected_dirs, partial_modules
 
 SESSION_KEY = pytest.StashKey[GuardSession]()
 WORKER_KEY = "activation_guard"
@@ -311,7 +311,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if s.settings.unused is not None:
         s.unused_blocked = _unused_blocker(config, s)
         if s.unused_blocked is None:
-            s.find_unused(partial_modules(config.args, Path(config.invocation_params.dir), Path(config.rootpath)))
+            s.find_unused(partial_modules(config.args, Path(config.invocation_params.dir), Path(config.rootpath)),
+                          collected_dirs(config.args, Path(config.invocation_params.dir), Path(config.rootpath)))
         if s.unused_fail_the_run() and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if config.getoption("collectonly", False):  # nothing ran: no report, and no file written
