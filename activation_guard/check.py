@@ -310,6 +310,10 @@ class GoldenCheck:
         report_dict = report.to_dict() if s.settings.report_path is not None else None
         if report.ok:
             done("passed", report=report_dict)
+            changed = report.class_change_text()
+            if changed is not None:  # matching values do not show that the code behind them changed
+                warnings.warn(ActivationGuardWarning(f"{self.nodeid}: {changed} (values still match {shown})"),
+                              stacklevel=2)
             return report.output
         headline = report.headline().replace("activation_guard: ", "", 1)
         done("diverged", first_divergence=headline, report=report_dict)

@@ -95,11 +95,18 @@ def _tolerance(layer: LayerResult | None) -> str:
     return "-"
 
 
+def _classes(layer: LayerResult) -> str:
+    """The module's class, or golden -> live class when it changed."""
+    if layer.golden_type_name is None:
+        return layer.type_name
+    return f"{layer.golden_type_name} -> {layer.type_name}"
+
+
 def _divergence(report: Report | None, check: CheckLike) -> str:
     if report is not None:
         fd = report.first_divergence
         if fd is not None:
-            kind = f" ({text_cell(fd.type_name)})" if fd.type_name else ""
+            kind = f" ({text_cell(_classes(fd))})" if fd.type_name else ""
             cell = f"{code_span(fd.name or '<root>')}{kind} call {fd.call}: {text_cell(WHY.get(fd.status, fd.status))}"
             if fd.phase != "forward":  # gradients (issue 14): which gradient, in the backward pass
                 call = "" if fd.phase == "param-grad" else f" call {fd.call}"
@@ -123,7 +130,7 @@ def _details_title(check: CheckLike, report: Report) -> str:
     fd = report.first_divergence
     if fd is None:
         return check_label(check)
-    kind = f" ({fd.type_name})" if fd.type_name else ""
+    kind = f" ({_classes(fd)})" if fd.type_name else ""
     return f"{check_label(check)}: first divergence at {fd.label}{kind}: {why(fd)}"
 
 

@@ -143,6 +143,27 @@ class Report:
         shown = ", ".join(f"{t} x{k}" if k > 1 else t for t, k in c.most_common())
         return f"{n} output{'s' if n != 1 else ''} compared by type only: {shown}"
 
+    def class_changes(self) -> list[LayerResult]:
+        """Layer calls whose module class differs from the golden's (a ``NewGELUActivation``
+        replaced by a custom ``FusedGelu``): said on a pass too, since matching values do not
+        show that the code behind them changed."""
+        seen: set[str] = set()
+        out = []
+        for layer in self.layers:
+            if layer.golden_type_name is not None and layer.name not in seen:
+                seen.add(layer.name)
+                out.append(layer)
+        return out
+
+    def class_change_text(self) -> str | None:
+        """"module class changed at 1 layer: 'h.0.mlp.act' NewGELUActivation -> FusedGelu", or None."""
+        changed = self.class_changes()
+        if not changed:
+            return None
+        shown = ", ".join(f"{display_name(x.name)!r} {x.golden_type_name} -> {x.type_name}" for x in changed[:5])
+        more = f", and {len(changed) - 5} more" if len(changed) > 5 else ""
+        return f"module class changed at {len(changed)} layer{'s' if len(changed) != 1 else ''}: {shown}{more}"
+
     def estimated(self) -> list[LeafResult]:
         """Outputs judged against fingerprints (their numbers are estimates)."""
         return [leaf for layer in self._judged_leafwise() for leaf in layer.leaves if leaf.estimate]
@@ -250,8 +271,10 @@ class Report:
             if fd.position is None:
                 return f"{head}, #{(fd.golden_position or 0) + 1} in the golden's backward order: {why(fd)}{tail}"
             return f"{head}, #{self.number(fd)} of {ng} in backward order: {why(fd)}{tail}"
-        head = (f"activation_guard: first divergence at layer {display_name(fd.name)!r} ({fd.type_name or '?'}) "
-                f"call {fd.call}")
+        cls = fd.type_name or "?"
+        if fd.golden_type_name is not None:  # the module's class changed: what the golden ran, then what ran now
+            cls = f"{fd.golden_type_name} -> {cls}"
+        head = f"activation_guard: first divergence at layer {display_name(fd.name)!r} ({cls}) call {fd.call}"
         if fd.position is None:
             return (f"{head}, #{(fd.golden_position or 0) + 1} in the golden's execution order: "
                     f"{WHY.get(fd.status, fd.status)} in the live run")
@@ -261,8 +284,10 @@ class Report:
         fd = self.first_divergence
         if fd is None:  # a pass is one line; environment notes matter only when explaining a failure
             # ... but what the pass does not cover is said with it (gradients the golden has, not compared)
+            classes = self.class_change_text()
             return "\n".join(safe_line(x) for x in [self.headline(), *(f"  note: {m}" for m in self.notes
-                                                                         if any(k in m for k in PASS_NOTE_MARKERS))])
+                                                                         if any(k in m for k in PASS_NOTE_MARKERS)),
+                                                     *([] if classes is None else [f"  note: {classes}"])])
         lines = [self.headline()]
         lines += self._origin_lines(fd)
         lines += [f"  NOTE {m}" for m in self.mode_changes]
@@ -275,6 +300,8 @@ class Report:
         lines += [f"  note: {m}" for m in self.notes]
         if self.type_only_text():
             lines.append(f"  note: {self.type_only_text()}")
+        if self.class_change_text():
+            lines.append(f"  note: {self.class_change_text()}")
         meta = self.golden_meta
         dev = recorded_device(meta) or "?"
         tv = meta.get("versions", {}).get("torch", "?") if isinstance(meta.get("versions"), dict) else "?"

@@ -312,7 +312,8 @@ def _layer_rows(report: Report, fd_id: str, calibrated: bool) -> list[str]:
         cells = [
             _td("-" if x.position is None else str(report.number(x, n_live)), "num", x.position, keyed=True),
             f'<td class="name">{_e(name).replace(".", ".<wbr>")}{_phase_tag(x)}</td>',  # long names wrap at a dot
-            _td(str(x.call), "num", x.call, keyed=True), _td(x.type_name),
+            _td(str(x.call), "num", x.call, keyed=True),
+            _td(x.type_name if x.golden_type_name is None else f"{x.golden_type_name} -> {x.type_name}"),
             f'<td data-v="{_e(x.status)}">{status}</td>' if x is fd else _td(x.status),
             _td(fmt_diff(x.max_abs_diff), "num", x.max_abs_diff, keyed=True),
             _td(fmt_diff(x.max_rel_diff), "num", x.max_rel_diff, keyed=True),

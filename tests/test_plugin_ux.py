@@ -315,6 +315,41 @@ def test_junit_xml_carries_the_first_divergence(ag: pytest.Pytester, monkeypatch
 # ---------------------------------------------------------------------------- golden keys from public ids
 
 
+CLASS_CHANGE = '''
+import os
+import torch
+
+class FusedGelu(torch.nn.Module):
+    def forward(self, x):
+        y = torch.nn.functional.gelu(x, approximate="tanh")
+        return y * 1.01 if os.environ.get("AG_WRONG") else y
+
+def test_act(activation_guard):
+    torch.manual_seed(0)
+    act = FusedGelu() if os.environ.get("AG_FUSED") else torch.nn.GELU(approximate="tanh")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), act, torch.nn.Linear(8, 3)).eval()
+    activation_guard.check(model, (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),))
+'''
+
+
+def test_module_class_change_is_said_on_a_pass_and_in_the_failure_header(ag: pytest.Pytester,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    ag.makepyfile(test_cls=CLASS_CHANGE)
+    ag.runpytest("--ag-update", "test_cls.py").assert_outcomes(passed=1)
+    monkeypatch.setenv("AG_FUSED", "1")
+    r = ag.runpytest("test_cls.py", "--ag-report=r.json")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["*ActivationGuardWarning: test_cls.py::test_act: module class changed at 1 layer: "
+                            "'1' GELU -> FusedGelu (values still match golden/test_cls/test_act.h5)"])
+    layer = json.loads((ag.path / "r.json").read_text())["checks"][0]["report"]["layers"][1]
+    assert (layer["golden_type_name"], layer["type_name"]) == ("GELU", "FusedGelu")
+    monkeypatch.setenv("AG_WRONG", "1")
+    r = ag.runpytest("test_cls.py")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*first divergence at layer '1' (GELU -> FusedGelu) call 0, #2 of 4*",
+                            "*note: module class changed at 1 layer: '1' GELU -> FusedGelu"])
+
+
 def test_device_id_is_cut_from_real_pytest_ids(ag: pytest.Pytester) -> None:
     """item_key reads only callspec.id/params: checked against the ids pytest really builds for
     our parametrisation, a user's own before or after other parameters, and fixture params."""
