@@ -107,11 +107,18 @@ def divergence_properties(report: Report) -> list[tuple[str, Any]]:
             ("call", fd.call),
             ("origin", None if report.origin is None else
              f"{report.origin.kind} {report.origin.name or '<root>'}[{report.origin.call}]: {report.origin.detail}"),
-            ("max_abs_diff", fd.max_abs_diff),
-            ("max_rel_diff", fd.max_rel_diff),
-            ("rtol", fd.rtol),
-            ("atol", fd.atol),
         ]
+        from .textfmt import estimate_ratio, estimated_l2, sketch_blind  # (imports torch: only after a compare)
+
+        est = estimated_l2(fd)
+        if fd.max_abs_diff is None and est is not None:  # a fingerprint's numbers are estimates, not differences
+            props += [("estimated_l2", est), ("estimate_limit_ratio", estimate_ratio(fd))]
+            blind = sketch_blind(fd)
+            if blind is not None:
+                props.append(("note", blind))
+        else:
+            props += [("max_abs_diff", fd.max_abs_diff), ("max_rel_diff", fd.max_rel_diff)]
+        props += [("rtol", fd.rtol), ("atol", fd.atol)]
     return [(PROPERTY_PREFIX + k, v) for k, v in props]
 
 

@@ -27,6 +27,7 @@ from .textfmt import (  # re-exported: the HTML page and the Markdown summary re
     gradient_text,
     row_name,
     safe_line,
+    sketch_blind,
     why,
 )
 
@@ -290,6 +291,9 @@ class Report:
                                                      *([] if classes is None else [f"  note: {classes}"])])
         lines = [self.headline()]
         lines += self._origin_lines(fd)
+        blind = sketch_blind(fd)
+        if blind is not None:  # right under the headline: it changes what the rows after it mean
+            lines.append(f"  NOTE {blind}")
         lines += [f"  NOTE {m}" for m in self.mode_changes]
         if self.input_changes:
             lines.append("  NOTE inputs differ from the recording, so every layer may differ for that reason:")
