@@ -427,12 +427,42 @@ def run_forward(
             notes.append(f"activation_guard: raised inside layer {where or '<root>'!r}")
         if not grad and isinstance(exc, RuntimeError) and "does not require grad" in str(exc):
             notes.append(f"activation_guard: {GRAD_HINT}")
+        hint = dict_args_hint(target.root if isinstance(target, Target) else target, args)
+        if hint is not None:
+            notes.append(f"activation_guard: {hint}")
         for note in notes:
             if hasattr(exc, "add_note"):
                 exc.add_note(note)
         with contextlib.suppress(Exception):
             exc._ag_noted = True  # type: ignore[attr-defined]
         raise
+
+
+_MAPPING_WORDS = ("dict", "Dict", "Mapping", "BatchEncoding", "TypedDict")
+
+
+def dict_args_hint(model: Any, args: tuple[Any, ...]) -> str | None:
+    """When the one positional argument is a dict and the model's forward has no single
+    positional parameter meant to take one: the forward that raised most likely wanted the
+    dict's entries as keyword arguments, which is what ``kwargs=`` passes. None otherwise."""
+    if len(args) != 1 or not isinstance(args[0], Mapping):
+        return None
+    import inspect
+
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError, AttributeError):
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) == 1:
+        ann = positional[0].annotation
+        text = ann if isinstance(ann, str) else getattr(ann, "__name__", None) or repr(ann)
+        if ann is not inspect.Parameter.empty and any(w in str(text) for w in _MAPPING_WORDS):
+            return None  # forward(self, batch: dict): the dict is meant as its one argument
+    keys = ", ".join(f"{k!r}: ..." for k in list(args[0])[:3]) + (", ..." if len(args[0]) > 3 else "")
+    return (f"args is a {type(args[0]).__name__}, so the model was called with it as its one positional "
+            f"argument, model({{{keys}}}); to pass its entries as keyword arguments, model(**d), give it as "
+            f"kwargs=: check(model, kwargs=d) or compare(model, kwargs=d, ...)")
 
 
 def innermost_layer(tb: TracebackType | None, modules: Mapping[int, str]) -> str | None:

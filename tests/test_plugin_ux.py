@@ -390,3 +390,36 @@ def test_device_id_is_cut_from_real_pytest_ids(ag: pytest.Pytester) -> None:
     # the middle one cannot be told apart from a user id: it keeps the device (its own golden per device)
     assert names == ["test_ours[two].h5", "test_user_first[a-b].h5", "test_user_last[a-b].h5",
                      "test_user_middle[y-cpu-x].h5"]
+
+
+DICT_ARGS = '''
+import torch
+from transformers import BertConfig, BertModel
+
+def test_bert(activation_guard):
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=50)
+    model = BertModel(cfg).eval()
+    ids = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(1))
+    activation_guard.check(model, {"input_ids": ids})
+
+class Batched(torch.nn.Module):
+    def forward(self, batch: dict):
+        return batch["x"].size(5)
+
+def test_takes_a_dict(activation_guard):
+    activation_guard.check(Batched(), {"x": torch.ones(2)})
+'''
+
+
+def test_a_dict_as_args_suggests_kwargs(ag: pytest.Pytester) -> None:
+    ag.makepyfile(test_dict=DICT_ARGS)
+    r = ag.runpytest("--ag-update", "test_dict.py", *LEAN)
+    r.assert_outcomes(failed=2)
+    out = r.stdout.str()
+    assert "AttributeError: 'dict' object has no attribute 'size'" in out
+    r.stdout.fnmatch_lines(["*activation_guard: args is a dict, so the model was called with it as its one positional "
+                            "argument, model({'input_ids': ...}); to pass its entries as keyword arguments, model(**d),"
+                            " give it as kwargs=: check(model, kwargs=d)*"])
+    # a forward meant to take a dict gets no such hint (its error is its own)
+    assert out.count("give it as kwargs=") == 1 and "IndexError" in out
