@@ -380,7 +380,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         env_changes=env_changes, stopped_early=stopped, output=out, _order=order, mode=spec.tolerance,
         origin=origin, replay=spec.replay,
     )
-    report.mode_changes = envmod.describe_training_change(gmeta, live_modes)
+    report.mode_changes = envmod.describe_training_change(gmeta, live_modes, modules=target.modules)
     if grads is not None and report.origin is None:  # gradients (issue 14): where the backward changed
         report.origin = grads.origin(report.first_divergence, layers)
     if resolver.cross_device:

@@ -423,3 +423,48 @@ def test_a_dict_as_args_suggests_kwargs(ag: pytest.Pytester) -> None:
                             " give it as kwargs=: check(model, kwargs=d)*"])
     # a forward meant to take a dict gets no such hint (its error is its own)
     assert out.count("give it as kwargs=") == 1 and "IndexError" in out
+
+
+MODES = '''
+import os
+import torch
+
+class Scaled(torch.nn.Module):
+    """Mode-dependent by its own code (reads self.training), like an attention's dropout switch."""
+    def forward(self, x):
+        return x * (0.5 if self.training else 1.0)
+
+def build():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(),
+                            torch.nn.Sequential(torch.nn.Linear(8, 8), Scaled()), torch.nn.Linear(8, 3)).eval()
+    which = os.environ.get("AG_SWITCH")
+    if which == "gelu":  # a GELU built in training mode swapped into the eval model: computes the same
+        m[1] = torch.nn.GELU()
+    elif which == "block":
+        m[2].train()
+    if os.environ.get("AG_CHANGE"):
+        with torch.no_grad():
+            m[0].weight.mul_(1.5)
+    return m
+
+def test_modes(activation_guard):
+    activation_guard.check(build(), (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),))
+'''
+
+
+def test_mode_note_names_the_switched_modules_that_compute_differently(ag: pytest.Pytester,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    ag.makepyfile(test_modes=MODES)
+    ag.runpytest("--ag-update", "test_modes.py", *LEAN).assert_outcomes(passed=1)
+    monkeypatch.setenv("AG_CHANGE", "1")  # a real change, so that the report (and its notes) is printed
+    monkeypatch.setenv("AG_SWITCH", "gelu")
+    r = ag.runpytest("test_modes.py", *LEAN)
+    r.assert_outcomes(failed=1)
+    assert "NOTE modules switched" not in r.stdout.str()
+    monkeypatch.setenv("AG_SWITCH", "block")
+    r = ag.runpytest("test_modes.py", *LEAN)
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["  NOTE modules switched between training and eval mode since the golden was recorded: "
+                            "'2' now in training mode, '2.1' now in training mode; they hold modules that compute "
+                            "differently in the two modes: '2.1'"])
