@@ -19,6 +19,8 @@ How the hooks go into a module's hook dicts (and out of a copy's) is :mod:`.hook
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -314,6 +316,7 @@ def hooked(
             handles.append(install([mod for _, mod in layers], pre, post, installed))
             if staged:
                 _reset_dynamo()  # compile the hooks in (hooks added later are not guarded on)
+                announce_compile(target)
             yield state
             _check_root_ran(target, layers, state)
             if staged:
@@ -357,6 +360,26 @@ def _torch_owned(hook: Any) -> bool:
     """A hook torch installed itself (tensor parallelism's input/output conversions): not a user's."""
     fn = getattr(hook, "func", hook)  # functools.partial
     return str(getattr(fn, "__module__", "") or "").startswith("torch.")
+
+
+# where the one line saying that a compiled model is being compiled goes: stderr, unless a caller
+# (the pytest plugin: a live line in the terminal, past output capture) says otherwise
+COMPILE_NOTICE: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar(
+    "activation_guard_compile_notice", default=None)
+
+
+def announce_compile(target: Target) -> None:
+    """Compiling with the hooks in takes seconds to minutes, and nothing else is said meanwhile:
+    one line saying what is happening."""
+    regions = ", ".join(repr(r or "<root>") for r in target.compiled[:3]) + (
+        ", ..." if len(target.compiled) > 3 else "")
+    line = (f"activation_guard: torch.compile is compiling {type(target.root).__name__} with activation_guard's "
+            f"hooks (compiled: {regions}); this can take a while")
+    sink = COMPILE_NOTICE.get()
+    if sink is None:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        sink(line)
 
 
 def _reset_dynamo() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -148,8 +148,10 @@ class GoldenCheck:
         device: str | None = None,
         record_nodeid: str | None = None,
         user_properties: list[tuple[str, object]] | None = None,
+        progress: Callable[[str], None] | None = None,
     ):
         self._session = session
+        self.progress = progress  # a live line in the terminal (pytest's), for long work; None: stderr
         self.nodeid = nodeid
         self.key = key
         self.device = device
@@ -196,10 +198,17 @@ class GoldenCheck:
 
         self.last_report = None
         ranks = rank_context(self._session)  # issue 16: None outside a multi-rank torch.distributed run
-        if ranks is None:
-            return self._check(model, args, kwargs, name, options, None)
-        return ranks.gate(self._session, self.nodeid, name,
-                          lambda: self._check(model, args, kwargs, name, options, ranks), lambda: self.last_report)
+        from .capture import COMPILE_NOTICE
+
+        token = COMPILE_NOTICE.set(self.progress)
+        try:
+            if ranks is None:
+                return self._check(model, args, kwargs, name, options, None)
+            return ranks.gate(self._session, self.nodeid, name,
+                              lambda: self._check(model, args, kwargs, name, options, ranks),
+                              lambda: self.last_report)
+        finally:
+            COMPILE_NOTICE.reset(token)
 
     def _check(self, model: Any, args: Any, kwargs: Mapping[str, Any] | None, name: str | None,
                options: dict[str, Any], ranks: RankContext | None) -> Any:

@@ -9,7 +9,7 @@ point; importing it must not import torch (a project that never checks a model p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -202,7 +202,27 @@ def activation_guard(request: pytest.FixtureRequest) -> GoldenCheck:
     if problem is not None:
         pytest.fail(prefixed(problem), pytrace=False)
     return GoldenCheck(_session(request.config), item.nodeid, key, marker=marker, device=device,
-                       record_nodeid=record_nodeid, user_properties=item.user_properties)
+                       record_nodeid=record_nodeid, user_properties=item.user_properties,
+                       progress=_progress_writer(request.config))
+
+
+def _progress_writer(config: pytest.Config) -> Callable[[str], None] | None:
+    """A line in the terminal now, while a test runs (long work, such as torch.compile compiling
+    the model, says what it is doing): past pytest's output capture, on a line of its own. None
+    where there is no terminal reporter (xdist workers: the work's line goes to captured stderr)."""
+    if hasattr(config, "workerinput"):
+        return None
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    if tr is None or capman is None:
+        return None
+
+    def write(line: str) -> None:
+        with capman.global_and_fixture_disabled():
+            tr.ensure_newline()
+            tr.write_line(line)
+
+    return write
 
 
 @pytest.fixture(scope="session")

@@ -468,3 +468,30 @@ def test_mode_note_names_the_switched_modules_that_compute_differently(ag: pytes
     r.stdout.fnmatch_lines(["  NOTE modules switched between training and eval mode since the golden was recorded: "
                             "'2' now in training mode, '2.1' now in training mode; they hold modules that compute "
                             "differently in the two modes: '2.1'"])
+
+
+COMPILED = '''
+import torch
+
+def test_compiled(activation_guard):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).eval()
+    activation_guard.check(torch.compile(model, backend="eager"), (torch.ones(2, 4),))
+'''
+
+
+@pytest.mark.slow
+def test_compiling_says_what_it_is_doing(ag: pytest.Pytester) -> None:
+    """Compiling with the hooks in is the long silent part of a check of a compiled model: one live
+    line says so (past output capture), on record and on compare."""
+    ag.makepyfile(test_comp=COMPILED)
+    line = ("activation_guard: torch.compile is compiling Sequential with activation_guard's hooks "
+            "(compiled: '<root>'); this can take a while")
+    # (in a subprocess: in process, a second run would re-import half of dynamo, which fails)
+    r = ag.runpytest_subprocess("--ag-update", "test_comp.py", *LEAN)
+    r.assert_outcomes(passed=1)
+    assert r.outlines.count(line) == 1
+    r = ag.runpytest_subprocess("test_comp.py", *LEAN)
+    r.assert_outcomes(passed=1)
+    assert r.outlines.count(line) == 1
+    assert line not in r.errlines  # (the terminal line, not the stderr one)
