@@ -189,6 +189,7 @@ class Report:
             "golden_device": recorded_device(self.golden_meta),
             "first_divergence": None if fd is None else {
                 "name": fd.name, "call": fd.call, "status": fd.status, "position": fd.position,
+                **self._printed_number(fd),
                 **({} if fd.phase == "forward" else {"phase": fd.phase, "wrt": fd.wrt})},  # gradients (issue 14)
             "counts": self.counts(),
             "stopped_early": self.stopped_early,
@@ -206,6 +207,15 @@ class Report:
             # where golden-only (missing) calls sit in execution order: layer index -> [at, golden pos]
             "missing_order": {str(i): [json_number(a), b] for i, (a, b) in self._order.items()},
         }
+
+    def _printed_number(self, fd: LayerResult) -> dict[str, Any]:
+        """The first divergence's ``#N`` as the text prints it, 1-based (``position`` is the
+        0-based index in the live execution order, as every layer row has it), and the order it
+        counts in: a missing call is numbered in the golden's order, a gradient in backward order."""
+        order = "execution order" if fd.phase == "forward" else "backward order"
+        if fd.position is None:
+            return {"number": (fd.golden_position or 0) + 1, "number_in": f"the golden's {order}"}
+        return {"number": self.number(fd), "number_in": order}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Report:

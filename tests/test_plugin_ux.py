@@ -495,3 +495,16 @@ def test_compiling_says_what_it_is_doing(ag: pytest.Pytester) -> None:
     r.assert_outcomes(passed=1)
     assert r.outlines.count(line) == 1
     assert line not in r.errlines  # (the terminal line, not the stderr one)
+
+
+def test_json_first_divergence_number_is_the_printed_one(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    ag.runpytest("--ag-update", "test_x.py", *LEAN).assert_outcomes(passed=1)
+    monkeypatch.setenv("AG_SCALE", "1.5")
+    r = ag.runpytest("test_x.py", "--ag-report=r.json", *LEAN)
+    r.assert_outcomes(failed=1)
+    printed = re.search(r"first divergence at layer '2' \(Linear\) call 0, #(\d+) of \d+ in (execution order)",
+                        r.stdout.str())
+    assert printed is not None
+    fd = json.loads((ag.path / "r.json").read_text())["checks"][0]["report"]["first_divergence"]
+    assert (fd["number"], fd["number_in"]) == (int(printed.group(1)), printed.group(2))
+    assert fd["position"] == fd["number"] - 1  # the 0-based index every layer row has
