@@ -244,6 +244,25 @@ class Report:
             _order=order,
         )
 
+    def _repr_html_(self) -> str:
+        """Jupyter's view of a report: the HTML report's page (headline, text report, the layer
+        table with the first divergence highlighted, sortable and filterable) without writing a
+        file. The page is self-contained (its own CSS and script), so it is shown in an iframe,
+        where neither touches the notebook's; the headline stands above it, for a viewer that
+        drops iframes."""
+        import html as htmlmod
+
+        from .visual import html_page
+
+        page = html_page(self, title=self.path, plots="none")
+        rows = len(self.layers)
+        height = min(900, 420 + 28 * min(rows, 16))
+        state = "#17692b" if self.ok else "#b3261e"
+        return (f'<div class="activation-guard-report"><p style="color:{state};font-weight:600;margin:0 0 6px">'
+                f"{htmlmod.escape(safe_line(self.headline()))}</p>"
+                f'<iframe srcdoc="{htmlmod.escape(page, quote=True)}" title="activation_guard report" '
+                f'style="width:100%;height:{height}px;border:1px solid #d0d7de;border-radius:6px"></iframe></div>')
+
     # ------------------------------------------------------------------ text
     def headline(self) -> str:
         text = self._headline()

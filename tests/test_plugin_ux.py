@@ -8,6 +8,7 @@ import json
 import re
 import shlex
 import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
 
 import pytest
 
@@ -508,3 +509,61 @@ def test_json_first_divergence_number_is_the_printed_one(ag: pytest.Pytester, mo
     fd = json.loads((ag.path / "r.json").read_text())["checks"][0]["report"]["first_divergence"]
     assert (fd["number"], fd["number_in"]) == (int(printed.group(1)), printed.group(2))
     assert fd["position"] == fd["number"] - 1  # the 0-based index every layer row has
+
+
+NOTEBOOK = '''
+from agmodels import build, inputs
+
+def test_mlp(activation_guard):
+    try:
+        activation_guard.check(build(), inputs())
+    finally:  # what a notebook shows for the report: its _repr_html_
+        if activation_guard.last_report is not None:
+            with open("nb.html", "w", encoding="utf-8") as f:
+                f.write(activation_guard.last_report._repr_html_())
+'''
+
+
+class _Rows(HTMLParser):
+    """The iframe's page and, in a page, each table row's class and cells."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.srcdoc: str | None = None
+        self.rows: list[tuple[str | None, list[str]]] = []
+        self._cells: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "iframe":
+            self.srcdoc = a.get("srcdoc")
+        elif tag == "tr":
+            self.rows.append((a.get("class"), []))
+        elif tag == "td" and self.rows:
+            self._cells = self.rows[-1][1]
+            self._cells.append("")
+
+    def handle_data(self, data: str) -> None:
+        if self._cells is not None and self._cells:
+            self._cells[-1] += data
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "td":
+            self._cells = None
+
+
+def test_a_report_shows_as_the_html_page_in_a_notebook(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    ag.makepyfile(test_nb=NOTEBOOK)
+    ag.runpytest("--ag-update", "test_nb.py", *LEAN).assert_outcomes(passed=1)
+    monkeypatch.setenv("AG_SCALE", "1.5")
+    r = ag.runpytest("test_nb.py", *LEAN)
+    r.assert_outcomes(failed=1)
+    outer = _Rows()
+    outer.feed((ag.path / "nb.html").read_text(encoding="utf-8"))
+    assert outer.srcdoc is not None and outer.srcdoc.startswith("<!DOCTYPE html>")
+    page = _Rows()
+    page.feed(outer.srcdoc)
+    first = [cells for cls, cells in page.rows if cls == "first"]
+    assert len(first) == 1 and first[0][1] == "2" and first[0][4].startswith("FIRST")
+    assert [cells[1] for _, cells in page.rows if cells] == ["0", "1", "2", "<root>"]
+    assert "first divergence at layer &#x27;2&#x27; (Linear)" in (ag.path / "nb.html").read_text(encoding="utf-8")
