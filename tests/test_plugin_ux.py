@@ -567,3 +567,39 @@ def test_a_report_shows_as_the_html_page_in_a_notebook(ag: pytest.Pytester, monk
     assert len(first) == 1 and first[0][1] == "2" and first[0][4].startswith("FIRST")
     assert [cells[1] for _, cells in page.rows if cells] == ["0", "1", "2", "<root>"]
     assert "first divergence at layer &#x27;2&#x27; (Linear)" in (ag.path / "nb.html").read_text(encoding="utf-8")
+
+
+BF16 = '''
+import copy
+import os
+import pytest
+import torch
+from transformers import GPT2Config, GPT2Model
+
+@pytest.mark.activation_guard(allow_dtype_change=True, calibrate=True)
+def test_gpt2(activation_guard):
+    torch.manual_seed(0)
+    model = GPT2Model(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=100)).eval()
+    if os.environ.get("AG_BF16"):
+        model = copy.deepcopy(model).to(torch.bfloat16)
+    ids = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    activation_guard.check(model, (ids,), tolerance=os.environ.get("AG_TOLERANCE", "strict"))
+'''
+
+
+def test_a_lower_precision_run_is_not_blamed_on_code_and_points_to_calibrated(
+        ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import GPT2Model  # noqa: F401  (imported once here: inner runs drop what they import)
+
+    ag.makepyfile(test_bf=BF16)
+    ag.runpytest("--ag-update", "test_bf.py", *LEAN).assert_outcomes(passed=1)
+    monkeypatch.setenv("AG_BF16", "1")
+    r = ag.runpytest("test_bf.py", *LEAN)
+    r.assert_outcomes(failed=1)
+    origin = next(ln for ln in r.outlines if ln.startswith("  origin        :"))
+    assert "which bfloat16 rounding of that code can explain as well" in origin
+    assert "strict tolerances cannot tell a code change from rounding" in origin
+    r.stdout.fnmatch_lines(["  note: the live run computes in bfloat16, the golden in float32: strict tolerances judge "
+                            "bfloat16 rounding as divergence; tolerance=\"calibrated\"*"])
+    monkeypatch.setenv("AG_TOLERANCE", "calibrated")  # the rule the note points to: the same run passes
+    ag.runpytest("test_bf.py", *LEAN).assert_outcomes(passed=1)
