@@ -4,6 +4,7 @@
 HYPOTHESIS_PROFILE=ci) runs more examples, derandomized so a CI failure reproduces.
 """
 
+import contextlib
 import os
 
 import torch
@@ -21,6 +22,8 @@ from activation_guard.report import visual
 with deterministic(0):  # imports torch._dynamo & co. (via the determinism switches)
     pass
 visual.plot_available()  # imports matplotlib when installed
+with contextlib.suppress(ImportError):  # inner runs build these; their first import registers torch ops once
+    from transformers import BertModel, GPT2Model  # noqa: F401
 
 # The suite runs under `pytest -n 2` on 2-core machines: two workers each spinning two OpenMP
 # threads turn a 0.2 ms tiny forward into 0.2 s. One intra-op thread per worker.

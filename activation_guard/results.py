@@ -137,6 +137,7 @@ class LayerResult:
     position: int | None = None  # 0-based index in the live execution order
     golden_position: int | None = None
     golden_name: str | None = None  # differs from name when `rename` mapped it
+    golden_type_name: str | None = None  # the golden's module class, when the live module's (type_name) differs
     detail: str = ""
     numel: int = 0
     mismatched: int = 0

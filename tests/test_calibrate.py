@@ -558,6 +558,22 @@ class Spectral(nn.Module):
         return spec, spec.abs()
 
 
+def test_a_complex_output_is_scaled_by_its_magnitude_without_a_warning() -> None:
+    """Imaginary values have a real part of 0: read as their real part (a cast that also warned),
+    their scale was 0, and a floor as large as the values themselves passed as rounding."""
+    from activation_guard.store.floors import NoiseFloor
+
+    z = torch.complex(torch.zeros(64), torch.linspace(1.0, 2.0, 64))
+    huge = NoiseFloor(max_abs=1.0, rms=0.8)
+    tiny = NoiseFloor(max_abs=1e-7, rms=1e-7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cal.implausible_floor(z, huge, huge, "complex64") is not None
+        assert cal.implausible_floor(z, tiny, tiny, "complex64") is None
+        rms = float(z.abs().square().mean().sqrt()) * math.sqrt(2)  # |(1 + 1j) z| = sqrt(2) |z|
+        assert f"of the values' RMS {rms:.2e}" in (cal.implausible_floor(z * (1 + 1j), huge, huge, "complex64") or "")
+
+
 def test_complex_outputs_are_calibrated_too(tmp_path: Path) -> None:
     """A complex output was judged strictly (with no note) under calibration: TF32 noise in the
     Linear before an FFT failed it at 100% of its elements."""

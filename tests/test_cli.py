@@ -222,7 +222,8 @@ def test_diff_json(demo, capsys):
     assert rc == 1
     d = json.loads(out)
     assert d["ok"] is False and d["other"] == str(demo.refactored)
-    assert d["first_divergence"] == {"name": "blocks.1.norm2", "call": 0, "status": "diverged", "position": 17}
+    assert d["first_divergence"] == {"name": "blocks.1.norm2", "call": 0, "status": "diverged", "position": 17,
+                                   "number": 18, "number_in": "execution order"}
     assert d["counts"] == {"diverged": 20, "match": 17}
     first = next(x for x in d["layers"] if x["name"] == "blocks.1.norm2")
     assert 1e-3 < first["max_abs_diff"] < 1e-2

@@ -96,7 +96,7 @@ def package_edges(root: Path = ROOT) -> list[Edge]:
     return list(_package_edges(root))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _package_edges(root: Path) -> tuple[Edge, ...]:
     mods = module_names(root)
     out: list[Edge] = []

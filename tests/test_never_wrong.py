@@ -325,7 +325,7 @@ def test_train_eval_mode_change_is_the_first_note(tmp_path: Path) -> None:
     torch.manual_seed(1)
     report = ag.compare(m.train(), torch.randn(8, 4), path=tmp_path / "d.h5")
     assert report.mode_changes == ["golden recorded in eval mode; the live model is in training mode: dropout and "
-                                   "batch-norm statistics differ"]
+                                   "batch-norm statistics differ (mode-dependent modules: '1')"]
     notes = [line for line in str(report).splitlines() if line.startswith("  NOTE")]
     assert notes[0] == "  NOTE " + report.mode_changes[0]  # the first note, before the layer table
     m.eval()

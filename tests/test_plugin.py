@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from activation_guard.plugin.settings import join_optional_values
 from activation_guard.testing import check_golden_workflow, golden_files
@@ -447,6 +449,57 @@ def test_unused_goldens(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("C_STOPS_CHECKING", "1")
     r = ag.runpytest("--ag-unused=list")
     assert _unused(r) == ["test_un/test_c.h5", "test_un/test_gone.h5"]
+
+
+def test_unused_finds_goldens_of_a_renamed_test_module(ag: pytest.Pytester) -> None:
+    """``git mv tests/test_gpt2.py tests/test_gpt2_model.py``: the old module's goldens are unused
+    once its directory was collected, and the renamed test's MISSING golden says how to move it."""
+    ag.makeconftest("")  # puts the rootdir, with agmodels, on sys.path
+    (ag.path / "tests").mkdir()
+    (ag.path / "tests/test_gpt2.py").write_text(UNUSED)
+    (ag.path / "tests/test_other.py").write_text(WORKFLOW)
+    ag.runpytest("--ag-update").assert_outcomes(passed=4)
+    (ag.path / "tests/test_gpt2.py").rename(ag.path / "tests/test_gpt2_model.py")
+    # only a sibling module named on the command line: its directory was not collected, nothing is listed
+    r = ag.runpytest("--ag-unused=list", "tests/test_other.py")
+    assert _unused(r) == []
+    r = ag.runpytest("--ag-unused")
+    r.assert_outcomes(passed=1, failed=3)
+    assert _unused(r) == [f"tests/test_gpt2/test_{t}.h5" for t in "abc"]
+    assert r.ret == pytest.ExitCode.TESTS_FAILED
+    r.stdout.fnmatch_lines([
+        "*no golden for this check: golden/tests/test_gpt2_model/test_a.h5",
+        "*git mv golden/tests/test_gpt2/test_a.h5 golden/tests/test_gpt2_model/test_a.h5",
+        "MISSING  tests/test_gpt2_model.py::test_a: no golden golden/tests/test_gpt2_model/test_a.h5",
+        "         was its test module renamed? golden/tests/test_gpt2/test_a.h5 (same test, test module gone) "
+        "moves here with: git mv golden/tests/test_gpt2/test_a.h5 golden/tests/test_gpt2_model/test_a.h5",
+        "UNUSED   tests/test_gpt2/test_a.h5  (its test module tests/test_gpt2.py no longer exists)",
+        "exit status 1: *delete them, or move them (git mv) to the test module's new name, or*",
+    ])
+    # the whole folder as the argument counts as collecting it; after the move nothing is unused
+    r = ag.runpytest("--ag-unused=list", "tests")
+    assert len(_unused(r)) == 3
+    for t in "abc":
+        (ag.path / "golden/tests/test_gpt2_model").mkdir(exist_ok=True)
+        (ag.path / f"golden/tests/test_gpt2/test_{t}.h5").rename(ag.path / f"golden/tests/test_gpt2_model/test_{t}.h5")
+    r = ag.runpytest("--ag-unused")
+    r.assert_outcomes(passed=4)
+    assert _unused(r) == [] and "git mv" not in r.stdout.str()
+
+
+@given(st.lists(st.text(min_size=1, max_size=12).filter(lambda t: "/" not in t and "\x00" not in t),
+                min_size=1, max_size=3), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_module_source_inverts_the_golden_directory(parts: list[str], py: bool) -> None:
+    from activation_guard.store import naming as paths
+
+    module = "/".join(parts) + (".py" if py else "")
+    if module.endswith(".py") and parts[-1] == "":
+        return
+    rel = paths.relative_golden_path(paths.NodeKey(module, ("test_x",)))
+    source = paths.module_source(rel.rpartition("/")[0])
+    # a shortened (hashed) component is the only case it cannot tell, and then it says so
+    assert source == module or (source is None and "~" in rel.replace("~/", "/"))
 
 
 def test_cross_device_defaults_through_the_plugin(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,9 @@ re-record command that keeps a fingerprinted golden fingerprinted."""
 
 from __future__ import annotations
 
+import json
 import shlex
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -194,3 +196,52 @@ def test_a_fingerprint_pattern_matching_no_layer_warns(ag_: pytest.Pytester) -> 
     res.assert_outcomes(passed=1, warnings=2)
     res.stdout.fnmatch_lines(["*ActivationGuardWarning*fingerprint pattern 'true' matched no layer; "
                               "golden/test_x/test_mlp.h5 holds those outputs in full*"])
+
+
+SPARSE = '''
+import os
+import torch
+
+class Sparse(torch.nn.Module):
+    """AG_SPARSE moves every 8th element by 3x its tolerance: samples see it, the sketch does not."""
+    def forward(self, x):
+        if os.environ.get("AG_SPARSE"):
+            mask = torch.zeros_like(x)
+            mask.view(-1)[::8] = 1
+            x = x + mask * 3 * (1e-5 + 1.3e-6 * x.abs())
+        return x
+
+def test_sparse(activation_guard):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), Sparse(), torch.nn.Linear(256, 128)).eval()
+    activation_guard.check(m, (torch.randn(16, 32, generator=torch.Generator().manual_seed(1)),))
+'''
+
+
+def test_fingerprint_numbers_in_junit_and_markdown_and_a_difference_only_samples_saw(
+        ag_: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    ag_.makepyfile(test_sparse=SPARSE)
+    ag_.runpytest("--ag-update", "--ag-fingerprint", "test_sparse.py", *LEAN).assert_outcomes(passed=1)
+    r = ag_.runpytest("test_sparse.py", "--ag-report=ok.md", *LEAN)
+    r.assert_outcomes(passed=1)
+    ok_row = next(ln for ln in (ag_.path / "ok.md").read_text().splitlines() if ln.startswith("| `test_sparse"))
+    assert "| est. L2 " in ok_row and "| est/limit " in ok_row
+    monkeypatch.setenv("AG_SPARSE", "1")
+    ag_.runpytest("test_sparse.py", "--ag-report=r.md", *LEAN).assert_outcomes(failed=1)
+    r = ag_.runpytest("test_sparse.py", "--junitxml=junit.xml", "--ag-report=r.json", *LEAN)
+    r.assert_outcomes(failed=1)
+    note = "NOTE only * of 64 sampled elements saw this difference; the sketch stayed under its limit (est/limit *)"
+    r.stdout.fnmatch_lines(["*first divergence at layer '2' (Sparse)*", "  replayed*", f"  {note}, so later layers "
+                            "whose fingerprints \"match\" are not evidence that they are unchanged*"])
+    case = next(ET.parse(ag_.path / "junit.xml").getroot().iter("testcase"))
+    props = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert "activation_guard.max_abs_diff" not in props
+    leaf = json.loads((ag_.path / "r.json").read_text())["checks"][0]["report"]["layers"][2]["leaves"][0]
+    assert float(props["activation_guard.estimated_l2"]) == leaf["estimated_l2"]
+    ratio = float(props["activation_guard.estimate_limit_ratio"])
+    assert ratio == leaf["estimated_l2"] / leaf["l2_threshold"] and 0 < ratio < 1
+    assert props["activation_guard.note"].startswith(f"only {leaf['mismatched']} of 64 sampled elements")
+    row = next(ln for ln in (ag_.path / "r.md").read_text().splitlines() if ln.startswith("| `test_sparse"))
+    cells = [c.strip() for c in row.split(" | ")]
+    assert cells[3] == f"est. L2 {leaf['estimated_l2']:.2e}" and cells[4] == f"est/limit {ratio:.2g}"
+    assert "**only " in cells[2] and "are not evidence that they are unchanged" in cells[2]

@@ -8,6 +8,7 @@ import json
 import re
 import shlex
 import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
 
 import pytest
 
@@ -315,6 +316,41 @@ def test_junit_xml_carries_the_first_divergence(ag: pytest.Pytester, monkeypatch
 # ---------------------------------------------------------------------------- golden keys from public ids
 
 
+CLASS_CHANGE = '''
+import os
+import torch
+
+class FusedGelu(torch.nn.Module):
+    def forward(self, x):
+        y = torch.nn.functional.gelu(x, approximate="tanh")
+        return y * 1.01 if os.environ.get("AG_WRONG") else y
+
+def test_act(activation_guard):
+    torch.manual_seed(0)
+    act = FusedGelu() if os.environ.get("AG_FUSED") else torch.nn.GELU(approximate="tanh")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), act, torch.nn.Linear(8, 3)).eval()
+    activation_guard.check(model, (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),))
+'''
+
+
+def test_module_class_change_is_said_on_a_pass_and_in_the_failure_header(ag: pytest.Pytester,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    ag.makepyfile(test_cls=CLASS_CHANGE)
+    ag.runpytest("--ag-update", "test_cls.py").assert_outcomes(passed=1)
+    monkeypatch.setenv("AG_FUSED", "1")
+    r = ag.runpytest("test_cls.py", "--ag-report=r.json")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["*ActivationGuardWarning: test_cls.py::test_act: module class changed at 1 layer: "
+                            "'1' GELU -> FusedGelu (values still match golden/test_cls/test_act.h5)"])
+    layer = json.loads((ag.path / "r.json").read_text())["checks"][0]["report"]["layers"][1]
+    assert (layer["golden_type_name"], layer["type_name"]) == ("GELU", "FusedGelu")
+    monkeypatch.setenv("AG_WRONG", "1")
+    r = ag.runpytest("test_cls.py")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*first divergence at layer '1' (GELU -> FusedGelu) call 0, #2 of 4*",
+                            "*note: module class changed at 1 layer: '1' GELU -> FusedGelu"])
+
+
 def test_device_id_is_cut_from_real_pytest_ids(ag: pytest.Pytester) -> None:
     """item_key reads only callspec.id/params: checked against the ids pytest really builds for
     our parametrisation, a user's own before or after other parameters, and fixture params."""
@@ -355,3 +391,215 @@ def test_device_id_is_cut_from_real_pytest_ids(ag: pytest.Pytester) -> None:
     # the middle one cannot be told apart from a user id: it keeps the device (its own golden per device)
     assert names == ["test_ours[two].h5", "test_user_first[a-b].h5", "test_user_last[a-b].h5",
                      "test_user_middle[y-cpu-x].h5"]
+
+
+DICT_ARGS = '''
+import torch
+from transformers import BertConfig, BertModel
+
+def test_bert(activation_guard):
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=50)
+    model = BertModel(cfg).eval()
+    ids = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(1))
+    activation_guard.check(model, {"input_ids": ids})
+
+class Batched(torch.nn.Module):
+    def forward(self, batch: dict):
+        return batch["x"].size(5)
+
+def test_takes_a_dict(activation_guard):
+    activation_guard.check(Batched(), {"x": torch.ones(2)})
+'''
+
+
+def test_a_dict_as_args_suggests_kwargs(ag: pytest.Pytester) -> None:
+    ag.makepyfile(test_dict=DICT_ARGS)
+    r = ag.runpytest("--ag-update", "test_dict.py", *LEAN)
+    r.assert_outcomes(failed=2)
+    out = r.stdout.str()
+    assert "AttributeError: 'dict' object has no attribute 'size'" in out
+    r.stdout.fnmatch_lines(["*activation_guard: args is a dict, so the model was called with it as its one positional "
+                            "argument, model({'input_ids': ...}); to pass its entries as keyword arguments, model(**d),"
+                            " give it as kwargs=: check(model, kwargs=d)*"])
+    # a forward meant to take a dict gets no such hint (its error is its own)
+    assert out.count("give it as kwargs=") == 1 and "IndexError" in out
+
+
+MODES = '''
+import os
+import torch
+
+class Scaled(torch.nn.Module):
+    """Mode-dependent by its own code (reads self.training), like an attention's dropout switch."""
+    def forward(self, x):
+        return x * (0.5 if self.training else 1.0)
+
+def build():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(),
+                            torch.nn.Sequential(torch.nn.Linear(8, 8), Scaled()), torch.nn.Linear(8, 3)).eval()
+    which = os.environ.get("AG_SWITCH")
+    if which == "gelu":  # a GELU built in training mode swapped into the eval model: computes the same
+        m[1] = torch.nn.GELU()
+    elif which == "block":
+        m[2].train()
+    if os.environ.get("AG_CHANGE"):
+        with torch.no_grad():
+            m[0].weight.mul_(1.5)
+    return m
+
+def test_modes(activation_guard):
+    activation_guard.check(build(), (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),))
+'''
+
+
+def test_mode_note_names_the_switched_modules_that_compute_differently(ag: pytest.Pytester,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    ag.makepyfile(test_modes=MODES)
+    ag.runpytest("--ag-update", "test_modes.py", *LEAN).assert_outcomes(passed=1)
+    monkeypatch.setenv("AG_CHANGE", "1")  # a real change, so that the report (and its notes) is printed
+    monkeypatch.setenv("AG_SWITCH", "gelu")
+    r = ag.runpytest("test_modes.py", *LEAN)
+    r.assert_outcomes(failed=1)
+    assert "NOTE modules switched" not in r.stdout.str()
+    monkeypatch.setenv("AG_SWITCH", "block")
+    r = ag.runpytest("test_modes.py", *LEAN)
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["  NOTE modules switched between training and eval mode since the golden was recorded: "
+                            "'2' now in training mode, '2.1' now in training mode; they hold modules that compute "
+                            "differently in the two modes: '2.1'"])
+
+
+COMPILED = '''
+import torch
+
+def test_compiled(activation_guard):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).eval()
+    activation_guard.check(torch.compile(model, backend="eager"), (torch.ones(2, 4),))
+'''
+
+
+@pytest.mark.slow
+def test_compiling_says_what_it_is_doing(ag: pytest.Pytester) -> None:
+    """Compiling with the hooks in is the long silent part of a check of a compiled model: one live
+    line says so (past output capture), on record and on compare."""
+    ag.makepyfile(test_comp=COMPILED)
+    line = ("activation_guard: torch.compile is compiling Sequential with activation_guard's hooks "
+            "(compiled: '<root>'); this can take a while")
+    # (in a subprocess: in process, a second run would re-import half of dynamo, which fails)
+    r = ag.runpytest_subprocess("--ag-update", "test_comp.py", *LEAN)
+    r.assert_outcomes(passed=1)
+    assert r.outlines.count(line) == 1
+    r = ag.runpytest_subprocess("test_comp.py", *LEAN)
+    r.assert_outcomes(passed=1)
+    assert r.outlines.count(line) == 1
+    assert line not in r.errlines  # (the terminal line, not the stderr one)
+
+
+def test_json_first_divergence_number_is_the_printed_one(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    ag.runpytest("--ag-update", "test_x.py", *LEAN).assert_outcomes(passed=1)
+    monkeypatch.setenv("AG_SCALE", "1.5")
+    r = ag.runpytest("test_x.py", "--ag-report=r.json", *LEAN)
+    r.assert_outcomes(failed=1)
+    printed = re.search(r"first divergence at layer '2' \(Linear\) call 0, #(\d+) of \d+ in (execution order)",
+                        r.stdout.str())
+    assert printed is not None
+    fd = json.loads((ag.path / "r.json").read_text())["checks"][0]["report"]["first_divergence"]
+    assert (fd["number"], fd["number_in"]) == (int(printed.group(1)), printed.group(2))
+    assert fd["position"] == fd["number"] - 1  # the 0-based index every layer row has
+
+
+NOTEBOOK = '''
+from agmodels import build, inputs
+
+def test_mlp(activation_guard):
+    try:
+        activation_guard.check(build(), inputs())
+    finally:  # what a notebook shows for the report: its _repr_html_
+        if activation_guard.last_report is not None:
+            with open("nb.html", "w", encoding="utf-8") as f:
+                f.write(activation_guard.last_report._repr_html_())
+'''
+
+
+class _Rows(HTMLParser):
+    """The iframe's page and, in a page, each table row's class and cells."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.srcdoc: str | None = None
+        self.rows: list[tuple[str | None, list[str]]] = []
+        self._cells: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "iframe":
+            self.srcdoc = a.get("srcdoc")
+        elif tag == "tr":
+            self.rows.append((a.get("class"), []))
+        elif tag == "td" and self.rows:
+            self._cells = self.rows[-1][1]
+            self._cells.append("")
+
+    def handle_data(self, data: str) -> None:
+        if self._cells is not None and self._cells:
+            self._cells[-1] += data
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "td":
+            self._cells = None
+
+
+def test_a_report_shows_as_the_html_page_in_a_notebook(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    ag.makepyfile(test_nb=NOTEBOOK)
+    ag.runpytest("--ag-update", "test_nb.py", *LEAN).assert_outcomes(passed=1)
+    monkeypatch.setenv("AG_SCALE", "1.5")
+    r = ag.runpytest("test_nb.py", *LEAN)
+    r.assert_outcomes(failed=1)
+    outer = _Rows()
+    outer.feed((ag.path / "nb.html").read_text(encoding="utf-8"))
+    assert outer.srcdoc is not None and outer.srcdoc.startswith("<!DOCTYPE html>")
+    page = _Rows()
+    page.feed(outer.srcdoc)
+    first = [cells for cls, cells in page.rows if cls == "first"]
+    assert len(first) == 1 and first[0][1] == "2" and first[0][4].startswith("FIRST")
+    assert [cells[1] for _, cells in page.rows if cells] == ["0", "1", "2", "<root>"]
+    assert "first divergence at layer &#x27;2&#x27; (Linear)" in (ag.path / "nb.html").read_text(encoding="utf-8")
+
+
+BF16 = '''
+import copy
+import os
+import pytest
+import torch
+from transformers import GPT2Config, GPT2Model
+
+@pytest.mark.activation_guard(allow_dtype_change=True, calibrate=True)
+def test_gpt2(activation_guard):
+    torch.manual_seed(0)
+    model = GPT2Model(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=100)).eval()
+    if os.environ.get("AG_BF16"):
+        model = copy.deepcopy(model).to(torch.bfloat16)
+    ids = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    activation_guard.check(model, (ids,), tolerance=os.environ.get("AG_TOLERANCE", "strict"))
+'''
+
+
+def test_a_lower_precision_run_is_not_blamed_on_code_and_points_to_calibrated(
+        ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import GPT2Model  # noqa: F401  (imported once here: inner runs drop what they import)
+
+    ag.makepyfile(test_bf=BF16)
+    ag.runpytest("--ag-update", "test_bf.py", *LEAN).assert_outcomes(passed=1)
+    monkeypatch.setenv("AG_BF16", "1")
+    r = ag.runpytest("test_bf.py", *LEAN)
+    r.assert_outcomes(failed=1)
+    origin = next(ln for ln in r.outlines if ln.startswith("  origin        :"))
+    assert "which bfloat16 rounding of that code can explain as well" in origin
+    assert "strict tolerances cannot tell a code change from rounding" in origin
+    r.stdout.fnmatch_lines(["  note: the live run computes in bfloat16, the golden in float32: strict tolerances judge "
+                            "bfloat16 rounding as divergence; tolerance=\"calibrated\"*"])
+    monkeypatch.setenv("AG_TOLERANCE", "calibrated")  # the rule the note points to: the same run passes
+    ag.runpytest("test_bf.py", *LEAN).assert_outcomes(passed=1)

@@ -117,7 +117,8 @@ def test_nonfinite_report_and_strict_json(tmp_path):
     assert "max abs diff  : inf" in text
     d = json.loads(json.dumps(rep.to_dict(), allow_nan=False))
     assert d["ok"] is False
-    assert d["first_divergence"] == {"name": "emit", "call": 0, "status": "nonfinite", "position": 1}
+    assert d["first_divergence"] == {"name": "emit", "call": 0, "status": "nonfinite", "position": 1,
+                                   "number": 2, "number_in": "execution order"}
     emit = d["layers"][1]
     assert emit["max_abs_diff"] == "inf"
     assert isinstance(emit["live_value"], str) and emit["live_value"] in ("nan", "inf")

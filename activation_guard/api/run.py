@@ -381,7 +381,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         env_changes=env_changes, stopped_early=stopped, output=out, _order=order, mode=spec.tolerance,
         origin=origin, replay=spec.replay,
     )
-    report.mode_changes = envmod.describe_training_change(gmeta, live_modes)
+    report.mode_changes = envmod.describe_training_change(gmeta, live_modes, modules=target.modules)
     if grads is not None and report.origin is None:  # gradients: where the backward changed
         report.origin = grads.origin(report.first_divergence, layers)
     if resolver.cross_device:
@@ -395,7 +395,53 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
     if dcap is not None:  # distributed: the report names the rank
         report.rank, report.world_size = dcap.info.rank, dcap.info.world_size
         report.notes += dcap.notes()
+    lowered_precision(report)
     return report
+
+
+def _eps(dtype: str | None) -> float | None:
+    t = getattr(torch, dtype, None) if dtype else None
+    if not isinstance(t, torch.dtype) or not (t.is_floating_point or t.is_complex):
+        return None
+    return torch.finfo(t).eps
+
+
+def _lowered(report: Report) -> tuple[str, str] | None:
+    """(golden dtype, live dtype) of an output the live run computed in a lower precision than
+    the golden's (bfloat16 against float32), the first divergence's first; None when none did."""
+    fd = report.first_divergence
+    rows = ([] if fd is None else [fd]) + report._judged_leafwise()
+    for layer in rows:
+        for leaf in layer.leaves:
+            g, live = _eps(leaf.dtype), _eps(leaf.live_dtype)
+            if g is not None and live is not None and live > g:
+                return str(leaf.dtype), str(leaf.live_dtype)
+    return None
+
+
+def lowered_precision(report: Report) -> None:
+    """A failing strict compare of a lower-precision run (``allow_dtype_change``: bfloat16 against
+    a float32 golden): its rounding changes every layer, and a replay on the golden's inputs, run
+    in the lower precision, differs from the golden by that rounding too. So the origin does not
+    claim a code change (a layer's own computation, a parent's code between its children) that
+    the rounding explains as well, and a note points to the rule that can tell them apart."""
+    if report.ok or report.mode != "strict":
+        return
+    pair = _lowered(report)
+    if pair is None:
+        return
+    golden, live = pair
+    hint = (f"tolerance=\"calibrated\" (a golden recorded with calibrate=True) allows for {live} rounding "
+            f"layer by layer and still finds real changes")
+    o = report.origin
+    if o is not None and o.kind in ("layer", "parent-code"):
+        where = o.detail if o.kind == "parent-code" else "its own computation differs on the golden's inputs"
+        o.detail = (f"{where}, which {live} rounding of that code can explain as well (the live run computes in "
+                    f"{live} against a {golden} golden): strict tolerances cannot tell a code change from rounding "
+                    f"here; see the note on tolerance=\"calibrated\"")
+        o.kind = "unknown"
+    report.notes.insert(0, f"the live run computes in {live}, the golden in {golden}: strict tolerances judge "
+                           f"{live} rounding as divergence; {hint}")
 
 
 def partial_selection(spec: CompareSpec, target: Target, golden_filter: Any) -> bool:

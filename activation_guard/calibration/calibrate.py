@@ -193,11 +193,14 @@ def implausible_floor(golden: torch.Tensor, gf: NoiseFloor, lf: NoiseFloor, dtyp
     random numbers (a ``torch.Generator`` it shared, a draw it makes in float64) or branched on the
     dtype has floors the size of the values, and judging with them passes real changes (a 10% weight
     change passed). Such an output is judged strictly instead."""
-    g = golden.detach().to(torch.float64)
-    g = g[torch.isfinite(g)]
-    if g.numel() == 0:
+    g = golden.detach()
+    # a complex value's scale is its magnitude: its real part alone (what a cast to float64 keeps)
+    # is 0 for imaginary values, and a floor can never be implausible against a scale of 0
+    sq = torch.view_as_real(g).to(torch.float64).square().sum(-1) if g.is_complex() else g.to(torch.float64).square()
+    sq = sq[torch.isfinite(sq)]
+    if sq.numel() == 0:
         return None
-    return floor_beyond_rounding(float(g.square().mean().sqrt()), gf, lf, dtype)
+    return floor_beyond_rounding(float(sq.mean().sqrt()), gf, lf, dtype)
 
 
 def floor_beyond_rounding(scale: float, gf: NoiseFloor, lf: NoiseFloor, dtype: str) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import platform
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import h5py
@@ -361,20 +362,71 @@ def _mode(flag: bool) -> str:
     return "training" if flag else "eval"
 
 
+_READS_TRAINING: dict[type, bool] = {}
+
+
+def mode_dependent(module: torch.nn.Module) -> bool:
+    """Whether a module computes differently in training and eval mode: dropout, batch norm, or
+    a forward whose code reads ``self.training`` (a GELU does not). A forward whose source
+    cannot be read counts as dependent: the note is then shown rather than hidden."""
+    if isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm)):
+        return True
+    cls = type(module)
+    known = _READS_TRAINING.get(cls)
+    if known is None:
+        import inspect
+
+        try:
+            known = "self.training" in inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            known = True
+        _READS_TRAINING[cls] = known
+    return known
+
+
+def _dependent_under(name: str, modules: Sequence[tuple[str, torch.nn.Module]]) -> list[str]:
+    """The mode-dependent modules in the subtree ``name`` (``""``: the whole model)."""
+    return [n for n, m in modules if (not name or n == name or n.startswith(name + ".")) and mode_dependent(m)]
+
+
 def describe_training_change(golden_meta: dict[str, Any], live: dict[str, Any],
-                              live_is: str = "the live model is") -> list[str]:
+                              live_is: str = "the live model is",
+                              modules: Sequence[tuple[str, torch.nn.Module]] | None = None) -> list[str]:
     """The first note of a report when the live model runs in another mode than the golden's
-    (``live_is``: how the other side is named, e.g. by ``diff``: "the other recording was")."""
+    (``live_is``: how the other side is named, e.g. by ``diff``: "the other recording was").
+    With the live model's named ``modules``, only a switch of a subtree holding a module whose
+    computation depends on the mode is worth a note, and those modules are named."""
     g = golden_meta.get("training")
     if not isinstance(g, bool):
         return []
     if g != live["training"]:
+        which = ""
+        if modules is not None:
+            dependent = _dependent_under("", modules)
+            if not dependent:
+                return []
+            which = f" (mode-dependent modules: {few(dependent)})"
         return [f"golden recorded in {_mode(g)} mode; {live_is} in {_mode(live['training'])} mode: "
-                f"dropout and batch-norm statistics differ"]
+                f"dropout and batch-norm statistics differ{which}"]
     gd = golden_meta.get("training_differs")
     if isinstance(gd, list) and gd != live["training_differs"]:
         changed = sorted(set(map(str, gd)) ^ set(live["training_differs"]))
-        shown = few(changed)
-        return [f"modules switched between training and eval mode since the golden was recorded: {shown} "
-                f"(dropout and batch-norm behave differently)"]
+        if modules is None:
+            return [f"modules switched between training and eval mode since the golden was recorded: "
+                    f"{few(changed)} (dropout and batch-norm behave differently)"]
+        now_training = set(live["training_differs"]) if not live["training"] else set(gd)
+        known = {n for n, _ in modules}
+        parts, dependent = [], []
+        for name in changed:
+            under = _dependent_under(name, modules) if name in known else [name]
+            if not under:  # (a GELU built in training mode: computes the same in both)
+                continue
+            dependent += under
+            mode = "training" if name in now_training else "eval"
+            parts.append(f"{name!r} now in {mode} mode")
+        if not parts:
+            return []
+        return [f"modules switched between training and eval mode since the golden was recorded: "
+                f"{few(parts, show=str)}; they hold modules that compute differently in the two modes: "
+                f"{few(list(dict.fromkeys(dependent)))}"]
     return []

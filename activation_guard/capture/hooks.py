@@ -19,6 +19,8 @@ How the hooks go into a module's hook dicts (and out of a copy's) is :mod:`.inst
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -314,6 +316,7 @@ def hooked(
             handles.append(install([mod for _, mod in layers], pre, post, installed))
             if staged:
                 _reset_dynamo()  # compile the hooks in (hooks added later are not guarded on)
+                announce_compile(target)
             yield state
             _check_root_ran(target, layers, state)
             if staged:
@@ -357,6 +360,26 @@ def _torch_owned(hook: Any) -> bool:
     """A hook torch installed itself (tensor parallelism's input/output conversions): not a user's."""
     fn = getattr(hook, "func", hook)  # functools.partial
     return str(getattr(fn, "__module__", "") or "").startswith("torch.")
+
+
+# where the one line saying that a compiled model is being compiled goes: stderr, unless a caller
+# (the pytest plugin: a live line in the terminal, past output capture) says otherwise
+COMPILE_NOTICE: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar(
+    "activation_guard_compile_notice", default=None)
+
+
+def announce_compile(target: Target) -> None:
+    """Compiling with the hooks in takes seconds to minutes, and nothing else is said meanwhile:
+    one line saying what is happening."""
+    regions = ", ".join(repr(r or "<root>") for r in target.compiled[:3]) + (
+        ", ..." if len(target.compiled) > 3 else "")
+    line = (f"activation_guard: torch.compile is compiling {type(target.root).__name__} with activation_guard's "
+            f"hooks (compiled: {regions}); this can take a while")
+    sink = COMPILE_NOTICE.get()
+    if sink is None:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        sink(line)
 
 
 def _reset_dynamo() -> None:
@@ -427,12 +450,42 @@ def run_forward(
             notes.append(f"activation_guard: raised inside layer {where or '<root>'!r}")
         if not grad and isinstance(exc, RuntimeError) and "does not require grad" in str(exc):
             notes.append(f"activation_guard: {GRAD_HINT}")
+        hint = dict_args_hint(target.root if isinstance(target, Target) else target, args)
+        if hint is not None:
+            notes.append(f"activation_guard: {hint}")
         for note in notes:
             if hasattr(exc, "add_note"):
                 exc.add_note(note)
         with contextlib.suppress(Exception):
             exc._ag_noted = True  # type: ignore[attr-defined]
         raise
+
+
+_MAPPING_WORDS = ("dict", "Dict", "Mapping", "BatchEncoding", "TypedDict")
+
+
+def dict_args_hint(model: Any, args: tuple[Any, ...]) -> str | None:
+    """When the one positional argument is a dict and the model's forward has no single
+    positional parameter meant to take one: the forward that raised most likely wanted the
+    dict's entries as keyword arguments, which is what ``kwargs=`` passes. None otherwise."""
+    if len(args) != 1 or not isinstance(args[0], Mapping):
+        return None
+    import inspect
+
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError, AttributeError):
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) == 1:
+        ann = positional[0].annotation
+        text = ann if isinstance(ann, str) else getattr(ann, "__name__", None) or repr(ann)
+        if ann is not inspect.Parameter.empty and any(w in str(text) for w in _MAPPING_WORDS):
+            return None  # forward(self, batch: dict): the dict is meant as its one argument
+    keys = ", ".join(f"{k!r}: ..." for k in list(args[0])[:3]) + (", ..." if len(args[0]) > 3 else "")
+    return (f"args is a {type(args[0]).__name__}, so the model was called with it as its one positional "
+            f"argument, model({{{keys}}}); to pass its entries as keyword arguments, model(**d), give it as "
+            f"kwargs=: check(model, kwargs=d) or compare(model, kwargs=d, ...)")
 
 
 def innermost_layer(tb: TracebackType | None, modules: Mapping[int, str]) -> str | None:

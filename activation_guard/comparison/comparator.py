@@ -236,8 +236,10 @@ class Comparator:
             leaves = [quick] if quick is not None else self._compare_call(entry, get_leaves(), name)
             res = LayerResult.from_leaves(name, call, tname, leaves, position=pos, golden_position=entry.position,
                                           golden_name=gname)
-            if type_changed and res.ok:
-                res.detail = f"module type changed {entry.type_name} -> {tname} (values still match)"
+            if type_changed:
+                res.golden_type_name = entry.type_name
+                if res.ok:
+                    res.detail = f"module type changed {entry.type_name} -> {tname} (values still match)"
         self.results.append(res)
         return res, entry
 

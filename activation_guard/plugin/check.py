@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,11 +113,18 @@ def divergence_properties(report: Report) -> list[tuple[str, Any]]:
             ("call", fd.call),
             ("origin", None if report.origin is None else
              f"{report.origin.kind} {report.origin.name or '<root>'}[{report.origin.call}]: {report.origin.detail}"),
-            ("max_abs_diff", fd.max_abs_diff),
-            ("max_rel_diff", fd.max_rel_diff),
-            ("rtol", fd.rtol),
-            ("atol", fd.atol),
         ]
+        from ..report.textfmt import estimate_ratio, estimated_l2, sketch_blind  # (imports torch: only after a compare)
+
+        est = estimated_l2(fd)
+        if fd.max_abs_diff is None and est is not None:  # a fingerprint's numbers are estimates, not differences
+            props += [("estimated_l2", est), ("estimate_limit_ratio", estimate_ratio(fd))]
+            blind = sketch_blind(fd)
+            if blind is not None:
+                props.append(("note", blind))
+        else:
+            props += [("max_abs_diff", fd.max_abs_diff), ("max_rel_diff", fd.max_rel_diff)]
+        props += [("rtol", fd.rtol), ("atol", fd.atol)]
     return [(PROPERTY_PREFIX + k, v) for k, v in props]
 
 
@@ -147,8 +154,10 @@ class GoldenCheck:
         device: str | None = None,
         record_nodeid: str | None = None,
         user_properties: list[tuple[str, object]] | None = None,
+        progress: Callable[[str], None] | None = None,
     ):
         self._session = session
+        self.progress = progress  # a live line in the terminal (pytest's), for long work; None: stderr
         self.nodeid = nodeid
         self.key = key
         self.device = device
@@ -195,10 +204,17 @@ class GoldenCheck:
 
         self.last_report = None
         ranks = rank_context(self._session)  # None outside a multi-rank torch.distributed run
-        if ranks is None:
-            return self._check(model, args, kwargs, name, options, None)
-        return ranks.gate(self._session, self.nodeid, name,
-                          lambda: self._check(model, args, kwargs, name, options, ranks), lambda: self.last_report)
+        from ..capture.hooks import COMPILE_NOTICE
+
+        token = COMPILE_NOTICE.set(self.progress)
+        try:
+            if ranks is None:
+                return self._check(model, args, kwargs, name, options, None)
+            return ranks.gate(self._session, self.nodeid, name,
+                              lambda: self._check(model, args, kwargs, name, options, ranks),
+                              lambda: self.last_report)
+        finally:
+            COMPILE_NOTICE.reset(token)
 
     def _check(self, model: Any, args: Any, kwargs: Mapping[str, Any] | None, name: str | None,
                options: dict[str, Any], ranks: RankContext | None) -> Any:
@@ -280,9 +296,11 @@ class GoldenCheck:
             return summary.output
         if not exists:
             done("missing")
+            moved = s.move_hint(path)
             pytest.fail(
                 prefixed(
                     f"no golden for this check: {shown}\n"
+                    + ("" if moved is None else f"  {moved}\n") +
                     f"  nothing was written (goldens are only written when asked). To create it, run:\n"
                     f"    {self.rerecord_command(opts)}\n"
                     f"  or create every missing golden with `{rerecord_command(s.settings, missing_only=True)}`."
@@ -314,6 +332,10 @@ class GoldenCheck:
         report_dict = report.to_dict() if s.settings.report_path is not None else None
         if report.ok:
             done("passed", report=report_dict)
+            changed = report.class_change_text()
+            if changed is not None:  # matching values do not show that the code behind them changed
+                warnings.warn(ActivationGuardWarning(f"{self.nodeid}: {changed} (values still match {shown})"),
+                              stacklevel=2)
             return report.output
         headline = report.headline().replace("activation_guard: ", "", 1)
         done("diverged", first_divergence=headline, report=report_dict)

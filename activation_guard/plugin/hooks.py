@@ -9,7 +9,7 @@ point; importing it must not import torch (a project that never checks a model p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,15 @@ import pytest
 from .._core.errors import OptionError
 from ..store import naming as paths
 from .check import GoldenCheck, item_key
-from .session import ALERT_PREFIXES, GuardSession, partial_modules
-from .settings import DEVICE_FIXTURE, RECORD_DEVICE, Settings, join_optional_values, marker_options, prefixed
+from .session import ALERT_PREFIXES, GuardSession, collected_dirs, partial_modules
+from .settings import (
+    DEVICE_FIXTURE,
+    RECORD_DEVICE,
+    Settings,
+    join_optional_values,
+    marker_options,
+    prefixed,
+)
 
 SESSION_KEY = pytest.StashKey[GuardSession]()
 WORKER_KEY = "activation_guard"
@@ -207,7 +214,27 @@ def activation_guard(request: pytest.FixtureRequest) -> GoldenCheck:
     if problem is not None:
         pytest.fail(prefixed(problem), pytrace=False)
     return GoldenCheck(_session(request.config), item.nodeid, key, marker=marker, device=device,
-                       record_nodeid=record_nodeid, user_properties=item.user_properties)
+                       record_nodeid=record_nodeid, user_properties=item.user_properties,
+                       progress=_progress_writer(request.config))
+
+
+def _progress_writer(config: pytest.Config) -> Callable[[str], None] | None:
+    """A line in the terminal now, while a test runs (long work, such as torch.compile compiling
+    the model, says what it is doing): past pytest's output capture, on a line of its own. None
+    where there is no terminal reporter (xdist workers: the work's line goes to captured stderr)."""
+    if hasattr(config, "workerinput"):
+        return None
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    if tr is None or capman is None:
+        return None
+
+    def write(line: str) -> None:
+        with capman.global_and_fixture_disabled():
+            tr.ensure_newline()
+            tr.write_line(line)
+
+    return write
 
 
 @pytest.fixture(scope="session")
@@ -316,7 +343,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if s.settings.unused is not None:
         s.unused_blocked = _unused_blocker(config, s)
         if s.unused_blocked is None:
-            s.find_unused(partial_modules(config.args, Path(config.invocation_params.dir), Path(config.rootpath)))
+            s.find_unused(partial_modules(config.args, Path(config.invocation_params.dir), Path(config.rootpath)),
+                          collected_dirs(config.args, Path(config.invocation_params.dir), Path(config.rootpath)))
         if s.unused_fail_the_run() and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if config.getoption("collectonly", False):  # nothing ran: no report, and no file written

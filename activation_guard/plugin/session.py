@@ -100,6 +100,7 @@ class GuardSession:
         self.module_dirs: dict[str, str] = {}  # golden module dir (rel) -> module path
         self.outcomes: dict[str, str] = {}  # nodeid -> "clean" | "dirty"
         self.unused: list[str] = []
+        self.gone_modules: dict[str, str] = {}  # unused golden (rel) -> its test module, which no longer exists
         self.unused_blocked: str | None = None  # why --ag-unused could not tell this run (then nothing is listed)
         self.worker_failures: list[str] = []
         self.report_error: str | None = None
@@ -205,13 +206,16 @@ class GuardSession:
                 out[s + ("s" if s == "error" else "")] = c[s]
         return out
 
-    def find_unused(self, partial_modules: set[str]) -> list[str]:
+    def find_unused(self, partial_modules: set[str], collected_dirs: Sequence[str] = ()) -> list[str]:
         """Golden files (rel posix paths) no test that ran used.
 
         Only tests that ran are considered: a golden whose owning test was deselected, skipped,
         failed, xfailed or not reached is never unused. A golden owned by no known test (its
         test was deleted or renamed) is unused only if its module was collected in full (not
         narrowed to single tests with ``file.py::test``) and at least one of its tests ran.
+        A golden whose test module no longer exists (the module was renamed or deleted) is
+        unused when its directory was collected: ``collected_dirs`` are the rootdir-relative
+        directories the run collected in full (``""`` for the rootdir itself).
         """
         root = self.settings.golden_dir
         if not root.is_dir():
@@ -236,11 +240,56 @@ class GuardSession:
                     if all(self.outcomes.get(i) == "clean" for i in owners):
                         unused.append(rel)
                     continue
-                module = self.module_dirs.get(stem.rpartition("/")[0])
+                module_dir = stem.rpartition("/")[0]
+                module = self.module_dirs.get(module_dir)
                 if module is not None and module not in partial_modules and module in clean_modules:
                     unused.append(rel)
+                elif module is None:
+                    gone = self._gone_module(module_dir)
+                    if gone is not None and any(d == "" or gone.startswith(d + "/") for d in collected_dirs):
+                        unused.append(rel)
+                        self.gone_modules[rel] = gone
         self.unused = unused
         return unused
+
+    def _gone_module(self, module_dir: str) -> str | None:
+        """The test module a golden directory belongs to, if that file no longer exists (None
+        while it exists, or when the directory's name does not say which module it was)."""
+        source = paths.module_source(module_dir)
+        if source is None or Path(self.settings.rootdir, source).exists():
+            return None
+        return source
+
+    def moved_from(self, golden: str | os.PathLike[str]) -> list[str]:
+        """Goldens (rel posix paths) with ``golden``'s file name whose test module no longer
+        exists: where a missing golden was left when its test module was renamed or moved."""
+        root = self.settings.golden_dir
+        name = Path(golden).name
+        if not root.is_dir():
+            return []
+        out = []
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            if name in filenames:
+                rel = Path(dirpath, name).relative_to(root).as_posix()
+                if self._gone_module(rel.rpartition("/")[0]) is not None:
+                    out.append(rel)
+        return out
+
+    def move_hint(self, golden: str | os.PathLike[str]) -> str | None:
+        """``git mv`` for a missing golden whose test module was renamed (one candidate), or a
+        list of the candidates; None when there is none."""
+        found = self.moved_from(golden)
+        if not found:
+            return None
+        root = self.settings.golden_dir
+        new = self.settings.display(golden)
+        if len(found) == 1:
+            old = self.settings.display(root / found[0])
+            return (f"was its test module renamed? {old} (same test, test module gone) moves here with: "
+                    f"git mv {old} {new}")
+        olds = ", ".join(self.settings.display(root / f) for f in found)
+        return f"was its test module renamed? goldens of the same test whose test modules are gone: {olds}"
 
     def summary_lines(self, verbose: int = 0) -> list[str]:
         if not self.records and not self.unused and self.settings.unused is None:
@@ -253,6 +302,9 @@ class GuardSession:
         for r in self.records:
             if r.status == "missing":
                 lines.append(f"MISSING  {r.label()}: no golden {self.settings.display(r.golden)}")
+                hint = self.move_hint(r.golden)
+                if hint is not None:
+                    lines.append(f"         {hint}")
             elif r.status == "error":
                 lines.append(f"ERROR    {r.label()}: {(r.message or '').splitlines()[0] if r.message else ''}")
         for r in self.records:
@@ -292,11 +344,13 @@ class GuardSession:
             return ["no unused goldens among the tests that ran"]
         where = self.settings.display(self.settings.golden_dir)
         lines = [f"{len(self.unused)} unused golden(s) in {where} (no test that ran used them):"]
-        lines += [f"UNUSED   {u}" for u in self.unused]
+        lines += [f"UNUSED   {u}" + (f"  (its test module {self.gone_modules[u]} no longer exists)"
+                                       if u in self.gone_modules else "") for u in self.unused]
         if self.unused_fail_the_run():
             lines.append(
                 "exit status 1: the unused goldens above fail the run (--ag-unused); delete them, "
-                "or use --ag-unused=list to only list them"
+                + ("or move them (git mv) to the test module's new name, " if self.gone_modules else "")
+                + "or use --ag-unused=list to only list them"
             )
         return lines
 
@@ -362,4 +416,23 @@ def partial_modules(args: Sequence[str], invocation_dir: Path, rootdir: Path) ->
             out.add(Path(os.path.abspath(f)).relative_to(rootdir).as_posix())
         except ValueError:
             out.add(arg.split("::", 1)[0])
+    return out
+
+
+def collected_dirs(args: Sequence[str], invocation_dir: Path, rootdir: Path) -> list[str]:
+    """The directories among the command line's paths (pytest's ``testpaths`` or the start
+    folder when none is given), rootdir-relative posix (``""`` for the rootdir): everything under
+    them was collected, so a test module missing there was renamed or deleted."""
+    out = []
+    for arg in args:
+        if "::" in arg:
+            continue
+        d = Path(os.path.abspath(Path(invocation_dir, arg)))
+        if not d.is_dir():
+            continue
+        try:
+            rel = d.relative_to(os.path.abspath(rootdir)).as_posix()
+        except ValueError:
+            continue
+        out.append("" if rel == "." else rel)
     return out

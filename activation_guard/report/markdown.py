@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 from ..results import LayerResult
 from .report import WHY, Report, fmt_diff, gradient_text, why
-from .textfmt import safe_line
+from .textfmt import estimate_ratio, estimated_l2, safe_line, sketch_blind
 
 STATUS = {
     "passed": "✅ passed",
@@ -82,6 +82,9 @@ def _shown_layer(report: Report) -> LayerResult | None:
     if fd is not None:
         return fd
     numeric = [layer for layer in report.layers if layer.max_abs_diff is not None]
+    if not numeric:  # fingerprints only: the layer whose estimate came closest to its limit
+        return max((layer for layer in report.layers if estimate_ratio(layer) is not None),
+                   key=lambda layer: estimate_ratio(layer) or 0.0, default=None)
     return max(numeric, key=lambda layer: layer.max_abs_diff or 0.0, default=None)
 
 
@@ -95,16 +98,37 @@ def _tolerance(layer: LayerResult | None) -> str:
     return "-"
 
 
+def _diff_cells(layer: LayerResult | None) -> tuple[str, str]:
+    """The max abs / max rel cells; a fingerprinted output has no measured difference: its
+    estimated ||diff||_2 and the estimate over the sketch's limit (fails above 1) instead."""
+    if layer is None:
+        return "-", "-"
+    est, ratio = estimated_l2(layer), estimate_ratio(layer)
+    if layer.max_abs_diff is None and est is not None:
+        return f"est. L2 {fmt_diff(est)}", "-" if ratio is None else f"est/limit {ratio:.2g}"
+    return fmt_diff(layer.max_abs_diff), fmt_diff(layer.max_rel_diff)
+
+
+def _classes(layer: LayerResult) -> str:
+    """The module's class, or golden -> live class when it changed."""
+    if layer.golden_type_name is None:
+        return layer.type_name
+    return f"{layer.golden_type_name} -> {layer.type_name}"
+
+
 def _divergence(report: Report | None, check: CheckLike) -> str:
     if report is not None:
         fd = report.first_divergence
         if fd is not None:
-            kind = f" ({text_cell(fd.type_name)})" if fd.type_name else ""
+            kind = f" ({text_cell(_classes(fd))})" if fd.type_name else ""
             cell = f"{code_span(fd.name or '<root>')}{kind} call {fd.call}: {text_cell(WHY.get(fd.status, fd.status))}"
             if fd.phase != "forward":  # gradients: which gradient, in the backward pass
                 call = "" if fd.phase == "param-grad" else f" call {fd.call}"
                 cell = (f"backward pass: {code_span(fd.name or '<root>')}{kind}{call}, {text_cell(gradient_text(fd))}: "
                         f"{text_cell(why(fd))}")
+            blind = sketch_blind(fd)
+            if blind is not None:
+                cell += f"; **{text_cell(blind)}**"
             o = report.origin
             if o is not None and (o.name, o.call) != (fd.name, fd.call):
                 cell += f"; origin: {text_cell(o.kind)} in {code_span(o.name or '<root>')}"
@@ -123,7 +147,7 @@ def _details_title(check: CheckLike, report: Report) -> str:
     fd = report.first_divergence
     if fd is None:
         return check_label(check)
-    kind = f" ({fd.type_name})" if fd.type_name else ""
+    kind = f" ({_classes(fd)})" if fd.type_name else ""
     return f"{check_label(check)}: first divergence at {fd.label}{kind}: {why(fd)}"
 
 
@@ -144,8 +168,7 @@ def table_row(check: CheckLike, report: Report | None) -> str:
         code_span(check_label(check)),
         text_cell(STATUS.get(check.status, check.status)),
         _divergence(report, check),
-        fmt_diff(layer.max_abs_diff) if layer is not None else "-",
-        fmt_diff(layer.max_rel_diff) if layer is not None else "-",
+        *_diff_cells(layer),
         text_cell(_tolerance(layer)),
     ]
     return "| " + " | ".join(cells) + " |"

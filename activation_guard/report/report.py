@@ -27,6 +27,7 @@ from .textfmt import (  # re-exported: the HTML page and the Markdown summary re
     gradient_text,
     row_name,
     safe_line,
+    sketch_blind,
     why,
 )
 
@@ -143,6 +144,27 @@ class Report:
         shown = ", ".join(f"{t} x{k}" if k > 1 else t for t, k in c.most_common())
         return f"{n} output{'s' if n != 1 else ''} compared by type only: {shown}"
 
+    def class_changes(self) -> list[LayerResult]:
+        """Layer calls whose module class differs from the golden's (a ``NewGELUActivation``
+        replaced by a custom ``FusedGelu``): said on a pass too, since matching values do not
+        show that the code behind them changed."""
+        seen: set[str] = set()
+        out = []
+        for layer in self.layers:
+            if layer.golden_type_name is not None and layer.name not in seen:
+                seen.add(layer.name)
+                out.append(layer)
+        return out
+
+    def class_change_text(self) -> str | None:
+        """"module class changed at 1 layer: 'h.0.mlp.act' NewGELUActivation -> FusedGelu", or None."""
+        changed = self.class_changes()
+        if not changed:
+            return None
+        shown = ", ".join(f"{display_name(x.name)!r} {x.golden_type_name} -> {x.type_name}" for x in changed[:5])
+        more = f", and {len(changed) - 5} more" if len(changed) > 5 else ""
+        return f"module class changed at {len(changed)} layer{'s' if len(changed) != 1 else ''}: {shown}{more}"
+
     def estimated(self) -> list[LeafResult]:
         """Outputs judged against fingerprints (their numbers are estimates)."""
         return [leaf for layer in self._judged_leafwise() for leaf in layer.leaves if leaf.estimate]
@@ -167,6 +189,7 @@ class Report:
             "golden_device": recorded_device(self.golden_meta),
             "first_divergence": None if fd is None else {
                 "name": fd.name, "call": fd.call, "status": fd.status, "position": fd.position,
+                **self._printed_number(fd),
                 **({} if fd.phase == "forward" else {"phase": fd.phase, "wrt": fd.wrt})},  # gradients
             "counts": self.counts(),
             "stopped_early": self.stopped_early,
@@ -184,6 +207,15 @@ class Report:
             # where golden-only (missing) calls sit in execution order: layer index -> [at, golden pos]
             "missing_order": {str(i): [json_number(a), b] for i, (a, b) in self._order.items()},
         }
+
+    def _printed_number(self, fd: LayerResult) -> dict[str, Any]:
+        """The first divergence's ``#N`` as the text prints it, 1-based (``position`` is the
+        0-based index in the live execution order, as every layer row has it), and the order it
+        counts in: a missing call is numbered in the golden's order, a gradient in backward order."""
+        order = "execution order" if fd.phase == "forward" else "backward order"
+        if fd.position is None:
+            return {"number": (fd.golden_position or 0) + 1, "number_in": f"the golden's {order}"}
+        return {"number": self.number(fd), "number_in": order}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Report:
@@ -211,6 +243,25 @@ class Report:
             world_size=d.get("world_size") if isinstance(d.get("world_size"), int) else None,
             _order=order,
         )
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view of a report: the HTML report's page (headline, text report, the layer
+        table with the first divergence highlighted, sortable and filterable) without writing a
+        file. The page is self-contained (its own CSS and script), so it is shown in an iframe,
+        where neither touches the notebook's; the headline stands above it, for a viewer that
+        drops iframes."""
+        import html as htmlmod
+
+        from .visual import html_page
+
+        page = html_page(self, title=self.path, plots="none")
+        rows = len(self.layers)
+        height = min(900, 420 + 28 * min(rows, 16))
+        state = "#17692b" if self.ok else "#b3261e"
+        return (f'<div class="activation-guard-report"><p style="color:{state};font-weight:600;margin:0 0 6px">'
+                f"{htmlmod.escape(safe_line(self.headline()))}</p>"
+                f'<iframe srcdoc="{htmlmod.escape(page, quote=True)}" title="activation_guard report" '
+                f'style="width:100%;height:{height}px;border:1px solid #d0d7de;border-radius:6px"></iframe></div>')
 
     # ------------------------------------------------------------------ text
     def headline(self) -> str:
@@ -250,8 +301,10 @@ class Report:
             if fd.position is None:
                 return f"{head}, #{(fd.golden_position or 0) + 1} in the golden's backward order: {why(fd)}{tail}"
             return f"{head}, #{self.number(fd)} of {ng} in backward order: {why(fd)}{tail}"
-        head = (f"activation_guard: first divergence at layer {display_name(fd.name)!r} ({fd.type_name or '?'}) "
-                f"call {fd.call}")
+        cls = fd.type_name or "?"
+        if fd.golden_type_name is not None:  # the module's class changed: what the golden ran, then what ran now
+            cls = f"{fd.golden_type_name} -> {cls}"
+        head = f"activation_guard: first divergence at layer {display_name(fd.name)!r} ({cls}) call {fd.call}"
         if fd.position is None:
             return (f"{head}, #{(fd.golden_position or 0) + 1} in the golden's execution order: "
                     f"{WHY.get(fd.status, fd.status)} in the live run")
@@ -261,10 +314,15 @@ class Report:
         fd = self.first_divergence
         if fd is None:  # a pass is one line; environment notes matter only when explaining a failure
             # ... but what the pass does not cover is said with it (gradients the golden has, not compared)
+            classes = self.class_change_text()
             return "\n".join(safe_line(x) for x in [self.headline(), *(f"  note: {m}" for m in self.notes
-                                                                         if any(k in m for k in PASS_NOTE_MARKERS))])
+                                                                         if any(k in m for k in PASS_NOTE_MARKERS)),
+                                                     *([] if classes is None else [f"  note: {classes}"])])
         lines = [self.headline()]
         lines += self._origin_lines(fd)
+        blind = sketch_blind(fd)
+        if blind is not None:  # right under the headline: it changes what the rows after it mean
+            lines.append(f"  NOTE {blind}")
         lines += [f"  NOTE {m}" for m in self.mode_changes]
         if self.input_changes:
             lines.append("  NOTE inputs differ from the recording, so every layer may differ for that reason:")
@@ -275,6 +333,8 @@ class Report:
         lines += [f"  note: {m}" for m in self.notes]
         if self.type_only_text():
             lines.append(f"  note: {self.type_only_text()}")
+        if self.class_change_text():
+            lines.append(f"  note: {self.class_change_text()}")
         meta = self.golden_meta
         dev = recorded_device(meta) or "?"
         tv = meta.get("versions", {}).get("torch", "?") if isinstance(meta.get("versions"), dict) else "?"

@@ -122,6 +122,40 @@ def estimate_ratio(layer: LayerResult) -> float | None:
     return max(ratios) if ratios else None
 
 
+def leaf_ratio(leaf: LeafResult) -> float | None:
+    """A fingerprinted output's estimated ||diff||_2 over the sketch's threshold (fails above 1)."""
+    if not leaf.estimate or leaf.estimated_l2 is None or not leaf.l2_threshold:
+        return None
+    return leaf.estimated_l2 / leaf.l2_threshold
+
+
+def estimated_l2(layer: LayerResult) -> float | None:
+    """The largest estimated ||diff||_2 over a layer's fingerprinted outputs."""
+    ests = [leaf.estimated_l2 for leaf in layer.leaves if leaf.estimate and leaf.estimated_l2 is not None]
+    return max(ests) if ests else None
+
+
+def sketch_blind(layer: LayerResult) -> str | None:
+    """When a fingerprinted output failed on its exact checks (sampled elements, max, min, sum)
+    while its sketch stayed under its limit, the sentence that says so: the difference is one a
+    sketch does not see, so layers after it whose fingerprints "match" are no evidence that they
+    are unchanged. None otherwise."""
+    for leaf in layer.leaves:
+        ratio = leaf_ratio(leaf)
+        if leaf.status == "match" or ratio is None or ratio > 1 or leaf.fingerprint_check in (None, "sketch",
+                                                                                              "nonfinite"):
+            continue
+        if leaf.fingerprint_check == "sample":
+            seen = f"only {leaf.mismatched} of {leaf.sampled} sampled elements saw this difference"
+        else:
+            seen = f"only the {leaf.fingerprint_check}imum saw this difference" if leaf.fingerprint_check in (
+                "max", "min") else f"only the {leaf.fingerprint_check} saw this difference"
+        return (f"{seen}; the sketch stayed under its limit (est/limit {ratio:.2g}), so later layers whose "
+                f"fingerprints \"match\" are not evidence that they are unchanged (a difference this small or "
+                f"sparse is below what a sketch sees; record those layers in full to compare them)")
+    return None
+
+
 def estimate_lines(leaf: LeafResult) -> list[str]:
     """A fingerprinted output's evidence, from its fields: the exact sampled elements and the
     sketch's estimate (docs/fingerprint.md). No mismatch count: a fingerprint cannot give one."""

@@ -29,11 +29,38 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple, Protocol, Union, runtime_checkable
 
 from .._core.errors import ActivationGuardError
-from ..results import LayerResult
-from .report import Report, fmt_diff, fmt_pair, why
+from ..results import LayerResult, Origin
+from .textfmt import fmt_diff, fmt_pair, why
+
+
+@runtime_checkable
+class ReportLike(Protocol):
+    """What the pictures read of a report (:class:`~.report.Report` is one). This module does not
+    import the Report class, so a Report can show its own HTML page in a notebook without an import
+    cycle."""
+
+    path: str
+    layers: list[LayerResult]
+    origin: Origin | None
+    _order: dict[int, tuple[float, int]]
+
+    @property
+    def ok(self) -> bool: ...
+
+    @property
+    def live_count(self) -> int: ...
+
+    @property
+    def first_divergence(self) -> LayerResult | None: ...
+
+    def number(self, layer: LayerResult, live_count: int | None = None) -> int | None: ...
+
+    def headline(self) -> str: ...
+
+    def totals_text(self) -> str: ...
 
 INSTALL_HINT = "pip install 'activation_guard[plot]' (or: pip install matplotlib)"
 
@@ -62,7 +89,7 @@ def plot_available() -> bool:
 # --------------------------------------------------------------------------- plot
 
 
-def _live_layers(report: Report) -> list[LayerResult]:
+def _live_layers(report: ReportLike) -> list[LayerResult]:
     live = [x for x in report.layers if x.position is not None]
     live.sort(key=lambda x: x.position if x.position is not None else 0)
     return live
@@ -76,14 +103,14 @@ def _pos_or_nan(v: float | None) -> float:
     return v if v is not None and _finite_pos(v) else math.nan
 
 
-def backward_span(report: Report) -> tuple[float, float] | None:
+def backward_span(report: ReportLike) -> tuple[float, float] | None:
     """The x range of the gradient rows (gradients), drawn shaded; None without any."""
     live = _live_layers(report)
     first = next((i for i, x in enumerate(live) if x.phase != "forward"), None)
     return None if first is None else (first + 0.5, len(live) + 0.5)
 
 
-def _first_x(report: Report, fd: LayerResult, n: int) -> float:
+def _first_x(report: ReportLike, fd: LayerResult, n: int) -> float:
     """Where the first divergence sits on the execution-order axis (1-based)."""
     if fd.position is not None:
         return fd.position + 1.0
@@ -91,7 +118,7 @@ def _first_x(report: Report, fd: LayerResult, n: int) -> float:
     return min(key + 1.0, n + 0.5) if math.isfinite(key) else n + 0.5
 
 
-def render_png(report: Report, *, title: str | None = None, dpi: int = 110) -> bytes:
+def render_png(report: ReportLike, *, title: str | None = None, dpi: int = 110) -> bytes:
     """The error-by-layer plot of ``report`` as PNG bytes. Every text from a layer or file name is
     drawn as given (:func:`_lit`); the axis keeps matplotlib's math rendering for its ticks."""
     return _render_png(report, title=title, dpi=dpi)
@@ -110,7 +137,7 @@ def _tick(name: str, limit: int = 60) -> str:
     return _lit(name if len(name) <= limit else name[: limit - 1] + "\u2026")
 
 
-def _render_png(report: Report, *, title: str | None, dpi: int) -> bytes:
+def _render_png(report: ReportLike, *, title: str | None, dpi: int) -> bytes:
     figure_cls, canvas_cls = _matplotlib()
     live = _live_layers(report)
     n = len(live)
@@ -210,7 +237,7 @@ def _render_png(report: Report, *, title: str | None, dpi: int) -> bytes:
     return buf.getvalue()
 
 
-def write_plot(report: Report, path: str | os.PathLike[str], *, title: str | None = None) -> str:
+def write_plot(report: ReportLike, path: str | os.PathLike[str], *, title: str | None = None) -> str:
     """Write the error-by-layer plot of ``report`` to ``path`` (PNG). Returns the path."""
     data = render_png(report, title=title)
     p = os.fspath(path)
@@ -221,7 +248,7 @@ def write_plot(report: Report, path: str | os.PathLike[str], *, title: str | Non
 
 # --------------------------------------------------------------------------- HTML
 
-ReportsArg = Union[Report, Sequence[Report], Mapping[str, Report], Sequence[tuple[str, Report]]]
+ReportsArg = Union[ReportLike, Sequence[ReportLike], Mapping[str, ReportLike], Sequence[tuple[str, ReportLike]]]
 
 # (header, kind): "num" columns sort numerically (largest first on the first click, except "#"
 # and "call"), the others as text. "x allowed" is added for calibrated reports only.
@@ -246,8 +273,8 @@ def _asset(name: str) -> str:
     return text
 
 
-def _normalize(reports: ReportsArg) -> list[tuple[str, Report]]:
-    if isinstance(reports, Report):
+def _normalize(reports: ReportsArg) -> list[tuple[str, ReportLike]]:
+    if isinstance(reports, ReportLike):
         return [(reports.path, reports)]
     if isinstance(reports, Mapping):
         items: Iterable[Any] = reports.items()
@@ -255,9 +282,9 @@ def _normalize(reports: ReportsArg) -> list[tuple[str, Report]]:
         items = reports
     out = []
     for item in items:
-        if isinstance(item, Report):
+        if isinstance(item, ReportLike):
             out.append((item.path, item))
-        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Report):
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], ReportLike):
             out.append((str(item[0]), item[1]))
         else:
             raise TypeError("write_html needs a Report, a list of Reports, or (label, Report) pairs; "
@@ -296,7 +323,7 @@ def _head(columns: Sequence[tuple[str, str]], *, plain: Sequence[str] = ()) -> s
     return "<thead><tr>" + "".join(cells) + "</tr></thead>"
 
 
-def _layer_rows(report: Report, fd_id: str, calibrated: bool) -> list[str]:
+def _layer_rows(report: ReportLike, fd_id: str, calibrated: bool) -> list[str]:
     fd = report.first_divergence
     ordered = _live_layers(report) + [x for x in report.layers if x.position is None]
     n_live = report.live_count
@@ -312,7 +339,8 @@ def _layer_rows(report: Report, fd_id: str, calibrated: bool) -> list[str]:
         cells = [
             _td("-" if x.position is None else str(report.number(x, n_live)), "num", x.position, keyed=True),
             f'<td class="name">{_e(name).replace(".", ".<wbr>")}{_phase_tag(x)}</td>',  # long names wrap at a dot
-            _td(str(x.call), "num", x.call, keyed=True), _td(x.type_name),
+            _td(str(x.call), "num", x.call, keyed=True),
+            _td(x.type_name if x.golden_type_name is None else f"{x.golden_type_name} -> {x.type_name}"),
             f'<td data-v="{_e(x.status)}">{status}</td>' if x is fd else _td(x.status),
             _td(fmt_diff(x.max_abs_diff), "num", x.max_abs_diff, keyed=True),
             _td(fmt_diff(x.max_rel_diff), "num", x.max_rel_diff, keyed=True),
@@ -351,7 +379,7 @@ def _tools(noun: str, only_bad: bool) -> str:
             f'diverged only</label><span class="count" aria-live="polite"></span></div>')
 
 
-def _section(i: int, label: str, report: Report, with_plot: bool, fd_id: str) -> list[str]:
+def _section(i: int, label: str, report: ReportLike, with_plot: bool, fd_id: str) -> list[str]:
     state = "ok" if report.ok else "bad"
     out = [f'<section class="report" id="report-{i}">', f"<h2>{_e(label)}</h2>",
            f'<p class="headline {state}"><b>{_e(report.headline())}</b></p>']
@@ -386,7 +414,7 @@ def _section(i: int, label: str, report: Report, with_plot: bool, fd_id: str) ->
     return out
 
 
-def _fd_ids(items: list[tuple[str, Report]]) -> list[str]:
+def _fd_ids(items: list[tuple[str, ReportLike]]) -> list[str]:
     """Row anchors of each check's first divergence; the page's first one is ``first-divergence``."""
     ids, taken = [], False
     for i, (_, r) in enumerate(items):
@@ -411,7 +439,7 @@ class Unreported(NamedTuple):
     message: str = ""
 
 
-def _banner(items: list[tuple[str, Report]], fd_ids: list[str], others: Sequence[Unreported] = ()) -> list[str]:
+def _banner(items: list[tuple[str, ReportLike]], fd_ids: list[str], others: Sequence[Unreported] = ()) -> list[str]:
     nbad = sum(1 for _, r in items if not r.ok)
     failing = Counter(o.status for o in others if o.status in FAILING_STATUSES)
     state = "ok" if nbad == 0 and not failing else "bad"
@@ -437,7 +465,8 @@ def _banner(items: list[tuple[str, Report]], fd_ids: list[str], others: Sequence
     return out
 
 
-def _checks_table(items: list[tuple[str, Report]], fd_ids: list[str], others: Sequence[Unreported] = ()) -> list[str]:
+def _checks_table(items: list[tuple[str, ReportLike]], fd_ids: list[str],
+                  others: Sequence[Unreported] = ()) -> list[str]:
     head = _head((("check", "text"), ("result", "text"), ("first divergence", "text")))
     out = ['<div class="table-box">', _tools("checks", only_bad=len(items) + len(others) > BIG_TABLE),
            f'<div class="scroll"><table class="ag checks" data-noun="checks">{head}<tbody>']

@@ -37,6 +37,7 @@ import hashlib
 import os
 import re
 import string
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -249,3 +250,29 @@ def is_hdf5_file(path: str | os.PathLike[str]) -> bool:
             return f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE
     except OSError:
         return False
+_SHORTENED = re.compile(r"~[0-9a-f]{16}\Z")
+
+
+def _unescape(comp: str) -> str | None:
+    if comp == "%" or "~" in comp:  # the empty name, or a shortened component: not invertible
+        return None
+    return urllib.parse.unquote(comp, encoding="utf-8", errors="surrogatepass")
+
+
+def module_source(module_dir: str) -> str | None:
+    """The test module (rootdir-relative, ``/``-separated) whose goldens live in the golden
+    directory ``module_dir`` (``tests/test_gpt2`` -> ``tests/test_gpt2.py``): the inverse of the
+    directories :func:`relative_golden_path` makes. None when a shortened component hides the name."""
+    comps = module_dir.split("/")
+    if not module_dir or any(not c for c in comps):
+        return None
+    dirs = [_unescape(c) for c in comps[:-1]]
+    last = comps[-1]
+    if last.endswith("~") and not _SHORTENED.search(last):  # a module file without ``.py``
+        name = _unescape(last[:-1])
+    else:
+        base = _unescape(last)
+        name = None if base is None else base + ".py"
+    if name is None or any(d is None for d in dirs):
+        return None
+    return "/".join([*(d for d in dirs if d is not None), name])
