@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from . import devices
 from .capture import RngState, set_rng_state
 from .leaves import UnsupportedTensorError, flatten, flatten_inputs
 from .rebuild import rebuild
@@ -249,7 +250,7 @@ class ChildHooks:
         self.substituted += 1
         # a copy each time: the parent may change what it gets in place
         try:
-            return rebuild(output, {p: golden[p].to(device=t.device, dtype=t.dtype, copy=True)
+            return rebuild(output, {p: devices.golden_on(golden[p], t.device, t.dtype, copy=True)
                                     for p, t in live.items()})
         except UnsupportedTensorError:  # a wrapper subclass that cannot be rebuilt: it keeps its own output
             self.substituted -= 1
@@ -276,7 +277,7 @@ class ChildHooks:
         if end is not None:
             set_rng_state(end)
         return rebuild(sk.output, {p: golden[p].clone() if dt is None
-                                   else golden[p].to(device=dev, dtype=_wide(dt) if widen else dt, copy=True)
+                                   else devices.golden_on(golden[p], dev, _wide(dt) if widen else dt, copy=True)
                                    for p, (_, dt, dev) in sk.meta.items()})
 
 

@@ -57,5 +57,21 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def golden_on(golden: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None, *,
+              copy: bool = False) -> torch.Tensor:
+    """A golden tensor (read from the file, so on the CPU) placed on the live ``device``, in
+    ``dtype`` (default: its own), a tensor of its own when ``copy`` (the caller may change it).
+
+    The one place golden values cross to the live device: CUDA refuses ops that mix devices
+    (``torch.equal`` of a CPU golden and a CUDA output raises), and this keeps every such meeting
+    behind one call that a test on a CPU-only machine can watch."""
+    moved = golden.device != device
+    if moved:
+        golden = to_device(golden, device)
+    if dtype is not None and golden.dtype != dtype:
+        return golden.to(dtype)
+    return golden.clone() if copy and not moved else golden
+
+
 def stats_device(t: torch.Tensor) -> torch.device:
     return t.device if supports_float64(t.device) else torch.device("cpu")

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from . import devices
 from .calibrate import CalibratedJudge
 from .callstart import CallStart, modified_in_place, start_values
 from .capture import Frame, HookState, rng_state, set_rng_state
@@ -238,7 +239,7 @@ class Replayer:
                     bad.append(LeafResult(label, "shape", f"{label} shape {list(target.shape)} -> {list(t.shape)}",
                                           dtype=target.dtype, shape=target.shape, live_shape=tuple(t.shape)))
                     continue
-                gt = self.cache.load(target, where)
+                gt = devices.golden_on(self.cache.load(target, where), t.device)
                 if gt.dtype == t.dtype and torch.equal(gt, t):  # the common case: what its code passed on as is
                     continue
                 floor = None

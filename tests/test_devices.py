@@ -1,0 +1,104 @@
+"""CUDA code paths checked on a CPU-only machine: where golden tensors meet live ones, the precision
+a device really computes in, generators and device placement.
+
+No GPU ran these. Each test stands a CPU-visible seam in for the CUDA behaviour it guards (a
+"meta" tensor for a golden left on another device, a generator or a flag reported by a patched
+torch function); benchmarks/gpu_check.py runs the real thing on a machine with CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import activation_guard as ag
+from activation_guard import devices
+from activation_guard.children import GoldenCache
+
+
+class Block(nn.Module):
+    """Two children and code of its own after the last one (``scale``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))) * self.scale
+
+
+def nested(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 6), nn.Sequential(Block(), Block()), nn.Linear(6, 3)).eval()
+
+
+@pytest.fixture
+def golden_elsewhere(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Golden tensors read for a replay come back on the "meta" device, standing in for the CPU
+    when the live run is on a GPU: one that meets a live tensor without going through
+    ``devices.golden_on`` raises (as CUDA's ``torch.equal`` of a CPU and a CUDA tensor does), and
+    ``golden_on`` hands the real values on. Returns the count of tensors it placed."""
+    real: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    placed: list[int] = [0]
+    load, place = GoldenCache.load, devices.golden_on
+
+    def elsewhere(self: GoldenCache, entry: Any, where: str) -> torch.Tensor:
+        t = load(self, entry, where)
+        m = t.to("meta")
+        real[id(m)] = (m, t)
+        return m
+
+    def golden_on(g: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None, *,
+                  copy: bool = False) -> torch.Tensor:
+        hit = real.get(id(g))
+        if hit is not None and hit[0] is g:
+            g = hit[1]
+            placed[0] += 1
+        return place(g, device, dtype, copy=copy)
+
+    monkeypatch.setattr(GoldenCache, "load", elsewhere)
+    monkeypatch.setattr(devices, "golden_on", golden_on)
+    return placed
+
+
+def test_replay_first_places_golden_tensors_on_the_live_device(tmp_path: Path, golden_elsewhere: list[int]) -> None:
+    model, x = nested(), torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    p = tmp_path / "g.h5"
+    ag.record(model, (x,), path=p)
+    model[1][1].scale = 1.5  # its own code, after its last child: the first diverging call has children
+    r = ag.compare(model, (x,), path=p)
+    assert not r.ok and r.origin is not None
+    assert (r.origin.name, r.origin.kind) == ("1.1", "parent-code"), r.origin
+    assert golden_elsewhere[0] > 0
+    assert not any("not replayed" in n for n in r.notes), r.notes
+
+
+def test_replay_all_places_golden_tensors_on_the_live_device(tmp_path: Path, golden_elsewhere: list[int]) -> None:
+    model, x = nested(), torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    p = tmp_path / "g.h5"
+    ag.record(model, (x,), path=p)
+    r = ag.compare(model, (x,), path=p, replay="all")
+    assert r.ok, str(r)
+    replayed = [layer for layer in r.layers if layer.own_status is not None]
+    assert len(replayed) == len(r.layers)  # every call, parents with children included, was re-run
+    assert not any("not replayed" in n for n in r.notes), r.notes
+    assert golden_elsewhere[0] > 0
+
+
+def test_golden_on_moves_casts_and_copies() -> None:
+    g = torch.arange(4, dtype=torch.float32)
+    same = devices.golden_on(g, torch.device("cpu"))
+    assert same is g  # nothing to do: no copy
+    c = devices.golden_on(g, torch.device("cpu"), copy=True)
+    assert c is not g and torch.equal(c, g)
+    d = devices.golden_on(g, torch.device("cpu"), torch.float64, copy=True)
+    assert d.dtype == torch.float64 and d.data_ptr() != g.data_ptr()
+    m = devices.golden_on(g, torch.device("meta"))
+    assert m.device.type == "meta" and m.shape == g.shape
