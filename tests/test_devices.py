@@ -8,10 +8,11 @@ torch function); benchmarks/gpu_check.py runs the real thing on a machine with C
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -102,3 +103,32 @@ def test_golden_on_moves_casts_and_copies() -> None:
     assert d.dtype == torch.float64 and d.data_ptr() != g.data_ptr()
     m = devices.golden_on(g, torch.device("meta"))
     assert m.device.type == "meta" and m.shape == g.shape
+
+
+def test_fingerprint_torch_path_avoids_cumsum_under_deterministic_algorithms(monkeypatch: pytest.MonkeyPatch) -> None:
+    from activation_guard import native
+    from activation_guard.fingerprint import FingerprintParams, compute_fingerprint
+
+    monkeypatch.setattr(native, "get", lambda: None)  # the torch-ops path, which is what runs on a GPU
+    x = torch.randn(1_500_000, generator=torch.Generator().manual_seed(3))
+    params = FingerprintParams()
+    real_cumsum = torch.cumsum
+    calls: list[bool] = []
+
+    def cuda_like(*args: Any, **kwargs: Any) -> torch.Tensor:
+        # what CUDA's floating cumsum does under torch.use_deterministic_algorithms(True)
+        calls.append(torch.are_deterministic_algorithms_enabled())
+        if torch.are_deterministic_algorithms_enabled():
+            raise RuntimeError("cumsum_cuda_kernel does not have a deterministic implementation, but you set "
+                               "'torch.use_deterministic_algorithms(True)'")
+        return real_cumsum(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "cumsum", cuda_like)
+    plain = compute_fingerprint(x, params, chunk=1 << 16)
+    assert calls and not any(calls)  # the fold ran, through cumsum
+    with ag.deterministic():
+        det = compute_fingerprint(x, params, chunk=1 << 16)
+    # the in-order loop gives the sequential cumsum's sums bit for bit: the same fingerprint
+    for f in dataclasses.fields(plain):
+        a, b = getattr(det, f.name), getattr(plain, f.name)
+        assert np.array_equal(np.asarray(a), np.asarray(b)), f.name
