@@ -9,6 +9,7 @@ torch function); benchmarks/gpu_check.py runs the real thing on a machine with C
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +133,71 @@ def test_fingerprint_torch_path_avoids_cumsum_under_deterministic_algorithms(mon
     for f in dataclasses.fields(plain):
         a, b = getattr(det, f.name), getattr(plain, f.name)
         assert np.array_equal(np.asarray(a), np.asarray(b)), f.name
+
+
+# torch's own message when a CUDA matmul runs under deterministic algorithms without the setting
+CUBLAS_MESSAGE = ("Deterministic behavior was enabled with either `torch.use_deterministic_algorithms(True)` or "
+                  "`at::Context::setDeterministicAlgorithms(true)`, but this operation is not deterministic because "
+                  "it uses CuBLAS and you have CUDA >= 10.2. To enable deterministic behavior in this case, you must "
+                  "set an environment variable before running your PyTorch application: "
+                  "CUBLAS_WORKSPACE_CONFIG=:4096:8 or CUBLAS_WORKSPACE_CONFIG=:16:8.")
+
+
+@pytest.fixture
+def cuda_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's CUDA counts as initialised (no device: its generators are empty)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: None)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: None)
+
+
+def test_deterministic_warns_when_cuda_started_before_the_cublas_setting(monkeypatch: pytest.MonkeyPatch,
+                                                                         cuda_started: None) -> None:
+    from activation_guard import determinism as det
+
+    monkeypatch.delenv(det.CUBLAS_ENV, raising=False)
+    with pytest.warns(ag.ActivationGuardWarning, match="CUDA was initialised while CUBLAS_WORKSPACE_CONFIG was "
+                                                       "unset") as w, ag.deterministic():
+        assert os.environ[det.CUBLAS_ENV] == det.CUBLAS_DETERMINISTIC
+    assert "before the process starts" in str(w[0].message)
+    assert det.CUBLAS_ENV not in os.environ  # restored
+    monkeypatch.setenv(det.CUBLAS_ENV, ":16:8")  # set in time: nothing to say
+    with ag.deterministic():
+        pass
+
+
+def test_deterministic_names_the_fix_when_a_cuda_matmul_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    from activation_guard import determinism as det
+
+    with pytest.raises(det.CublasWorkspaceError, match="before the process starts") as e, ag.deterministic():
+        raise RuntimeError(CUBLAS_MESSAGE)
+    assert isinstance(e.value, RuntimeError) and isinstance(e.value.__cause__, RuntimeError)
+    with pytest.raises(RuntimeError, match=r"^other$"), ag.deterministic():  # anything else passes through
+        raise RuntimeError("other")
+
+
+def test_plugin_sets_the_cublas_setting_before_tests_run(pytester: pytest.Pytester,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from activation_guard import determinism as det
+    from activation_guard import plugin
+
+    assert (plugin.CUBLAS_ENV, plugin.CUBLAS_DETERMINISTIC) == (det.CUBLAS_ENV, det.CUBLAS_DETERMINISTIC)
+    monkeypatch.delenv(det.CUBLAS_ENV, raising=False)
+    pytester.makepyfile(test_env='''
+        import os
+
+        def test_env():
+            assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"
+    ''')
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    assert det.CUBLAS_ENV not in os.environ  # taken back at the end of the run
+    monkeypatch.setenv(det.CUBLAS_ENV, "")  # the user's choice (empty: torch's default) is kept
+    pytester.makepyfile(test_env='''
+        import os
+
+        def test_env():
+            assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ""
+    ''')
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
