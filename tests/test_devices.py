@@ -201,3 +201,91 @@ def test_plugin_sets_the_cublas_setting_before_tests_run(pytester: pytest.Pytest
             assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ""
     ''')
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def small_cnn(seed: int = 0) -> nn.Module:
+    """The example suite's CNN (tests/examples/test_cnn.py), weights drawn the same way."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5),
+    )
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in sorted([*model.named_parameters(), *model.named_buffers()]):
+            if t.is_floating_point():
+                v = torch.randn(t.shape, generator=g) * 0.5
+                t.copy_(v.abs() + 0.5 if name.endswith("running_var") else v)
+    return model.eval()
+
+
+def gpu(name: str, capability: str) -> dict[str, Any]:
+    return {"device": "cuda:0", "device_type": "cuda", "device_name": name, "cuda": "12.8", "cudnn": 91000,
+            "capability": capability}
+
+
+def test_cpu_golden_checked_where_cudnn_runs_tf32_widens_float32_defaults_and_names_tf32(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from activation_guard import env
+
+    model, x = small_cnn(), torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(1234))
+    p = tmp_path / "g.h5"
+    ag.record(model, (x,), path=p)
+    # the live run as on a GPU with torch's default flags: cuDNN convolutions in TF32 (cudnn.allow_tf32
+    # is on by default), their operands rounded as emulate_tf32 does on a CPU
+    monkeypatch.setattr(env, "model_device", lambda *a: torch.device("cuda", 0))
+    monkeypatch.setattr(env, "device_info", lambda dev: gpu("NVIDIA H100 80GB HBM3", "sm_90"))
+    assert torch.backends.cudnn.allow_tf32
+    with ag.emulate_tf32():
+        r = ag.compare(model, (x,), path=p)
+    assert r.ok, str(r)
+    assert any("TF32" in c and "convolutions" in c for c in r.env_changes), r.env_changes
+    conv = next(layer for layer in r.layers if layer.name == "0")
+    assert conv.rtol == 1e-2 and "TF32" in (conv.leaves[0].tolerance_source or ""), conv.leaves[0]
+    with torch.no_grad():
+        model[4].weight.mul_(1.05)  # a real change still fails, at its layer
+    with ag.emulate_tf32():
+        bad = ag.compare(model, (x,), path=p, replay="off")
+    assert not bad.ok and bad.first_divergence is not None and bad.first_divergence.name == "4"
+
+
+def test_tf32_switches_mean_nothing_on_a_cpu_or_an_old_gpu() -> None:
+    from activation_guard import env
+
+    flags = {"cudnn_allow_tf32": True, "cuda_matmul_allow_tf32": True, "fp32_precision.cudnn.conv": "tf32"}
+    assert set(env.effective_precision(flags, {"device_type": "cpu"}).values()) == {"ieee"}
+    assert set(env.effective_precision(flags, gpu("Tesla V100", "sm_70")).values()) == {"ieee"}
+    assert env.effective_precision(flags, gpu("NVIDIA A100", "sm_80")) == {"matmul": "tf32", "conv": "tf32",
+                                                                           "rnn": "tf32"}
+    off = {"cudnn_allow_tf32": False, "cuda_matmul_allow_tf32": False, "fp32_precision.cudnn.conv": "ieee",
+           "fp32_precision.cudnn.rnn": "ieee", "float32_matmul_precision": "highest"}
+    assert set(env.effective_precision(off, gpu("NVIDIA A100", "sm_80")).values()) == {"ieee"}
+    assert env.precision_change(off, gpu("A", "sm_80"), off, gpu("A", "sm_80"), False) is None
+    assert env.precision_change(flags, {"device_type": "cpu"}, flags, {"device_type": "cpu"}, False) is None
+    assert env.effective_precision({"float32_matmul_precision": "medium"}, {"device_type": "cpu"})["matmul"] == "bf16"
+
+
+def test_golden_from_another_gpu_model_gets_cross_device_defaults(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from activation_guard import env
+
+    monkeypatch.setattr(env, "model_device", lambda *a: torch.device("cuda", 0))
+    off = {**env.numerics_flags(), "cudnn_allow_tf32": False, "fp32_precision.cudnn.conv": "ieee",
+           "fp32_precision.cudnn.rnn": "ieee"}
+    monkeypatch.setattr(env, "numerics_flags", lambda: off)  # full float32 on both: only the GPU model differs
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).eval()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)) * 4
+    p = tmp_path / "g.h5"
+    monkeypatch.setattr(env, "device_info", lambda dev: gpu("NVIDIA A100-SXM4-80GB", "sm_80"))
+    ag.record(model, (x,), path=p)
+    with torch.no_grad():  # another GPU's kernels: float32 rounding of a few ulps, about 1e-5 relative
+        model[0].weight.mul_(1 + 1e-5)
+    monkeypatch.setattr(env, "device_info", lambda dev: gpu("NVIDIA H100 80GB HBM3", "sm_90"))
+    r = ag.compare(model, (x,), path=p, replay="off")
+    assert r.ok, str(r)
+    src = r.layers[0].leaves[0].tolerance_source or ""
+    assert "A100" in src and "H100" in src and r.layers[0].rtol == 1e-4, src
+    assert any("H100" in c for c in r.env_changes)
+    monkeypatch.setattr(env, "device_info", lambda dev: gpu("NVIDIA A100-SXM4-80GB", "sm_80"))
+    assert not ag.compare(model, (x,), path=p, replay="off").ok  # the same GPU model: same-device defaults
