@@ -42,7 +42,7 @@ import torch
 from . import devices
 from .calibrate import CalibratedJudge
 from .callstart import CallStart, modified_in_place, start_values
-from .capture import Frame, HookState, rng_state, set_rng_state
+from .capture import Frame, HookState, rng_moved, rng_state, set_rng_state
 from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, skeleton
 from .dtypes import dtype_name
 from .judges import Judge, LeafContext, StrictJudge
@@ -116,7 +116,9 @@ class Replayer:
                     b = module._buffers.get(name)
                     if b is not None:
                         b.copy_(value.to(device=b.device, dtype=b.dtype))
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        # every CUDA device's generator, not only the current one's: a model on cuda:1 draws from its own
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else []
         self.state.replaying = True
         try:
             with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(self.grad), \
@@ -145,7 +147,7 @@ class Replayer:
         rewind = start_values(start)
         if isinstance(rewind, str):
             return self._not_replayed(rewind)
-        if frame.rng is not None and not torch.equal(torch.get_rng_state(), frame.rng[0]):
+        if frame.rng is not None and rng_moved(frame.rng):
             self.drew_random.add((frame.name, frame.call))  # it returned just now: the state moved in it
         children = start.children
         if any(c.module is frame.module for c in children):

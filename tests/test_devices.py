@@ -289,3 +289,29 @@ def test_golden_from_another_gpu_model_gets_cross_device_defaults(tmp_path: Path
     assert any("H100" in c for c in r.env_changes)
     monkeypatch.setattr(env, "device_info", lambda dev: gpu("NVIDIA A100-SXM4-80GB", "sm_80"))
     assert not ag.compare(model, (x,), path=p, replay="off").ok  # the same GPU model: same-device defaults
+
+
+def test_rng_state_takes_and_restores_every_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two fake CUDA generators; the model's is cuda:1 while cuda:0 is current."""
+    from activation_guard import capture
+
+    gens = [torch.tensor([0], dtype=torch.uint8), torch.tensor([0], dtype=torch.uint8)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": gens[0].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": gens[0].copy_(s))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [g.clone() for g in gens])
+
+    def set_all(states: list[torch.Tensor]) -> None:
+        for g, s in zip(gens, states):
+            g.copy_(s)
+
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_all)
+    start = capture.rng_state()
+    gens[1] += 7  # a dropout on cuda:1 drew numbers
+    capture.set_rng_state(start)
+    assert int(gens[1]) == 0
+    gens[1] += 7
+    assert capture.rng_moved(start)  # the replay's "it draws random numbers" hint sees it
+    capture.set_rng_state(start)
+    assert not capture.rng_moved(start)
