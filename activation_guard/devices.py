@@ -7,6 +7,8 @@ memory so they overlap the caller's work.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 # device types known to lack float64 kernels: their shadow forward runs on the CPU instead
@@ -71,6 +73,14 @@ def golden_on(golden: torch.Tensor, device: torch.device, dtype: torch.dtype | N
     if dtype is not None and golden.dtype != dtype:
         return golden.to(dtype)
     return golden.clone() if copy and not moved else golden
+
+
+def module_device(module: torch.nn.Module, default: torch.device) -> torch.device:
+    """Where a module's tensors live: its first parameter's device, else its first buffer's (a
+    module without parameters can hold CUDA tables: RoPE frequencies, masks), else ``default``."""
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        return t.device
+    return default
 
 
 def stats_device(t: torch.Tensor) -> torch.device:

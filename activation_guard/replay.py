@@ -206,7 +206,7 @@ class Replayer:
             modules = {c.name: self.reference.get_submodule(c.name) for c in children}
         except AttributeError:
             return {}, None
-        dev = next((p.device for p in module.parameters()), torch.device("cpu"))
+        dev = devices.module_device(module, devices.module_device(self.reference, torch.device("cpu")))
         hooks = ChildHooks(children, outputs) if children else None
         try:
             with float32_random():

@@ -315,3 +315,34 @@ def test_rng_state_takes_and_restores_every_cuda_device(monkeypatch: pytest.Monk
     assert capture.rng_moved(start)  # the replay's "it draws random numbers" hint sees it
     capture.set_rng_state(start)
     assert not capture.rng_moved(start)
+
+
+def test_float64_reference_of_a_module_with_buffers_only_runs_where_its_buffers_are(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parameter-free module holding a table (RoPE, a mask) on the device: its float64 replay
+    gets its inputs there ("meta" stands in for a GPU), not on the CPU."""
+    from types import SimpleNamespace
+
+    from activation_guard import replay
+
+    class Rope(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("freqs", torch.ones(4, dtype=torch.float64, device="meta"))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.freqs
+
+    reference = nn.Sequential(nn.Identity(), Rope())
+    seen: list[torch.device] = []
+
+    def to_reference(value: Any, device: torch.device) -> Any:
+        seen.append(device)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(replay, "to_reference", to_reference)
+    me = SimpleNamespace(reference=reference, no_reference={}, _run=lambda *a, **k: None)
+    frame = SimpleNamespace(name="1")
+    refs, _hooks = replay.Replayer._reference_outputs(me, frame, (torch.ones(4),), {}, [], None)  # type: ignore[arg-type]
+    assert seen == [torch.device("meta")] and refs == {} and me.no_reference, me.no_reference
+    assert replay.devices.module_device(nn.ReLU(), torch.device("meta")) == torch.device("meta")
