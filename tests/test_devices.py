@@ -346,3 +346,17 @@ def test_float64_reference_of_a_module_with_buffers_only_runs_where_its_buffers_
     refs, _hooks = replay.Replayer._reference_outputs(me, frame, (torch.ones(4),), {}, [], None)  # type: ignore[arg-type]
     assert seen == [torch.device("meta")] and refs == {} and me.no_reference, me.no_reference
     assert replay.devices.module_device(nn.ReLU(), torch.device("meta")) == torch.device("meta")
+
+
+def test_cotangents_are_drawn_on_the_cpu_under_another_default_device() -> None:
+    """torch.set_default_device("cuda") would make the CPU generator's randn raise; "meta" stands
+    in for it (there, a meta cotangent cannot be copied to the output's device)."""
+    from activation_guard.grad_loss import LossRule
+
+    out = (torch.ones(3, requires_grad=True) * 2, torch.zeros(2, requires_grad=True) + 1)
+    expect = LossRule("cotangent").roots(out)[1]
+    with torch.device("meta"):
+        _roots, grads = LossRule("cotangent").roots(out)
+    assert grads is not None and expect is not None
+    assert all(g.device.type == "cpu" for g in grads)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expect))
