@@ -360,3 +360,33 @@ def test_cotangents_are_drawn_on_the_cpu_under_another_default_device() -> None:
     assert grads is not None and expect is not None
     assert all(g.device.type == "cpu" for g in grads)
     assert all(torch.equal(a, b) for a, b in zip(grads, expect))
+
+
+def test_rank_process_group_puts_each_rank_on_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from activation_guard import rank_session
+
+    dist = torch.distributed
+    calls: dict[str, Any] = {}
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                 "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+    with rank_session.process_group(5.0):
+        pass
+    assert calls["backend"] == "cpu:gloo,cuda:nccl"
+    assert calls["set_device"] == 1 and calls["device_id"] == torch.device("cuda", 1)
+
+
+def test_gather_on_an_nccl_only_group_moves_cpu_values_to_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from activation_guard import placements
+
+    dist = torch.distributed
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert placements.comm_device(None, torch.device("cpu")) == torch.device("cuda", 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert placements.comm_device(None, torch.device("cpu")) == torch.device("cpu")
