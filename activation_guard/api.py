@@ -379,7 +379,7 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         if judge is not None:
             judge.close()
     env_changes = envmod.describe_env_change(gmeta.get("numerics"), envmod.numerics_flags())
-    env_changes += envmod.describe_device_change(gmeta.get("device"), envmod.device_info(dev))
+    env_changes += envmod.describe_device_change(gmeta.get("device"), live_info)
     env_changes += envmod.describe_version_change(gmeta.get("versions"), envmod.versions())
     if reduced is not None:
         env_changes.append(reduced[1])
