@@ -319,7 +319,8 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         # the device model and the precision each op family really runs in, not only the device type
         live_info = envmod.device_info(dev)
         reduced = envmod.precision_change(gmeta.get("numerics"), gmeta.get("device"), envmod.numerics_flags(),
-                                          live_info, envmod.different_device(gmeta.get("device"), live_info))
+                                          live_info, envmod.different_device(gmeta.get("device"), live_info),
+                                          envmod.op_families(type(m).__name__ for _, m in target.modules))
         resolver = ToleranceResolver(spec, golden_device=gdev, live_device=str(dev),
                                      other_model=envmod.other_model(gmeta.get("device"), live_info),
                                      reduced=None if reduced is None else reduced[0])

@@ -78,7 +78,8 @@ def diff_recordings(
         gdev, bdev = envmod.recorded_device(gmeta), envmod.recorded_device(bmeta)
         binfo = bmeta.get("device") if isinstance(bmeta.get("device"), dict) else gmeta.get("device")
         reduced = envmod.precision_change(gmeta.get("numerics"), gmeta.get("device"), bmeta.get("numerics"), binfo,
-                                          envmod.different_device(gmeta.get("device"), binfo))
+                                          envmod.different_device(gmeta.get("device"), binfo),
+                                          envmod.op_families({c.type_name for c in gb.calls}))
         resolver = ToleranceResolver(spec, golden_device=gdev, live_device=bdev or gdev,
                                      other_model=envmod.other_model(gmeta.get("device"), binfo),
                                      reduced=None if reduced is None else reduced[0])

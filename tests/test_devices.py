@@ -272,6 +272,13 @@ def test_tf32_switches_mean_nothing_on_a_cpu_or_an_old_gpu() -> None:
     assert env.precision_change(off, gpu("A", "sm_80"), off, gpu("A", "sm_80"), False) is None
     assert env.precision_change(flags, {"device_type": "cpu"}, flags, {"device_type": "cpu"}, False) is None
     assert env.effective_precision({"float32_matmul_precision": "medium"}, {"device_type": "cpu"})["matmul"] == "bf16"
+    assert env.op_families(["Sequential", "Linear"]) == {"matmul"}
+    assert env.op_families(["Conv2d", "LSTM", "ConvTranspose1d"]) == {"matmul", "conv", "rnn"}
+    # a model without convolutions or RNNs: cuDNN's default TF32 cannot touch it, nothing widens
+    default = {"cudnn_allow_tf32": True, "cuda_matmul_allow_tf32": False}  # torch's defaults
+    assert env.precision_change(default, {"device_type": "cpu"}, default, gpu("A", "sm_90"), True, {"matmul"}) is None
+    assert env.precision_change(default, {"device_type": "cpu"}, default, gpu("A", "sm_90"), True,
+                                {"matmul", "conv"}) is not None
 
 
 def test_golden_from_another_gpu_model_gets_cross_device_defaults(tmp_path: Path,
