@@ -186,27 +186,27 @@ def test_plugin_sets_the_cublas_setting_before_tests_run(pytester: pytest.Pytest
     assert (plugin.CUBLAS_ENV, plugin.CUBLAS_DETERMINISTIC) == (det.CUBLAS_ENV, det.CUBLAS_DETERMINISTIC)
     monkeypatch.delenv(det.CUBLAS_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # a fresh process (an earlier test may use CUDA)
-    pytester.makepyfile(test_env='''
+    pytester.makepyfile(test_cublas_variable='''
         import os
 
-        def test_env():
+        def test_cublas_variable():
             assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"
     ''')
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
     assert det.CUBLAS_ENV not in os.environ  # taken back at the end of the run
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # too late: left to deterministic()'s warning
-    pytester.makepyfile(test_env='''
+    pytester.makepyfile(test_cublas_variable='''
         import os
 
-        def test_env():
+        def test_cublas_variable():
             assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
     ''')
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
     monkeypatch.setenv(det.CUBLAS_ENV, "")  # the user's choice (empty: torch's default) is kept
-    pytester.makepyfile(test_env='''
+    pytester.makepyfile(test_cublas_variable='''
         import os
 
-        def test_env():
+        def test_cublas_variable():
             assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ""
     ''')
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
