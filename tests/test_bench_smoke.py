@@ -124,3 +124,31 @@ def test_ab_script_times_fingerprint_recordings_as_multiples_of_the_forward(tmp_
     for needle in ("record with fingerprints on the worker", "forward", "record old", "record new", "x the forward",
                    "new / old ="):
         assert needle in cp.stdout, cp.stdout
+
+
+GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"
+
+
+def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: the check would run for real")
+    log = tmp_path / "gpu.log"
+    cp = subprocess.run([sys.executable, str(GPU_CHECK), "--log", str(log)], capture_output=True, text=True,
+                        timeout=120, cwd=ROOT, check=False)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert "no CUDA: torch.cuda.is_available() is False" in log.read_text()
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_on_the_cpu_passes_every_section(tmp_path: Path) -> None:
+    """Every section's own logic (the verdicts it expects) on the CPU; the pytest section is for CUDA."""
+    log = tmp_path / "gpu.log"
+    cp = subprocess.run([sys.executable, str(GPU_CHECK), "--device", "cpu", "--quick", "--log", str(log)],
+                        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    text = log.read_text()
+    assert cp.returncode == 0, text + cp.stderr
+    assert "== summary: tests ok, replay ok, determinism ok, fingerprints ok, calibrated ok, stream-race ok" in text
+    assert "origin ('1.1', 'parent-code')" in text and "10 of 10 calls re-run" in text
+    assert "fingerprints under deterministic(): 5 stored, bit-exact compare ok=True" in text

@@ -705,7 +705,9 @@ class _Watch(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 # aten ops the kernel may use: each has a CUDA kernel for the dtypes used (int64, float64, the
-# input's dtype); anything else appearing here must be checked before it is added.
+# input's dtype); anything else appearing here must be checked before it is added. aten::cumsum
+# only outside deterministic algorithms (CUDA's floating cumsum raises under them; the fold then
+# adds in order: test_devices.py).
 CUDA_OPS = {
     "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::slice", "aten::select", "aten::as_strided",
     "aten::expand", "aten::t", "aten::transpose", "aten::unsqueeze", "aten::alias", "aten::detach",

@@ -267,9 +267,16 @@ def test_two_checks_with_one_name_is_an_error(ag: pytest.Pytester) -> None:
     ])
 
 
-def test_ag_device(ag: pytest.Pytester) -> None:
-    """cpu/cuda parametrisation, cuda skipped with a reason; the device is not in the golden path
-    and the update hint names the cpu variant, which records."""
+@pytest.mark.parametrize("gpu", [False, True], ids=["as-is", "cuda-available"])
+def test_ag_device(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, gpu: bool) -> None:
+    """cpu/cuda parametrisation, cuda skipped with a reason where there is no CUDA and run where
+    there is; the device is not in the golden path and the update hint names the cpu variant,
+    which records. ``cuda-available`` runs the check as on a GPU machine (on one without CUDA,
+    torch says it is available and the cuda variants then fail or error on ``.to("cuda")``)."""
+    import torch
+
+    if gpu and not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     ag.makepyfile(test_dev='''
         import pytest
         from agmodels import build, inputs
@@ -291,12 +298,21 @@ def test_ag_device(ag: pytest.Pytester) -> None:
             activation_guard.check(model, tuple(t.to(ag_device) for t in inputs()))
     ''')
     r = ag.runpytest("-rs")
-    r.assert_outcomes(failed=3, skipped=2)
-    r.stdout.fnmatch_lines([
+    lines = [
         "*no golden for this check: golden/test_dev/test_d[[]2].h5",
         "    pytest --ag-update 'test_dev.py::test_d[[]cpu-2]'",
         "*no golden for this check: golden/test_dev/test_own_param.h5",
-        "SKIPPED *ag_device=cuda: CUDA is not available here (torch.cuda.is_available() is False)",
+    ]
+    if torch.cuda.is_available():  # the two cuda variants run: no golden (a GPU), no CUDA in torch (faked)
+        outcomes = r.parseoutcomes()
+        assert outcomes.get("failed", 0) + outcomes.get("errors", 0) == 5 and "skipped" not in outcomes, outcomes
+        assert outcomes.get("failed", 0) >= 4  # test_d[cuda-2] fails, whatever the machine
+        r.stdout.no_fnmatch_line("*CUDA is not available here*")
+        r.stdout.fnmatch_lines(lines)
+        return
+    r.assert_outcomes(failed=3, skipped=2)
+    r.stdout.fnmatch_lines([
+        *lines, "SKIPPED *ag_device=cuda: CUDA is not available here (torch.cuda.is_available() is False)",
     ])
 
 

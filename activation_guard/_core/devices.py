@@ -7,6 +7,8 @@ memory so they overlap the caller's work.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 # device types known to lack float64 kernels: their shadow forward runs on the CPU instead
@@ -55,6 +57,30 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if plan == "pinned":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def golden_on(golden: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None, *,
+              copy: bool = False) -> torch.Tensor:
+    """A golden tensor (read from the file, so on the CPU) placed on the live ``device``, in
+    ``dtype`` (default: its own), a tensor of its own when ``copy`` (the caller may change it).
+
+    The one place golden values cross to the live device: CUDA refuses ops that mix devices
+    (``torch.equal`` of a CPU golden and a CUDA output raises), and this keeps every such meeting
+    behind one call that a test on a CPU-only machine can watch."""
+    moved = golden.device != device
+    if moved:
+        golden = to_device(golden, device)
+    if dtype is not None and golden.dtype != dtype:
+        return golden.to(dtype)
+    return golden.clone() if copy and not moved else golden
+
+
+def module_device(module: torch.nn.Module, default: torch.device) -> torch.device:
+    """Where a module's tensors live: its first parameter's device, else its first buffer's (a
+    module without parameters can hold CUDA tables: RoPE frequencies, masks), else ``default``."""
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        return t.device
+    return default
 
 
 def stats_device(t: torch.Tensor) -> torch.device:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from . import devices
+
 CHUNK = 1 << 18
 
 
@@ -57,11 +59,7 @@ def compare_tensors(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol:
     Integer and bool tensors compare exactly; floats by ``|live - golden| <= atol + rtol*|golden|``
     with NaN matching NaN and an infinite golden matched only by the same infinity."""
     live = live.detach()
-    if golden.device != live.device:
-        if live.device.type == "cuda":
-            golden = golden.pin_memory().to(live.device, non_blocking=True)
-        else:
-            golden = golden.to(live.device)
+    golden = devices.golden_on(golden, live.device)
     g = golden.reshape(-1)
     lv = live.reshape(-1)
     if lv.is_conj():

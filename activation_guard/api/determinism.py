@@ -12,8 +12,11 @@ What ``deterministic()`` cannot make deterministic (see docs/cross-device.md):
 * random generators it does not own: ``numpy.random.Generator`` / ``torch.Generator`` objects
   created by user code, other libraries' RNGs, DataLoader worker processes started elsewhere;
 * ``PYTHONHASHSEED`` (set iteration order), which is fixed when the interpreter starts;
-* cuBLAS handles created before entry: ``CUBLAS_WORKSPACE_CONFIG`` is set on entry (as
-  deterministic cuBLAS requires) but a handle that already exists keeps its workspace;
+* cuBLAS set up before entry: ``CUBLAS_WORKSPACE_CONFIG`` is set on entry (as deterministic
+  cuBLAS requires), but torch sizes cuBLAS's workspace when CUDA first runs a matmul, so a
+  process whose CUDA was initialised without it gets a warning on entry saying what to do (the
+  pytest plugin sets it at start-up, before any test touches CUDA), and a matmul that raises for
+  it inside the block is re-raised as a :class:`CublasWorkspaceError` naming the fix;
 * custom CUDA/Triton extensions that ignore ``torch.use_deterministic_algorithms``;
 * the thread count, hardware and library versions: results stay machine specific.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._core.errors import ActivationGuardError, ActivationGuardWarning
 from .._core.numerics import PrecisionFlags, precise_fp32
 from ..calibration.shadow import isolated_rng
 from ..capture.env import model_device
@@ -38,6 +43,24 @@ from .run import compare, record
 
 CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
 CUBLAS_DETERMINISTIC = ":4096:8"
+CUBLAS_DETERMINISTIC_VALUES = (":4096:8", ":16:8")  # the two settings torch accepts as deterministic
+CUBLAS_FIX = (f"set {CUBLAS_ENV}={CUBLAS_DETERMINISTIC} in the environment before the process starts (the "
+              f"activation_guard pytest plugin sets it at start-up unless a conftest or plugin initialised CUDA "
+              f"first), or call deterministic() before any CUDA work")
+
+
+class CublasWorkspaceError(ActivationGuardError, RuntimeError):
+    """A CUDA matmul inside :func:`deterministic` refused to run: cuBLAS was set up before
+    ``CUBLAS_WORKSPACE_CONFIG`` was."""
+
+
+def _late_cublas(env_before: str | None) -> str | None:
+    """Why cuBLAS may not honour the workspace setting deterministic() makes (None: it will)."""
+    if env_before in CUBLAS_DETERMINISTIC_VALUES or not _cuda_initialized():
+        return None
+    now = "unset" if env_before is None else f"{env_before!r}"
+    return (f"deterministic(): CUDA was initialised while {CUBLAS_ENV} was {now}; cuBLAS may keep the workspace "
+            f"it chose then, so CUDA matmuls in this block may raise or not be deterministic: {CUBLAS_FIX}")
 
 @dataclass
 class DeterministicState:
@@ -92,6 +115,9 @@ def deterministic(seed: int = 0, *, warn_only: bool = False) -> Iterator[Determi
         "cudnn_deterministic": cudnn_det, "cudnn_benchmark": cudnn_bench,
         "precision": dict(precision.legacy), CUBLAS_ENV: env_before,
     })
+    late = _late_cublas(env_before)
+    if late is not None:
+        warnings.warn(ActivationGuardWarning(late), stacklevel=3)
     try:
         if env_before is None:
             os.environ[CUBLAS_ENV] = CUBLAS_DETERMINISTIC
@@ -100,7 +126,13 @@ def deterministic(seed: int = 0, *, warn_only: bool = False) -> Iterator[Determi
         torch.backends.cudnn.benchmark = False
         precise_fp32()
         seed_everything(seed)
-        yield state
+        try:
+            yield state
+        except RuntimeError as e:
+            if CUBLAS_ENV in str(e) and not isinstance(e, CublasWorkspaceError):
+                raise CublasWorkspaceError(f"a CUDA matmul inside deterministic() needs {CUBLAS_ENV}, and cuBLAS "
+                                           f"was set up before it was set: {CUBLAS_FIX}") from e
+            raise
     finally:
         torch.use_deterministic_algorithms(det, warn_only=det_warn)
         torch.backends.cudnn.deterministic = cudnn_det

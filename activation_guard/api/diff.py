@@ -94,7 +94,13 @@ def diff_recordings(
     with GoldenReader(golden) as ga, GoldenReader(other) as gb:
         gmeta, bmeta = ga.meta, gb.meta
         gdev, bdev = envmod.recorded_device(gmeta), envmod.recorded_device(bmeta)
-        resolver = ToleranceResolver(spec, golden_device=gdev, live_device=bdev or gdev)
+        binfo = bmeta.get("device") if isinstance(bmeta.get("device"), dict) else gmeta.get("device")
+        reduced = envmod.precision_change(gmeta.get("numerics"), gmeta.get("device"), bmeta.get("numerics"), binfo,
+                                          envmod.different_device(gmeta.get("device"), binfo),
+                                          envmod.op_families({c.type_name for c in gb.calls}))
+        resolver = ToleranceResolver(spec, golden_device=gdev, live_device=bdev or gdev,
+                                     other_model=envmod.other_model(gmeta.get("device"), binfo),
+                                     reduced=None if reduced is None else reduced[0])
         # as compare: default to the layers the golden recorded
         golden_filter = Comparator.default_filter(gmeta, spec) if inc is None and exc is None else None
         comp = Comparator(ga, spec, StrictJudge(resolver), golden_filter=golden_filter)
@@ -109,6 +115,8 @@ def diff_recordings(
     env_changes = envmod.describe_env_change(
         gmeta.get("numerics"), bmeta.get("numerics") if isinstance(bmeta.get("numerics"), dict) else {})
     env_changes += envmod.describe_version_change(gmeta.get("versions"), bmeta.get("versions"), "other")
+    if reduced is not None:
+        env_changes.append(reduced[1].replace("the live ", "the other's "))
     if isinstance(bmeta.get("device"), dict):  # as compare: the device first among what differs
         env_changes = envmod.describe_device_change(gmeta.get("device"), bmeta["device"]) + env_changes
     gin, bin_ = gmeta.get("inputs"), bmeta.get("inputs")

@@ -317,7 +317,14 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
             else:  # layers the golden never stored are not "unexpected"
                 spec = spec.with_selection(*recorded_selection(gmeta))
         gdev = envmod.recorded_device(gmeta)
-        resolver = ToleranceResolver(spec, golden_device=gdev, live_device=str(dev))
+        # the device model and the precision each op family really runs in, not only the device type
+        live_info = envmod.device_info(dev)
+        reduced = envmod.precision_change(gmeta.get("numerics"), gmeta.get("device"), envmod.numerics_flags(),
+                                          live_info, envmod.different_device(gmeta.get("device"), live_info),
+                                          envmod.op_families(type(m).__name__ for _, m in target.modules))
+        resolver = ToleranceResolver(spec, golden_device=gdev, live_device=str(dev),
+                                     other_model=envmod.other_model(gmeta.get("device"), live_info),
+                                     reduced=None if reduced is None else reduced[0])
         rule = grad_api.compare_rule(spec, gmeta, path, target)  # gradients: the golden's loss, or None
         if dcap is not None:
             distcap.refuse_sharded_backward(model, rule is not None)
@@ -374,8 +381,10 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         if judge is not None:
             judge.close()
     env_changes = envmod.describe_env_change(gmeta.get("numerics"), envmod.numerics_flags())
-    env_changes += envmod.describe_device_change(gmeta.get("device"), envmod.device_info(dev))
+    env_changes += envmod.describe_device_change(gmeta.get("device"), live_info)
     env_changes += envmod.describe_version_change(gmeta.get("versions"), envmod.versions())
+    if reduced is not None:
+        env_changes.append(reduced[1])
     report = Report(
         path=path, layers=layers, golden_meta=report_meta(gmeta), live_device=str(dev), input_changes=input_changes,
         env_changes=env_changes, stopped_early=stopped, output=out, _order=order, mode=spec.tolerance,

@@ -32,7 +32,7 @@ import math
 import numpy as np
 import torch
 
-from .._core.devices import stats_device, to_device
+from .._core.devices import golden_on, stats_device, to_device
 from .._core.kernel import CHUNK, compare_tensors
 from ..judges.strict import PRECISION, LeafContext, StrictJudge
 from ..options.selection import few
@@ -221,7 +221,7 @@ def calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tenso
     shape = tuple(int(s) for s in live.shape)
     m = multiplier(low, live.numel())
     dev = stats_device(live)
-    g = to_device(golden, dev)
+    g = golden_on(golden, dev)
     lv = to_device(live.detach(), dev)
     if PRECISION.get(ldt, 0) < PRECISION.get(gdt, 0):
         # a result stored in a lower precision cannot be closer to the truth than rounding

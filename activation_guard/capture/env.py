@@ -94,6 +94,121 @@ def device_info(device: torch.device | None) -> dict[str, Any]:
     return d
 
 
+# op families whose float32 precision a backend switch can lower: (legacy bool, per-backend key)
+_CUDA_FAMILIES = {"matmul": ("cuda_matmul_allow_tf32", "fp32_precision.cuda.matmul"),
+                  "conv": ("cudnn_allow_tf32", "fp32_precision.cudnn.conv"),
+                  "rnn": ("cudnn_allow_tf32", "fp32_precision.cudnn.rnn")}
+_CPU_FAMILIES = {"matmul": "fp32_precision.mkldnn.matmul", "conv": "fp32_precision.mkldnn.conv",
+                 "rnn": "fp32_precision.mkldnn.rnn"}
+REDUCED = ("tf32", "bf16")
+
+
+def _backend_value(numerics: dict[str, Any], key: str) -> str | None:
+    """A per-backend fp32_precision switch, "none" resolved to the global one."""
+    v = numerics.get(key)
+    if v in (None, "none"):
+        v = numerics.get("fp32_precision")
+    return v if isinstance(v, str) and v != "none" else None
+
+
+def effective_precision(numerics: Any, device: Any) -> dict[str, str]:
+    """What float32 matmuls, convolutions and RNNs really compute in on a run's device ("ieee",
+    "tf32", "bf16"), from its recorded numerics flags and device. The same flags mean different
+    things per device: cuDNN's TF32 switch, on by default, changes nothing on a CPU (nor on a GPU
+    before sm_80, which has no TF32), and makes every float32 convolution on a recent GPU round
+    its operands to a 10-bit mantissa."""
+    num = numerics if isinstance(numerics, dict) else {}
+    dev = device if isinstance(device, dict) else {}
+    out = {f: "ieee" for f in _CUDA_FAMILIES}
+    if dev.get("device_type") == "cuda":
+        cap = dev.get("capability")
+        if isinstance(cap, str) and cap.startswith("sm_") and cap[3:].isdigit() and int(cap[3:]) < 80:
+            return out  # no TF32 units: the switches change nothing
+        for fam, (legacy, key) in _CUDA_FAMILIES.items():
+            new = _backend_value(num, key)
+            on = new == "tf32" if new is not None else bool(num.get(legacy))
+            if fam == "matmul" and num.get("float32_matmul_precision") in ("high", "medium"):
+                on = True
+            if on:
+                out[fam] = "tf32"
+    elif dev.get("device_type", "cpu") == "cpu":
+        for fam, key in _CPU_FAMILIES.items():
+            v = _backend_value(num, key)
+            if v in REDUCED:
+                out[fam] = v
+        if out["matmul"] == "ieee" and num.get("float32_matmul_precision") == "medium":
+            out["matmul"] = "bf16"  # oneDNN may run float32 matmuls in bf16 where the CPU has it
+    return out
+
+
+def op_families(type_names: Any) -> set[str]:
+    """The op families a model's layers show it uses, from their class names: matmuls always
+    (any model may call one), convolutions for a ``Conv*`` layer, RNNs for an ``RNN``/``LSTM``/
+    ``GRU`` one. A convolution called from a model's own code, with no conv layer, is missed: the
+    defaults stay strict there (a false alarm, never a widened tolerance it did not need)."""
+    out = {"matmul"}
+    for name in type_names:
+        n = str(name)
+        if "Conv" in n:
+            out.add("conv")
+        if n in ("RNNCell", "LSTMCell", "GRUCell") or n.endswith(("RNN", "LSTM", "GRU")):
+            out.add("rnn")
+    return out
+
+
+def precision_change(golden_numerics: Any, golden_device: Any, live_numerics: Any, live_device: Any,
+                     cross_device: bool, families: set[str] | None = None) -> tuple[str, str] | None:
+    """Why float32 results may differ by reduced-precision rounding between a golden and a live
+    run: ("TF32" or "bf16", a line for the report) naming the op families (of ``families``, the
+    ones the model uses; None: all) whose effective precision differs, or (across devices) is
+    reduced on either side. None when both compute in full float32."""
+    g = effective_precision(golden_numerics, golden_device)
+    v = effective_precision(live_numerics, live_device)
+    fams = [f for f in g if (families is None or f in families)
+            and (g[f] != v[f] or (cross_device and (g[f] in REDUCED or v[f] in REDUCED)))]
+    if not fams:
+        return None
+    names = {"matmul": "matmuls", "conv": "convolutions", "rnn": "RNNs"}
+    parts = [f"{names[f]} {g[f].upper()} on the golden's {_dev(golden_device)}, {v[f].upper()} on the live "
+             f"{_dev(live_device)}" for f in fams]
+    tag = "bf16" if any("bf16" in (g[f], v[f]) for f in fams) else "TF32"
+    fix = ("set torch.backends.cudnn.allow_tf32 = False and torch.backends.cuda.matmul.allow_tf32 = False (or "
+           "fp32_precision 'ieee') for full float32" if tag == "TF32" else
+           "set the oneDNN fp32_precision to 'ieee' and float32_matmul_precision to 'highest' for full float32")
+    return tag, (f"float32 precision: {'; '.join(parts)}: {tag} rounding alone moves float32 results by about "
+                 f"1e-3 relative, which can explain differences of that size; float32 defaults are widened for it "
+                 f"({fix}, or use tolerance='calibrated')")
+
+
+def _dev(device: Any) -> str:
+    d = device if isinstance(device, dict) else {}
+    cap = f" {d['capability']}" if d.get("capability") else ""
+    return f"{d.get('device', '?')}{cap}"
+
+
+def different_device(golden: Any, live: Any) -> bool:
+    """Another device type, or the same type with another name or compute capability (another
+    GPU model runs other kernels, so its float32 rounding differs as a CPU's does from a GPU's)."""
+    g = golden if isinstance(golden, dict) else {}
+    v = live if isinstance(live, dict) else {}
+    if (g.get("device_type") or "cpu") != (v.get("device_type") or "cpu"):
+        return True
+    return any(g.get(k) is not None and v.get(k) is not None and g[k] != v[k] for k in ("device_name", "capability"))
+
+
+def other_model(golden: Any, live: Any) -> str | None:
+    """The pair's label when both runs have one device type but another model, else None."""
+    g = golden if isinstance(golden, dict) else {}
+    v = live if isinstance(live, dict) else {}
+    if (g.get("device_type") or "cpu") != (v.get("device_type") or "cpu") or not different_device(g, v):
+        return None
+
+    def name(d: dict[str, Any]) -> str:
+        model = ", ".join(str(d[k]) for k in ("device_name", "capability") if d.get(k))
+        return f"{d.get('device_type') or 'cpu'} ({model})"
+    return f"{name(g)}->{name(v)}"
+
+
 def versions() -> dict[str, str]:
     return {
         "activation_guard": __version__,

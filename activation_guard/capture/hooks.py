@@ -178,19 +178,31 @@ def _snapshot(output: Any) -> Any:
     return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), output)
 
 
-RngState = tuple[torch.Tensor, Any]  # the CPU generator's state, and the current CUDA device's (or None)
+RngState = tuple[torch.Tensor, Any]  # the CPU generator's state, and every CUDA device's (a list, or None)
 
 
 def rng_state() -> RngState:
-    """The generators a module may draw from (CPU, and the current CUDA device once initialized)."""
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    """The generators a module may draw from: the CPU's, and once CUDA is initialized every CUDA
+    device's (a model on ``cuda:1`` draws from that device's generator whatever the current device
+    is; each state is a few bytes read on the host)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return torch.get_rng_state(), cuda
 
 
 def set_rng_state(state: RngState) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
-        torch.cuda.set_rng_state(state[1])
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def rng_moved(state: RngState) -> bool:
+    """Whether any generator moved since ``state`` was taken (the call drew random numbers)."""
+    now = rng_state()
+    if not torch.equal(now[0], state[0]):
+        return True
+    if now[1] is None or state[1] is None:
+        return False
+    return len(now[1]) != len(state[1]) or any(not torch.equal(a, b) for a, b in zip(now[1], state[1]))
 
 
 def _rng_state(module: torch.nn.Module) -> RngState | None:

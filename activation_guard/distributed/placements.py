@@ -111,6 +111,18 @@ def _as_group(group: Any) -> Any:
     return group
 
 
+def comm_device(group: Any, device: torch.device) -> torch.device:
+    """Where a gather's buffers must be for ``group``'s backend: a group with NCCL alone (no gloo
+    for CPU tensors) takes the current CUDA device's; anything else, the value's own device."""
+    if device.type == "cuda":
+        return device
+    try:
+        backend = str(torch.distributed.get_backend(group))
+    except (RuntimeError, ValueError):
+        return device
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else device
+
+
 def group_ranks(group: Any) -> list[int]:
     dist = torch.distributed
     if group is None:
@@ -133,6 +145,8 @@ def reassemble(t: torch.Tensor, placement: Any, *, group: Any = None,
     if isinstance(placement, _replicate_type()) or n == 1:
         return t, ShardLayout((n,), tuple(ranks), (("replicate",),), f"{placement!r} over {n} ranks")
     t = t.detach()
+    home = t.device
+    t = t.to(comm_device(group, home))  # an NCCL-only group moves CUDA tensors only
     if t.ndim > MAX_DIMS:
         raise DistributedError(f"{where}: a {t.ndim}-dimensional output cannot be gathered (at most {MAX_DIMS})")
     header = torch.full((3 + MAX_DIMS,), -1, dtype=torch.int64)
@@ -154,7 +168,7 @@ def reassemble(t: torch.Tensor, placement: Any, *, group: Any = None,
     bufs = [torch.empty_like(buf) for _ in range(n)]
     dist.all_gather(bufs, buf, group=group)
     pieces = [b[:c].clone().view(t.dtype).reshape(s) for b, c, s in zip(bufs, counts, shapes)]
-    full = torch.cat(pieces, dim=dim)
+    full = torch.cat(pieces, dim=dim).to(home)
     sizes = tuple(s[dim] for s in shapes)
     return full, ShardLayout((n,), tuple(ranks), (("shard", dim, sizes),), f"{placement!r} over {n} ranks")
 

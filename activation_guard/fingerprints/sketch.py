@@ -331,8 +331,17 @@ class _Sketcher:
             torch.sub(g[:, :, 0, :], g[:, :, 1, :], out=ws.fold_a)
             ws.fold_a.mul_(self.u)
             torch.gather(ws.fold_a, 2, self.xor, out=ws.fold_b)
-            torch.cumsum(ws.fold_b, 1, out=ws.fold_a)  # over m in order, as the compiled fold (a sum(1) may not)
-            ws.total.add_(ws.fold_a[:, -1, :])
+            if torch.are_deterministic_algorithms_enabled():
+                # CUDA's floating cumsum raises under deterministic algorithms: the same sum over m
+                # in order, one add per m (bit for bit the last row of a sequential cumsum)
+                acc = ws.fold_a[:, 0, :]
+                acc.copy_(ws.fold_b[:, 0, :])
+                for m in range(1, B):
+                    acc.add_(ws.fold_b[:, m, :])
+                ws.total.add_(acc)
+            else:
+                torch.cumsum(ws.fold_b, 1, out=ws.fold_a)  # over m in order, as the compiled fold (a sum(1) may not)
+                ws.total.add_(ws.fold_a[:, -1, :])
             ws.route.zero_()
         self.window = 0
         self.folds += 1

@@ -70,7 +70,9 @@ class LossRule:
             t = leaf.tensor
             if leaf.kind != "tensor" or t is None or not t.is_floating_point() or leaf.type_name != "Tensor":
                 continue
-            c = torch.randn(tuple(t.shape), dtype=torch.float32, generator=gen)  # drawn for every floating leaf
+            # drawn for every floating leaf, on the CPU whatever torch.set_default_device says (the
+            # generator is a CPU one, and the golden's cotangents are the CPU's numbers)
+            c = torch.randn(tuple(t.shape), dtype=torch.float32, generator=gen, device="cpu")
             if t.requires_grad:
                 roots.append(t)
                 grads.append(c.to(device=t.device, dtype=t.dtype))

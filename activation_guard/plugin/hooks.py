@@ -9,6 +9,8 @@ point; importing it must not import torch (a project that never checks a model p
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -103,8 +105,34 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
     join_optional_values(args, lambda word: Path(early_config.invocation_params.dir, word).exists())
 
 
+# deterministic() needs cuBLAS's deterministic workspace, which torch takes from the environment
+# when CUDA first runs a matmul: the plugin sets it before any test can touch CUDA (the same
+# names as determinism.py, which imports torch; the plugin starts without it)
+CUBLAS_ENV, CUBLAS_DETERMINISTIC = "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
+_CUBLAS_SET = pytest.StashKey[bool]()
+
+
+def _cuda_started() -> bool:
+    """Whether CUDA was initialised in this process already (torch imported and CUDA touched)."""
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
+def _set_cublas_workspace(config: pytest.Config) -> None:
+    """Unless the user set it (an empty value keeps torch's own default) or CUDA already started
+    (then deterministic() warns with the fix)."""
+    if CUBLAS_ENV in os.environ or _cuda_started():
+        return
+    os.environ[CUBLAS_ENV] = CUBLAS_DETERMINISTIC
+    config.stash[_CUBLAS_SET] = True
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_DOC)
+    _set_cublas_workspace(config)
     o = config.option
     try:
         settings = Settings.build(
@@ -140,6 +168,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    if config.stash.get(_CUBLAS_SET, False):
+        os.environ.pop(CUBLAS_ENV, None)
     tracker = config.pluginmanager.get_plugin("activation_guard-outcomes")
     if tracker is not None:
         config.pluginmanager.unregister(tracker)

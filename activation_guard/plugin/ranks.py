@@ -139,8 +139,9 @@ def rank_context(session: GuardSession) -> RankContext | None:
 @contextlib.contextmanager
 def process_group(timeout: float) -> Iterator[Any]:
     """The default process group under torchrun: created from torchrun's environment when the run
-    has none (gloo; nccl too when CUDA is available) and destroyed on exit; an existing one is used
-    as is. None outside torchrun without a process group."""
+    has none (gloo; nccl too when CUDA is available, each rank on the GPU of its ``LOCAL_RANK``,
+    made its current device) and destroyed on exit; an existing one is used as is. None outside
+    torchrun without a process group."""
     dist = torch.distributed
     if dist.is_initialized():
         yield dist.group.WORLD
@@ -149,7 +150,14 @@ def process_group(timeout: float) -> Iterator[Any]:
         yield None
         return
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    extra: dict[str, Any] = {}
+    local = os.environ.get("LOCAL_RANK", "")
+    if torch.cuda.is_available() and local.isdigit() and int(local) < torch.cuda.device_count():
+        # one GPU per rank, as torchrun lays them out: without it every rank's "cuda" is cuda:0
+        # and NCCL refuses two ranks on one device
+        torch.cuda.set_device(int(local))
+        extra["device_id"] = torch.device("cuda", int(local))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **extra)
     try:
         yield dist.group.WORLD
     finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .._core import devices
 from .._core.dtypes import tensor_bytes
 from ..capture.hooks import Frame
 from ..options.selection import display_name
@@ -85,7 +86,8 @@ def golden_inputs(reader: GoldenReader, cache: GoldenCache, frame: Frame,
         if g.shape != tuple(lv.tensor.shape):
             return f"its input {lv.path} changed shape {list(g.shape)} -> {list(lv.tensor.shape)}"
         t = cache.load(g, f"layer {display_name(entry.name)!r} call {entry.call} input {lv.path!r}")
-        out[lv.path] = t.to(device=lv.tensor.device, dtype=lv.tensor.dtype, copy=True)  # the module may change it
+        # a copy: the module may change it
+        out[lv.path] = devices.golden_on(t, lv.tensor.device, lv.tensor.dtype, copy=True)
     return out
 
 

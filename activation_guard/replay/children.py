@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .._core import devices
 from .._core.slots import SLOTS
 from ..capture.hooks import RngState, set_rng_state
 from ..options.selection import display_name
@@ -246,7 +247,7 @@ class ChildHooks:
             return None  # another structure: this call keeps its own output
         # a copy each time: the parent may change what it gets in place
         try:
-            return rebuild(output, {p: golden[p].to(device=t.device, dtype=t.dtype, copy=True)
+            return rebuild(output, {p: devices.golden_on(golden[p], t.device, t.dtype, copy=True)
                                     for p, t in live.items()})
         except UnsupportedTensorError:  # a wrapper subclass that cannot be rebuilt: it keeps its own output
             return None
@@ -271,7 +272,7 @@ class ChildHooks:
         if end is not None:
             set_rng_state(end)
         return rebuild(sk.output, {p: golden[p].clone() if dt is None
-                                   else golden[p].to(device=dev, dtype=_wide(dt) if widen else dt, copy=True)
+                                   else devices.golden_on(golden[p], dev, _wide(dt) if widen else dt, copy=True)
                                    for p, (_, dt, dev) in sk.meta.items()})
 
 

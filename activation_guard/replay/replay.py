@@ -39,11 +39,12 @@ from typing import Any
 
 import torch
 
+from .._core import devices
 from .._core.dtypes import dtype_name
 from ..calibration.calibrate import CalibratedJudge
 from ..calibration.ownfloor import OwnFloorJudge, judge_input
 from ..calibration.shadow import float32_random, to_reference
-from ..capture.hooks import Frame, HookState, rng_state, set_rng_state
+from ..capture.hooks import Frame, HookState, rng_moved, rng_state, set_rng_state
 from ..judges.strict import Judge, LeafContext, StrictJudge
 from ..options.selection import display_name
 from ..results import LayerResult, LeafResult, Origin
@@ -115,7 +116,9 @@ class Replayer:
                     b = module._buffers.get(name)
                     if b is not None:
                         b.copy_(value.to(device=b.device, dtype=b.dtype))
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        # every CUDA device's generator, not only the current one's: a model on cuda:1 draws from its own
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else []
         self.state.replaying = True
         try:
             with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(self.grad), \
@@ -144,7 +147,7 @@ class Replayer:
         rewind = start_values(start)
         if isinstance(rewind, str):
             return self._not_replayed(rewind)
-        if frame.rng is not None and not torch.equal(torch.get_rng_state(), frame.rng[0]):
+        if frame.rng is not None and rng_moved(frame.rng):
             self.drew_random.add((frame.name, frame.call))  # it returned just now: the state moved in it
         children = start.children
         if any(c.module is frame.module for c in children):
@@ -203,7 +206,7 @@ class Replayer:
             modules = {c.name: self.reference.get_submodule(c.name) for c in children}
         except AttributeError:
             return {}, None
-        dev = next((p.device for p in module.parameters()), torch.device("cpu"))
+        dev = devices.module_device(module, devices.module_device(self.reference, torch.device("cpu")))
         hooks = ChildHooks(children, outputs) if children else None
         try:
             with float32_random():
@@ -238,7 +241,7 @@ class Replayer:
                     bad.append(LeafResult(label, "shape", f"{label} shape {list(target.shape)} -> {list(t.shape)}",
                                           dtype=target.dtype, shape=target.shape, live_shape=tuple(t.shape)))
                     continue
-                gt = self.cache.load(target, where)
+                gt = devices.golden_on(self.cache.load(target, where), t.device)
                 if gt.dtype == t.dtype and torch.equal(gt, t):  # the common case: what its code passed on as is
                     continue
                 floor = None
