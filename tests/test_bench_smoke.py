@@ -32,6 +32,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
         return cp.stdout, json.load(f)
 
 
+@pytest.mark.slow
 def test_quick_benchmark_prints_every_figure(quick_run):
     stdout, _ = quick_run
     for needle in (
@@ -83,6 +84,7 @@ def test_quick_benchmark_json_has_consistent_figures(quick_run):
 
 
 
+@pytest.mark.slow
 def test_ab_script_times_two_checkouts_in_one_process(tmp_path: Path) -> None:
     """benchmarks/ab.py (side-by-side timing of two checkouts): runs, prints both and the ratio."""
     env = dict(os.environ, PYTHONHASHSEED="0")
@@ -98,6 +100,7 @@ def test_ab_script_times_two_checkouts_in_one_process(tmp_path: Path) -> None:
     assert bad.returncode != 0 and "is not a checkout of activation_guard" in bad.stderr
 
 
+@pytest.mark.slow
 def test_instruction_count_script_child_and_refusals(tmp_path: Path) -> None:
     """benchmarks/instructions.py: what it runs under valgrind (each op on a small `deep`,
     importing the checkout it names) works without valgrind; bad arguments are refused by name
@@ -116,6 +119,7 @@ def test_instruction_count_script_child_and_refusals(tmp_path: Path) -> None:
         assert bad.returncode != 0 and needle in bad.stderr, (args, bad.stderr)
 
 
+@pytest.mark.slow
 def test_ab_script_times_fingerprint_recordings_as_multiples_of_the_forward(tmp_path: Path) -> None:
     cp = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab.py"), str(ROOT), str(ROOT), "--fingerprint",
                          "wide", "--quick", "--repeat", "2"], capture_output=True, text=True, timeout=300,

@@ -362,6 +362,7 @@ def _python_m(*argv: object) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
 
 
+@pytest.mark.slow
 def test_python_m_diff_and_error_in_a_real_process(demo, tmp_path):
     p = _python_m("diff", demo.golden, demo.refactored)
     assert p.returncode == 1, p.stderr

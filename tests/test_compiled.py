@@ -49,6 +49,7 @@ def _names(report: ag.Report) -> list[str]:
     return [r.name for r in report.layers if r.call == 0 and r.position is not None]
 
 
+@pytest.mark.slow
 def test_torch_compile_wrapper_is_compared_layer_by_layer(golden: tuple[Path, list[str]]) -> None:
     path, names = golden
     model, x = build()
@@ -59,6 +60,7 @@ def test_torch_compile_wrapper_is_compared_layer_by_layer(golden: tuple[Path, li
     assert torch.equal(report.output, model(x))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["root", "block"])
 def test_in_place_compile_whole_or_submodule(golden: tuple[Path, list[str]], where: str) -> None:
     path, names = golden
@@ -76,6 +78,7 @@ def test_in_place_compile_whole_or_submodule(golden: tuple[Path, list[str]], whe
         assert torch.allclose(model(x), build()[0](x))
 
 
+@pytest.mark.slow
 def test_a_compiled_bound_forward_is_a_compiled_region(golden: tuple[Path, list[str]]) -> None:
     """`blk.forward = torch.compile(blk.forward)` run once before the hooks existed: dynamo skipped
     them and the block's inner layers went uncaptured, with no note (found by review). It is now
@@ -95,6 +98,7 @@ def test_a_compiled_bound_forward_is_a_compiled_region(golden: tuple[Path, list[
     assert bad.first_divergence is not None and bad.first_divergence.name == bug.layer
 
 
+@pytest.mark.slow
 def test_a_bug_inside_a_compiled_submodule_is_found_at_its_layer(golden: tuple[Path, list[str]]) -> None:
     path, _ = golden
     model, x = build()
@@ -105,6 +109,7 @@ def test_a_bug_inside_a_compiled_submodule_is_found_at_its_layer(golden: tuple[P
     assert report.first_divergence is not None and report.first_divergence.name == bug.layer
 
 
+@pytest.mark.slow
 def test_record_a_compiled_model_then_compare_the_eager_one(tmp_path: Path) -> None:
     model, x = build()
     eager = copy.deepcopy(model)

@@ -147,6 +147,7 @@ def test_restores_any_starting_configuration(det_on, warn_only, cudnn_det, bench
     assert _same(_observe(), before)
 
 
+@pytest.mark.slow
 def test_restores_tf32_state_set_through_the_new_and_mixed_apis() -> None:
     """torch >= 2.9 has per-backend ``fp32_precision`` next to the legacy switches, and refuses
     to read legacy ones after a program mixed the two. Every such state must survive exactly.

@@ -34,6 +34,7 @@ def load_generator() -> ModuleType:
 gen = load_generator()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("git") is None, reason="the git diff example needs git")
 def test_every_example_block_matches_a_real_run() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

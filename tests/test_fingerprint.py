@@ -143,6 +143,7 @@ def test_within_tolerance_never_fails(dtype, shape, kind, regime, scale, nonfini
     assert v.estimate <= v.threshold or v.rows_over <= params.rows // 2
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(kind=st.sampled_from(KINDS), seed=st.integers(0, 2**32 - 1), fp_seed=st.integers(0, 2**64 - 1))
 def test_within_tolerance_never_fails_multi_chunk(kind, seed, fp_seed) -> None:
@@ -220,6 +221,7 @@ def test_detects_an_eps_change() -> None:
     _assert_detected(g, live, 1.3e-6, 1e-5)
 
 
+@pytest.mark.slow
 def test_detects_a_change_in_a_tiny_transformer() -> None:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=128)

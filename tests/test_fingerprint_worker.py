@@ -319,6 +319,7 @@ def test_worker_result_equals_inline_and_ignores_later_writes(dtype: torch.dtype
     assert (pending.dtype, pending.shape) == (want.dtype, want.shape)
 
 
+@pytest.mark.slow
 def test_ctrl_c_anywhere_in_the_worker_code_raises_and_leaves_nothing(tmp_path: Path) -> None:
     """A KeyboardInterrupt injected at each line the recording thread runs in fingerprint_worker,
     and in the threading code it calls (where a SIGINT would be handled): the record raises it

@@ -149,6 +149,7 @@ def index_dicts(draw: Any) -> dict[str, Any]:
     return index
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(index_dicts())
 def test_tables_hold_exactly_what_format_2_json_holds(index):

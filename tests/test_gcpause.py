@@ -141,6 +141,7 @@ def test_opening_a_golden_leaves_the_collector_on_even_when_the_index_is_bad(tmp
     assert gc.isenabled()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [{}, {"replay": "all"}, {"tolerance": "calibrated"}])
 def test_a_finished_record_or_compare_is_freed_without_the_collector(tmp_path: Path, options: dict) -> None:
     """Nothing of a record or compare outlives it in a reference cycle: with the collector frozen

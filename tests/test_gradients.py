@@ -353,6 +353,7 @@ class Dropper(nn.Module):
         return self.fc2(self.drop(h))
 
 
+@pytest.mark.slow
 def test_state_is_left_as_it_was(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Dropper().train()

@@ -24,6 +24,7 @@ from activation_guard.report.inspection import inspect_golden
 # --------------------------------------------------------------------------- calibrated mode
 
 
+@pytest.mark.slow
 def test_a_tf32_run_fails_strict_gradients_and_passes_calibrated_ones(tmp_path: Path) -> None:
     p = tmp_path / "g.h5"
     model, x = tiny_transformer(), tiny_input()
@@ -151,6 +152,7 @@ def test_markdown_summary_names_the_gradient(diverged: tuple[Path, ag.Report]) -
                                          "values outside tolerance; origin: layer")
 
 
+@pytest.mark.slow
 def test_plot_draws_the_backward_apart(diverged: tuple[Path, ag.Report], tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     _, report = diverged

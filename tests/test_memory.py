@@ -52,6 +52,7 @@ def _peak_of(fn) -> int:
     return _peak_bytes()
 
 
+@pytest.mark.slow
 def test_record_and_compare_memory_is_bounded_by_the_largest_output(tmp_path):
     if not _reset_peak():
         pytest.skip("needs Linux /proc/self/clear_refs to reset the peak-RSS counter")

@@ -104,6 +104,7 @@ def every_build() -> list[native.Native]:
     return [*libs, fast]
 
 
+@pytest.mark.slow
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rows", [5, 3, 7])  # five: rows routed beside the statistics; others row by row
@@ -167,6 +168,7 @@ def test_nonfinite_values_take_the_masked_torch_pass_and_agree() -> None:
     assert_same(fast, slow)
 
 
+@pytest.mark.slow
 @needs_native
 def test_status_names_the_compiled_pass_and_the_env_switch_turns_it_off(torch_path: None) -> None:
     assert native.get() is None
@@ -178,6 +180,7 @@ def test_status_names_the_compiled_pass_and_the_env_switch_turns_it_off(torch_pa
 
 @pytest.mark.parametrize(("value", "built"), [("off", False), ("No", False), ("auto", True), ("on", True),
                                               (" true ", True)])
+@pytest.mark.slow
 def test_the_env_switch_speaks_the_workers_words(monkeypatch: pytest.MonkeyPatch, value: str, built: bool) -> None:
     """One vocabulary for both switches (switches.py): off/0/false/no, on/1/true/yes, auto or unset."""
     monkeypatch.setenv(native.ENV, value)
@@ -227,6 +230,7 @@ def test_without_a_compiler_the_torch_path_runs_and_says_why(monkeypatch: pytest
         native.reset()
 
 
+@pytest.mark.slow
 @needs_native
 def test_a_library_that_does_not_load_falls_back_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     """A temporary folder mounted noexec: the build succeeds and the load fails."""
@@ -292,6 +296,7 @@ def test_a_fork_during_the_build_leaves_the_child_a_free_lock() -> None:
         native._state.update(saved)
 
 
+@pytest.mark.slow
 @needs_native
 def test_a_thread_with_the_smallest_stack_survives(tmp_path: Path) -> None:
     """The C side keeps no large array on its stack (a review crashed a 32 KiB-stack thread)."""
@@ -310,6 +315,7 @@ def test_a_thread_with_the_smallest_stack_survives(tmp_path: Path) -> None:
     assert r.returncode == 0 and r.stdout.strip() == "300000", (r.returncode, r.stderr[-2000:])
 
 
+@pytest.mark.slow
 @needs_native
 def test_a_misaligned_tensor_is_widened_first_and_agrees() -> None:
     """``torch.frombuffer`` at an odd offset gives float32 values the C side must not read in place."""
@@ -369,6 +375,7 @@ class Net(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+@pytest.mark.slow
 @needs_native
 def test_goldens_cross_between_the_two_passes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Recorded by one pass, compared by the other: the unchanged model passes both ways with
@@ -409,6 +416,7 @@ def copy_builds() -> list[native.Native]:
 @settings(max_examples=60, deadline=None)
 @given(n=st.one_of(st.integers(0, 200), st.integers(65536 - 70, 65536 + 70), st.integers(0, 300_000)),
        src_off=st.integers(0, 63), dst_off=st.integers(0, 63), seed=st.integers(0, 2**16))
+@pytest.mark.slow
 def test_the_workers_copy_puts_every_byte_in_place(copy_builds: list[native.Native], n: int, src_off: int,
                                                     dst_off: int, seed: int) -> None:
     """``ag_copy`` at any alignment and length (its aligned head, the streamed blocks and the tail),

@@ -308,6 +308,7 @@ class LongLoop(nn.Module):
         return x
 
 
+@pytest.mark.slow
 def test_ten_thousand_layer_calls(tmp_path):
     """10,001 layer calls record and compare; a change at call 4,900 of `act` is found there
     (fail_fast: the 9,801 calls before it all matched)."""

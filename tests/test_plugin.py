@@ -74,6 +74,7 @@ def test_mlp(activation_guard, ag_device, n):
 LEAN = ("-p", "no:hypothesispytest", "-p", "no:regressions", "-p", "no:pytest-datadir", "-p", "no:anyio")
 
 
+@pytest.mark.slow
 def test_workflow_xdist(ag: pytest.Pytester) -> None:
     """Same life cycle under `-n 2`: workers write their own files atomically, the controller
     prints one merged summary and writes one merged JSON report."""
@@ -599,6 +600,7 @@ def test_ids(activation_guard, v):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("xdist", [False, True])
 def test_golden_files_differing_only_by_case_are_refused_with_and_without_xdist(ag: pytest.Pytester,
                                                                                  xdist: bool) -> None:

@@ -131,6 +131,7 @@ class _Tags(HTMLParser):
             self.imgs.append(dict(attrs).get("src") or "")
 
 
+@pytest.mark.slow
 def test_html_report_covers_every_check_also_under_xdist(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     ag.makepyfile(test_two='''
 from agmodels import build, inputs

@@ -242,6 +242,7 @@ def _table(md: str) -> list[list[str]]:
     return [[c.strip() for c in re.split(r"(?<!\\)\|", ln.strip()[1:-1])] for ln in rows]
 
 
+@pytest.mark.slow
 def test_markdown_summary_also_under_xdist(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     ag.makepyfile(test_x=SUMMARY_TESTS)
     ag.runpytest("--ag-update").assert_outcomes(passed=3)

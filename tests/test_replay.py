@@ -260,6 +260,7 @@ def test_origin_round_trips_through_json(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- calibrated replays
 
 
+@pytest.mark.slow
 def test_calibrated_replay_all_catches_a_weight_change_under_tf32_and_passes_noise(tmp_path: Path) -> None:
     """Regression: the golden side of a replay's own floor was measured against the *live*
     module's float64 replay, which a changed weight moves by the change itself: the allowance

@@ -31,6 +31,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     return cp.stdout, json.loads(out_json.read_text())
 
 
+@pytest.mark.slow
 def test_quick_replay_benchmark_prints_its_tables(quick_run: tuple[str, dict]) -> None:
     stdout, _ = quick_run
     for needle in ('**replay="all", tolerance="calibrated"**', '**replay="off", tolerance="calibrated"**',

@@ -340,6 +340,7 @@ def _run_isolated(code: str) -> str:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
 
 
+@pytest.mark.slow
 def test_store_imports_only_core_and_the_fingerprint_type():
     """Reading and writing goldens imports only ``_core`` (dtypes, errors, gcpause, slots, mapping:
     standard library only) and the fingerprint value type from the package: never capture, the

@@ -165,6 +165,7 @@ def test_missing_matplotlib_gives_the_install_hint(demo, tmp_path, monkeypatch, 
 # --------------------------------------------------------------------------- HTML
 
 
+@pytest.mark.slow
 def test_diff_html_and_plot_from_the_cli(demo, tmp_path, capsys):
     rc = main(["diff", demo.golden, demo.refactored, "--plot", str(tmp_path / "p.png"),
                "--html", str(tmp_path / "r.html")])
@@ -292,6 +293,7 @@ def test_the_log_axis_keeps_its_math_ticks(monkeypatch):
     assert visual._lit("a$b") == r"a\$b"
 
 
+@pytest.mark.slow
 def test_the_banner_counts_layer_calls_and_gradients_apart_as_the_text_does(tmp_path):
     """The banner read '130 layer calls, 52 diverged' where the text said 37 calls matched and 52 of
     93 gradients diverged (found by review)."""

@@ -414,6 +414,7 @@ os._exit(0)  # (libhdf5 may crash at interpreter exit after such a failure, as i
 """
 
 
+@pytest.mark.slow
 def test_disk_full_while_committing_is_a_clear_error(tmp_path):
     """The limit hit while the index, meta and root attributes are written and the file closed,
     in a fresh interpreter (a forked child did not show it). Root attributes written on the
@@ -462,6 +463,7 @@ def build(seed):
 """
 
 
+@pytest.mark.slow
 def test_parallel_update_writes_every_golden_valid(pytester, monkeypatch):
     """`pytest -n 4 --ag-update` over 24 checks in 12 tests: every golden is written once,
     complete and correct, no temp is left, and the merged summary counts all of them."""

@@ -19,6 +19,7 @@ def suite(suite):
     return suite["ranks"]  # [rank 0's results, rank 1's results]
 
 
+@pytest.mark.slow
 def test_what_capture_hooks_see_under_tensor_parallelism(suite):
     for r in suite:
         seen = r["tp"]["seen"]  # [hook registered with prepend=True, hook registered last]

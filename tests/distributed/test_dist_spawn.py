@@ -12,6 +12,7 @@ from activation_guard.distributed.spawn import DistributedRunError, DistributedT
 pytestmark = pytest.mark.distributed
 
 
+@pytest.mark.slow
 def test_values_env_and_a_real_collective():
     res = run_distributed(dist_ranks.env_and_allreduce, world_size=2, args=(1.5,))
     assert [r["rank"] for r in res] == [0, 1]
@@ -21,6 +22,7 @@ def test_values_env_and_a_real_collective():
     assert all(r["threads"] == int(r["env"]["OMP_NUM_THREADS"]) for r in res)
 
 
+@pytest.mark.slow
 def test_a_failing_rank_is_reported_and_the_stuck_one_stopped():
     t0 = time.monotonic()
     with pytest.raises(DistributedRunError) as ei:
@@ -42,6 +44,7 @@ def test_overall_timeout_kills_every_rank():
     assert ei.value.failures == {0: "still running after 3 s", 1: "still running after 3 s"}
 
 
+@pytest.mark.slow
 def test_non_json_result_is_a_rank_error():
     with pytest.raises(DistributedRunError, match="not JSON serializable"):
         run_distributed(dist_ranks.returns_a_tensor, world_size=1)

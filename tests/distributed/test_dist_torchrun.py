@@ -83,6 +83,7 @@ def _torchrun(project: Path, *args: str, bug_rank: int | None = None) -> subproc
     return subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow
 def test_per_rank_goldens_under_torchrun(tmp_path: Path) -> None:
     (tmp_path / "pytest.ini").write_text("[pytest]\nag_golden_dir = golden\n")
     (tmp_path / "conftest.py").write_text(CONFTEST)

@@ -345,6 +345,7 @@ def test_gather_verdicts_outside_a_process_group_is_inert():
 # --------------------------------------------------------------------------- imports
 
 
+@pytest.mark.slow
 def test_imports_stay_light():
     code = (
         "import sys; sys.modules['pytest'] = None\n"
