@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ._core.kernel import TensorStats, unravel
 from ._core.slots import SLOTS
 
-# "local_shard" (distributed): a rank's piece of a value whose full shape the golden holds
-STATUS_ORDER = ("structure", "shape", "local_shard", "dtype", "missing", "unexpected", "nonfinite", "diverged",
-                "match")
+# what a leaf or a layer call compared to; "local_shard" (distributed): a rank's piece of a value whose
+# full shape the golden holds. The strings are what JSON reports and the text say.
+Status = Literal["structure", "shape", "local_shard", "dtype", "missing", "unexpected", "nonfinite", "diverged",
+                 "match"]
+STATUS_ORDER: tuple[Status, ...] = get_args(Status)
+# which pass a row belongs to: the forward, a gradient in the backward, a parameter's gradient
+Phase = Literal["forward", "backward", "param-grad"]
+PHASES: tuple[Phase, ...] = get_args(Phase)
 # a fingerprinted output's numbers (LeafResult fields): estimates, not measured differences
 ESTIMATE_NUMBERS = ("estimated_l2", "l2_bound", "l2_threshold", "false_alarm")
 PHASES = ("forward", "backward", "param-grad")
@@ -66,7 +71,7 @@ class LeafResult:
     """One output leaf of one layer call."""
 
     path: str
-    status: str
+    status: Status
     detail: str = ""
     dtype: str | None = None
     live_dtype: str | None = None
@@ -114,7 +119,7 @@ class LeafResult:
         return cls(**_fields_from_dict(cls, d))
 
 
-def worst_status(statuses: list[str]) -> str:
+def worst_status(statuses: list[Status]) -> Status:
     for s in STATUS_ORDER:
         if s in statuses:
             return s
@@ -132,7 +137,7 @@ class LayerResult:
 
     name: str
     call: int
-    status: str
+    status: Status
     type_name: str = ""
     position: int | None = None  # 0-based index in the live execution order
     golden_position: int | None = None
@@ -152,13 +157,13 @@ class LayerResult:
     tolerance_source: str | None = None
     error_multiple: float | None = None  # calibrated mode: error / allowed noise
     nonfinite_new: int = 0  # NaN/Inf values the golden does not have at their places
-    phase: str = "forward"  # one of PHASES
+    phase: Phase = "forward"
     wrt: str | None = None  # phase "backward": the gradient w.r.t. the call's "output" or "input"
     # replay: the layer re-run on the golden's inputs, compared with the golden output ("own error")
-    own_status: str | None = None
+    own_status: Status | None = None
     own_max_abs_diff: float | None = None
     own_max_rel_diff: float | None = None
-    inherited_status: str | None = None  # replay="all": the output verdict, before own errors judged it
+    inherited_status: Status | None = None  # replay="all": the output verdict, before own errors judged it
     inherited_max_abs_diff: float | None = None
     leaves: list[LeafResult] = field(default_factory=list)
 
@@ -195,7 +200,7 @@ class LayerResult:
     def from_leaves(cls, name: str, call: int, type_name: str, leaves: list[LeafResult], **kw: Any) -> LayerResult:
         if len(leaves) == 1:  # most layers return one tensor: the leaf's numbers are the layer's
             return cls._from_leaf(name, call, type_name, leaves[0], kw)
-        status = worst_status([leaf.status for leaf in leaves]) if leaves else "match"
+        status: Status = worst_status([leaf.status for leaf in leaves]) if leaves else "match"
         lr = cls(name, call, status, type_name, leaves=leaves, **kw)
         lr.numel = sum(leaf.numel for leaf in leaves)
         lr.mismatched = sum(leaf.mismatched for leaf in leaves)
@@ -310,7 +315,7 @@ def leaf_from_stats(path: str, dtype: str, live_dtype: str, shape: tuple[int, ..
                     rtol: float, atol: float, source: str) -> LeafResult:
     """A leaf verdict from kernel statistics. ``detail`` stays empty: the mismatch count, new
     NaN/Inf count and worst element are fields the report renders itself."""
-    status = "match"
+    status: Status = "match"
     if st.mismatched:
         status = "nonfinite" if st.nonfinite_new else "diverged"
     return LeafResult(
@@ -323,7 +328,8 @@ def leaf_from_stats(path: str, dtype: str, live_dtype: str, shape: tuple[int, ..
     )
 
 
-ORIGIN_KINDS = ("layer", "parent-code", "inputs", "unknown")
+OriginKind = Literal["layer", "parent-code", "inputs", "unknown"]
+ORIGIN_KINDS: tuple[OriginKind, ...] = get_args(OriginKind)
 
 
 @dataclass
@@ -339,7 +345,7 @@ class Origin:
 
     name: str
     call: int
-    kind: str
+    kind: OriginKind
     own_error: float | None = None
     detail: str = ""
     type_name: str = ""

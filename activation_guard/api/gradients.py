@@ -116,7 +116,7 @@ def compare_rule(spec: CompareSpec, meta: Mapping[str, Any], path: str, target: 
         raise GoldenFormatError(path, f"has a malformed {META_KEY!r} record in its meta", fix=RERECORD)
     _refuse_compiled(target)
     if rec["loss"] == "cotangent":
-        if callable(asked) and asked is not True:
+        if callable(asked):  # (True is no callable)
             raise ActivationGuardError(
                 f"{path}: the golden's gradients were recorded with backward=True (seeded random cotangents), but "
                 f"compare was given the loss function {_shown(asked)}; pass backward=True, or re-record the golden "
@@ -126,7 +126,7 @@ def compare_rule(spec: CompareSpec, meta: Mapping[str, Any], path: str, target: 
             raise GoldenFormatError(path, f"has a malformed {META_KEY!r} record in its meta (seed {seed!r})",
                                     fix=RERECORD)
         return LossRule("cotangent", seed)
-    if not callable(asked) or asked is True:
+    if not callable(asked):
         raise ActivationGuardError(
             f"{path}: the golden's gradients were recorded with a custom loss function ({rec.get('function', '?')}), "
             f"which a golden cannot store; pass the same function again as backward=<function> to compare them "

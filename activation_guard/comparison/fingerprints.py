@@ -35,12 +35,14 @@ from ..fingerprints.fingerprint import Fingerprint, FingerprintError, compute_fi
 from ..fingerprints.soundness import FingerprintVerdict, judge_fingerprint, judge_fingerprint_calibrated
 from ..judges.strict import PRECISION, Judge, LeafContext, StrictJudge, dtype_change_allowed
 from ..options.tolerances import Tolerance
-from ..results import LeafResult
+from ..results import LeafResult, Status
 from ..store import CallEntry, GoldenReader, LeafEntry
 from ..store.floors import ABS_TERM, CALIBRATED_DTYPES, NoiseFloor, multiplier, rule_text
 from ..values.leaves import Leaf
 
-STATUS = {"ok": "match", "diverged": "diverged", "nonfinite": "nonfinite", "shape": "shape", "dtype": "dtype"}
+STATUS: dict[str, Status] = {
+    "ok": "match", "diverged": "diverged", "nonfinite": "nonfinite", "shape": "shape", "dtype": "dtype",
+}
 VALUE_KINDS = ("tensor", "fingerprint")
 
 

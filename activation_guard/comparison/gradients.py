@@ -34,7 +34,7 @@ from ..gradients.store import describe_leaf, floor_path
 from ..judges.strict import Judge, LeafContext, dtype_change_allowed
 from ..options.selection import selected
 from ..options.spec import CompareSpec
-from ..results import LayerResult, LeafResult, Origin
+from ..results import LayerResult, LeafResult, Origin, Phase
 from ..store import CallEntry, GoldenReader, LeafEntry
 from ..store.floors import NoiseFloor
 
@@ -164,7 +164,7 @@ class GradComparator:
         the second value maps those to their sort keys, as :meth:`Comparator.finish` does."""
         out: list[LayerResult] = []
         for ev in self.events:
-            phase = "param-grad" if ev.grad == "param" else "backward"
+            phase: Phase = "param-grad" if ev.grad == "param" else "backward"
             wrt = None if ev.grad == "param" else ev.grad
             entry = self._entry(ev)
             pos = offset + len(out)
