@@ -60,6 +60,7 @@ __all__ = [
     "ToleranceRule",
     "build_specs",
     "describe",
+    "markdown_table",
     "specificity",
 ]
 
@@ -69,40 +70,62 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Option:
+    """One option, declared once: where it can be given and what it means. The API keyword, the
+    marker and ``check()`` take every option by ``name``; ``flag`` and ``ini`` are the pytest
+    command-line flag and ini key that also set it (None: none); docs/options.md is generated from
+    this table (:func:`markdown_table`)."""
+
     name: str
     parse: Callable[[Any], Any]
     record: bool  # RecordSpec has it
     compare: bool  # CompareSpec has it
     help: str
+    flag: str | None = None
+    ini: str | None = None
 
 
 OPTIONS: dict[str, Option] = {o.name: o for o in (
-    Option("rtol", _optional_number, False, True, "relative tolerance for every float output"),
-    Option("atol", _optional_number, False, True, "absolute tolerance for every float output"),
+    Option("rtol", _optional_number, False, True, "relative tolerance for every float output", "--ag-rtol", "ag_rtol"),
+    Option("atol", _optional_number, False, True, "absolute tolerance for every float output", "--ag-atol", "ag_atol"),
     Option("tolerances", _tolerances, False, True, "per-layer {glob: dict(rtol=, atol=)}; most specific wins"),
     Option("include", _patterns, True, True, "only layers matching these globs"),
     Option("exclude", _patterns, True, True, "skip layers matching these globs"),
     Option("rename", _rename, False, True, "{golden name or glob: live name}: compare renamed layers"),
-    Option("fail_fast", _flag, False, True, "stop at the first diverging layer call"),
+    Option("fail_fast", _flag, False, True, "stop at the first diverging layer call", "--ag-fail-fast"),
     Option("allow_dtype_change", _flag, False, True, "compare float outputs whose dtype changed, in float32"),
-    Option("tolerance", _choice(TOLERANCE_MODES), False, True, "'strict' rtol/atol or 'calibrated' noise floors"),
+    Option("tolerance", _choice(TOLERANCE_MODES), False, True, "'strict' rtol/atol or 'calibrated' noise floors",
+           "--ag-tolerance"),
     Option("compression", _choice(COMPRESSIONS), True, False, "HDF5 compression of large outputs: gzip or lzf"),
-    Option("calibrate", _flag, True, False, "also store float64 noise floors (for tolerance='calibrated')"),
+    Option("calibrate", _flag, True, False, "also store float64 noise floors (for tolerance='calibrated')",
+           "--ag-calibrate"),
     Option("grad", _flag, True, True, "run the forward with autograd on (forwards that call torch.autograd.grad)"),
     Option("placements", _placements, False, True,
            "multi-rank runs: {glob: Shard(dim) | Replicate()} for plain local shards, gathered to compare"),
     Option("inputs", _flag, True, False, "also record each layer call's inputs (needed to replay and attribute)"),
     Option("replay", _choice(REPLAY_MODES), False, True,
            "re-run diverging layers on the golden's inputs: 'first' (attribute the first divergence), "
-           "'all' (judge every layer by its own error) or 'off'"),
+           "'all' (judge every layer by its own error) or 'off'", "--ag-replay", "ag_replay"),
     Option("fingerprint", _fingerprint, True, False,
-           "store fixed-size fingerprints instead of values: True (every large float output) or layer globs"),
+           "store fixed-size fingerprints instead of values: True (every large float output) or layer globs",
+           "--ag-fingerprint", "ag_fingerprint"),
     Option("fingerprint_params", _fingerprint_params, True, False,
            "fingerprint size and false-alarm bound: dict(samples=, rows=, buckets=, false_alarm=, seed=)"),
     Option("backward", _backward, True, True,  # gradients
            "also record (compare) gradients: True (loss = outputs x seeded random cotangents), a callable(output) "
            "-> scalar loss, or False"),
 )}
+
+
+def markdown_table() -> str:
+    """docs/options.md's table: every option, what it means, and where it can be given."""
+    rows = ["| option | record | compare | pytest flag | ini key | meaning |", "|---|---|---|---|---|---|"]
+    for o in OPTIONS.values():
+        flag = f"`{o.flag}`" if o.flag else ""
+        ini = f"`{o.ini}`" if o.ini else ""
+        meaning = o.help.replace("|", "\\|")
+        rows.append(f"| `{o.name}` | {'yes' if o.record else ''} | {'yes' if o.compare else ''} | {flag} | {ini} "
+                    f"| {meaning} |")
+    return "\n".join(rows) + "\n"
 
 
 def _parse(name: str, value: Any, source: str) -> Any:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .._core.errors import OptionError
-from ..options.spec import CompareSpec, RecordSpec, build_specs
+from ..options.spec import OPTIONS, CompareSpec, RecordSpec, build_specs
 from ..store.naming import is_hdf5_file
 
 
@@ -61,16 +61,8 @@ PLUGIN_KEYS = frozenset({"path", "model", "args", "kwargs"})
 PREFIX = "activation_guard"
 
 # Where an option set in ini or on the command line came from, per key (shown in errors).
-INI_KEYS = {"rtol": "ag_rtol", "atol": "ag_atol", "replay": "ag_replay", "fingerprint": "ag_fingerprint"}
-CLI_FLAGS = {
-    "rtol": "--ag-rtol",
-    "atol": "--ag-atol",
-    "fail_fast": "--ag-fail-fast",
-    "calibrate": "--ag-calibrate",
-    "tolerance": "--ag-tolerance",
-    "replay": "--ag-replay",
-    "fingerprint": "--ag-fingerprint",
-}
+INI_KEYS = {o.name: o.ini for o in OPTIONS.values() if o.ini}  # the option table is the one place they are declared
+CLI_FLAGS = {o.name: o.flag for o in OPTIONS.values() if o.flag}
 
 
 DEFAULT_RANK_TIMEOUT = 120.0
