@@ -268,6 +268,31 @@ def test_two_checks_with_one_name_is_an_error(ag: pytest.Pytester) -> None:
     ])
 
 
+def test_a_list_argument_is_one_argument_on_every_path(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``check(model, [a, b])`` passes the list as the one positional argument, as record and
+    compare do, also in a non-cpu variant that only runs the model while the cpu one records."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a cuda variant, run on the CPU here
+    ag.makepyfile(test_list='''
+        import torch
+
+        class Sum(torch.nn.Module):
+            def forward(self, xs):
+                assert isinstance(xs, list), type(xs)
+                return xs[0] + xs[1]
+
+        def test_l(activation_guard, ag_device):
+            xs = [torch.ones(2), torch.full((2,), 2.0)]
+            out = activation_guard.check(Sum(), xs)
+            assert out.tolist() == [3.0, 3.0]
+    ''')
+    r = ag.runpytest("--ag-update", "-rs")
+    r.assert_outcomes(passed=2)
+    r = ag.runpytest("-k", "cpu")
+    r.assert_outcomes(passed=1, deselected=1)
+
+
 @pytest.mark.parametrize("gpu", [False, True], ids=["as-is", "cuda-available"])
 def test_ag_device(ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, gpu: bool) -> None:
     """cpu/cuda parametrisation, cuda skipped with a reason where there is no CUDA and run where

@@ -269,8 +269,11 @@ class GoldenCheck:
             if self.device not in (None, RECORD_DEVICE):
                 import torch
 
+                from ..capture.hooks import normalize_inputs
+
+                a, kw = normalize_inputs(args, kwargs)  # the one rule: a tuple is the arguments, a list one argument
                 with torch.no_grad():  # as record/compare run it
-                    out = model(*(tuple(args) if isinstance(args, (tuple, list)) else (args,)), **dict(kwargs or {}))
+                    out = model(*a, **kw)
                 done("deferred", message=f"golden is recorded by the {RECORD_DEVICE} variant: {self.record_nodeid}")
                 return out
             had_fingerprints = exists and _fingerprinted(rec_path)
