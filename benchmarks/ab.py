@@ -12,7 +12,7 @@ tenants take the CPU) and wall time, as the minimum and the 25th percentile of t
     python benchmarks/ab.py OLD_CHECKOUT NEW_CHECKOUT [--layers 1500] [--repeat 30] [--workload llama]
     python benchmarks/ab.py OLD_CHECKOUT NEW_CHECKOUT --fingerprint gpt2|wide [--repeat 15] [--quick]
 
-``--fingerprint``: a recording with fingerprints on the worker thread (issue 15's 1.3x target),
+``--fingerprint``: a recording with fingerprints on the worker thread,
 as a multiple of the plain forward, from wall-time medians (the worker's CPU time is on another
 thread); ``gpt2`` is benchmarks/fingerprints.py's GPT-2-small-shaped model, ``wide`` run.py's.
 

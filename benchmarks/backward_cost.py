@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What recording gradients costs (issue 14): ``record(backward=True)`` against ``record()``.
+"""What recording gradients costs: ``record(backward=True)`` against ``record()``.
 
 Target: at most 2.5x (a backward costs about two forwards, and the gradients are written like the
 outputs). For each model both recordings run alternately, ``--repeat`` times each, in one process,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Fingerprint goldens next to full goldens, side by side in one process (issue 15's figures).
+"""Fingerprint goldens next to full goldens, side by side in one process.
 
 For each workload: the plain forward, ``record`` and ``compare`` with full goldens and with
 ``fingerprint=True``, interleaved and repeated (medians), plus the fingerprint kernel alone (every

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Golden size with each layer call's inputs recorded, against outputs only (issue 13).
+"""Golden size with each layer call's inputs recorded, against outputs only.
 
 Inputs make replay possible; most of them are aliases of values already stored (the previous
 layer's output, the model input passed on). Target: <= 1.5x the outputs-only golden on BERT, GPT-2

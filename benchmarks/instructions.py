@@ -3,7 +3,7 @@
 
 Timings on this shared 2-core VM swing by half from one minute to the next (the same code
 measured 31-47 us per record call in back-to-back runs), so a change worth 1-3 us per layer call,
-which is what is left to gain on issue 15's per-layer target, cannot be seen in wall or CPU
+which is what is left to gain on the per-layer target, cannot be seen in wall or CPU
 time, not even interleaved in one process (:mod:`ab`). The number of instructions executed is
 nearly the same on every run of one checkout (hash seed fixed, address randomization off: ~0.02%
 apart at the default size). Between two

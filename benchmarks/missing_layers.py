@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Comparing against a golden whose layers are all missing must stay linear (issue 11 item 4).
+"""Comparing against a golden whose layers are all missing must stay linear.
 
 A golden of N layer calls is compared (a) with the same model, (b) through a wrapper module (every
 golden layer is "missing", every live layer "unexpected"), and (c) with ``fail_fast`` on a model

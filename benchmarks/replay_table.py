@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Replay benchmark (issue 13): does ``report.origin`` name the layer that really changed, under drift?
+"""Replay benchmark: does ``report.origin`` name the layer that really changed, under drift?
 
 For tiny random-weight models built from ``transformers`` configs (no downloads) -- BERT, GPT-2,
 ViT, T5, Llama, Whisper, ResNet, ConvNeXt -- a calibrated golden is recorded on the CPU in float32,

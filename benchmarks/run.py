@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from fingerprints import run as run_fingerprints  # benchmarks/fingerprints.py: issue 15's figures
+from fingerprints import run as run_fingerprints  # benchmarks/fingerprints.py: the figures
 
 import activation_guard as ag
 
@@ -527,9 +527,9 @@ def main(argv: list[str] | None = None) -> int:
             if w.name == "deep":
                 fixed = max(r["record"] - r["forward"], r["compare"] - r["forward"]) / r["layer_calls"] * 1e6
                 targets.append(("deep: fixed cost <= 60 us per layer call", f"{fixed:.1f} us", fixed <= 60))
-                for op in ("record", "compare"):  # issue 15's per-layer target
+                for op in ("record", "compare"):  # the per-layer target
                     per = (r[op] - r["forward"]) / r["layer_calls"] * 1e6
-                    targets.append((f"deep: {op} <= 30 us per layer call above the forward (issue 15)",
+                    targets.append((f"deep: {op} <= 30 us per layer call above the forward",
                                     f"{per:.1f} us", per <= 30))
             if w.name == "wide":
                 q = _ratio(r["file_bytes"], r["nbytes"])

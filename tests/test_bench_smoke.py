@@ -73,7 +73,7 @@ def test_quick_benchmark_json_has_consistent_figures(quick_run):
     assert mem["total_bytes"] > mem["largest_leaf_bytes"] > 0
     names = [t["target"] for t in res["targets"]]
     assert any("fixed cost" in n for n in names)
-    assert sum("per layer call above the forward (issue 15)" in n for n in names) == 2
+    assert sum("per layer call above the forward" in n for n in names) == 2
     assert any("peak above forward" in n for n in names)
     assert sum("linear in" in n for n in names) == 4
     fp = res["fingerprint"]["wide"]

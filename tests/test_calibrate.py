@@ -1,4 +1,4 @@
-"""Calibrated tolerances (issue 7): float64 noise floors, TF32 emulation, mixed precision.
+"""Calibrated tolerances: float64 noise floors, TF32 emulation, mixed precision.
 
 The central claim, tested on CPU: a float32 golden checked against a run whose float32 matmuls
 behave like TF32 fails with strict tolerances and passes with calibrated ones, while the same

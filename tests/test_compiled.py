@@ -1,4 +1,4 @@
-"""Compiled models, compared layer by layer against an eager golden (issue 11 item 6).
+"""Compiled models, compared layer by layer against an eager golden.
 
 ``torch.compile(model)`` (the ``OptimizedModule`` wrapper) and ``module.compile()`` (in place, the
 whole model or a submodule) are captured with hooks traced into the compiled graph. The backend

@@ -1,6 +1,6 @@
 """Every shortcut of the per-call path writes and judges exactly what the general path does.
 
-The fast paths exist for models of thousands of small layers (issue 15's per-layer cost): one
+The fast paths exist for models of thousands of small layers: one
 aliased positional input recorded without building leaves (``Recorder._one_alias``). A golden
 recorded with the shortcut switched off must be byte-identical, on models that exercise the
 cases the shortcut has to hand back: inputs changed in place, inputs of a call still running,

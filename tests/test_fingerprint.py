@@ -1,4 +1,4 @@
-"""Fingerprints (issue 15): exact statistics, bit-exact samples, the seeded sketch, sound judging.
+"""Fingerprints: exact statistics, bit-exact samples, the seeded sketch, sound judging.
 
 The central claim is the false-alarm property: a live tensor whose every element is within the
 comparator's tolerance (checked with the comparator itself) is never failed, whatever the

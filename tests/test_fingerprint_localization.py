@@ -1,4 +1,4 @@
-"""Localization with fingerprint goldens on tiny transformers (issue 15's acceptance suite).
+"""Localization with fingerprint goldens on tiny transformers.
 
 For BERT, GPT-2 and Llama built from configs (random weights, hidden 64, 2 layers, 2 x 32
 tokens: every hidden state is large enough to be fingerprinted), each case changes the model and

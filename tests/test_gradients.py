@@ -1,4 +1,4 @@
-"""Gradient goldens (issue 14): what the capture records, and that it leaves the model alone.
+"""Gradient goldens: what the capture records, and that it leaves the model alone.
 
 The captured gradients are checked against ``register_full_backward_hook`` on out-of-place
 twins of the models (which that hook can run), including a property test over random stacks;

@@ -1,4 +1,4 @@
-"""Backward-only faults on real models (issue 14): each leaves the forward bit-identical, changes
+"""Backward-only faults on real models: each leaves the forward bit-identical, changes
 only gradients, and must be found at its module, in the backward phase, with the forward
 reported as matching.
 

@@ -1,4 +1,4 @@
-"""Gradients through every front end (issue 14): calibrated mode, the pytest plugin (marker and
+"""Gradients through every front end: calibrated mode, the pytest plugin (marker and
 ``check()``), tolerances and globs, HTML, plot, ``inspect`` and textconv."""
 
 from __future__ import annotations

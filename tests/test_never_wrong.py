@@ -1,4 +1,4 @@
-"""Never silently wrong (issue 11): each reproduction from the issue, then properties.
+"""Never silently wrong: each reproduced false pass or crash, then properties.
 
 Every case ends in a correct verdict or a clear error naming the layer and the fix.
 """

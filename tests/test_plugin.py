@@ -599,7 +599,7 @@ def test_repository_goldens_stay_small() -> None:
 
 
 def test_a_golden_path_that_is_a_directory_is_named_not_reported_missing(ag: pytest.Pytester) -> None:
-    """Issue 11 item 11: something is at the golden's path; the failure says what it is."""
+    """Something is at the golden's path; the failure says what it is."""
     ag.makepyfile(test_dir='''
         from agmodels import build, inputs
 

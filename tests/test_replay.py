@@ -1,4 +1,4 @@
-"""Replay and attribution (issue 13): did this layer change, or did it inherit the difference?"""
+"""Replay and attribution: did this layer change, or did it inherit the difference?"""
 
 from __future__ import annotations
 

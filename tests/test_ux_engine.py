@@ -1,4 +1,4 @@
-"""Issue 12 items that live in the engine: the displayed root name selects the root, and a
+"""What lives in the engine: the displayed root name selects the root, and a
 ``parent.*`` tolerances pattern that misses ``parent`` itself gets a hint."""
 
 from __future__ import annotations
