@@ -27,7 +27,7 @@ from ..capture import env as envmod
 from ..capture.fingerprints import Fingerprinter, meta_entry
 from ..capture.hooks import Target, check_model, hook_notes, hooked, layer_name, normalize_inputs, run_forward
 from ..capture.recorder import Recorder
-from ..comparison.comparator import Comparator, StopForward
+from ..comparison.comparator import Comparator, LiveInputs, StopForward
 from ..comparison.golden_selection import recorded_selection, selective_note
 from ..distributed import transform as distcap  # distributed
 from ..fingerprints.fingerprint import FingerprintParams
@@ -329,21 +329,21 @@ def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, An
         if dcap is not None:
             distcap.refuse_sharded_backward(model, rule is not None)
         judge = _judge(spec, resolver, gmeta, path, model, a, kw, dev, backward=rule)
+        inputs_raw = gmeta.get("inputs")
+        recorded_inputs = inputs_raw if isinstance(inputs_raw, list) else None
+        input_changes = envmod.describe_input_change(recorded_inputs, live_inputs)
+        replaced = envmod.inputs_replaced(recorded_inputs, live_inputs)
         comp = Comparator(reader, spec, judge, golden_filter=golden_filter,
-                          transform=None if dcap is None else dcap.convert)
-        comp.replayer = _replayer(spec, reader, judge, resolver)
+                          transform=None if dcap is None else dcap.convert,
+                          replayer=_replayer(spec, reader, judge, resolver),
+                          inputs=LiveInputs(changed=bool(input_changes), replaced=replaced is True,
+                                            unverified=replaced is None,
+                                            objects_changed=envmod.objects_changed(recorded_inputs, live_inputs)),
+                          partial_selection=partial_selection(spec, target, golden_filter))
         grads = None if rule is None else grad_api.CompareGradients(rule, reader, spec, judge, comp.live_to_golden,
                                                                     path, golden_filter)
         on_enter, on_output = (comp.on_enter, comp.on_output) if grads is None else grads.callbacks(comp.on_enter,
                                                                                                       comp.on_output)
-        inputs_raw = gmeta.get("inputs")
-        input_changes = envmod.describe_input_change(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs)
-        comp.inputs_changed = bool(input_changes)
-        replaced = envmod.inputs_replaced(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs)
-        comp.inputs_replaced, comp.verify_inputs = replaced is True, replaced is None
-        comp.objects_changed = envmod.objects_changed(inputs_raw if isinstance(inputs_raw, list) else None,
-                                                      live_inputs)
-        comp.partial_selection = partial_selection(spec, target, golden_filter)
         stopped = False
         out = None
         before = buffers.versions(target.modules)

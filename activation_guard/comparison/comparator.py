@@ -21,6 +21,7 @@ import bisect
 import math
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -52,12 +53,28 @@ class StopForward(Exception):
     """Raised from a hook to end the forward early (``fail_fast``)."""
 
 
+@dataclass(frozen=True)
+class LiveInputs:
+    """How the live model's inputs stand against the recording's, as the caller measured them
+    before the forward: ``changed`` (any difference), ``replaced`` (by more than a floating cast),
+    ``unverified`` (could not be told: replay="all" checks the model's own call first),
+    ``objects_changed`` (an opaque object replays would get live)."""
+
+    changed: bool = False
+    replaced: bool = False
+    unverified: bool = False
+    objects_changed: bool = False
+
+
 class Comparator:
-    """Compares each live layer call against its golden as soon as the layer returns."""
+    """Compares each live layer call against its golden as soon as the layer returns. Built
+    complete: the caller passes the replayer, what it knows of the inputs and whether a layer
+    selection leaves code unjudged; nothing is set on it afterwards."""
 
     def __init__(self, reader: GoldenReader, spec: CompareSpec, judge: Judge, *,
                  golden_filter: Selection | None = None, transform: LeafTransform | None = None,
-                 fingerprints: FingerprintJudge | None = None):
+                 fingerprints: FingerprintJudge | None = None, replayer: Replayer | None = None,
+                 inputs: LiveInputs = LiveInputs(), partial_selection: bool = False):
         """``golden_filter``: the golden's own recorded selection, by golden name, when the hooks
         could not apply it (under ``rename``): a live layer outside it was never stored, so it is
         not "unexpected". ``transform``: applied to every hooked call's leaves before the golden is
@@ -97,15 +114,15 @@ class Comparator:
             wanted = Selector(spec.include, spec.exclude, live_names)
             self.golden_selected = [c for c, live in zip(reader.calls, live_names) if wanted(live)]
         self.golden_to_live = {g: live for live, g in self.live_to_golden.items()}
-        self.replayer: Replayer | None = None  # replay on golden inputs (spec.replay), set by the caller
-        self.inputs_changed = False  # the model's inputs differ from the recording's
-        self.inputs_replaced = False  # ... by more than their dtype (env.inputs_replaced)
-        self.objects_changed = False  # ... in an opaque object replays get live (env.objects_changed)
+        self.replayer = replayer  # replay on golden inputs (spec.replay)
+        self.inputs_changed = inputs.changed  # the model's inputs differ from the recording's
+        self.inputs_replaced = inputs.replaced  # ... by more than their dtype (env.inputs_replaced)
+        self.objects_changed = inputs.objects_changed  # ... in an opaque object replays get live
         # replay="all" may judge a call by its own computation only when every other call is judged
         # too and the model got the recording's inputs: until its first call shows they are
         # (replay_args.root_inputs_match), and for good under a layer selection, outputs keep their verdicts
-        self.verify_inputs = False
-        self.partial_selection = False
+        self.verify_inputs = inputs.unverified
+        self.partial_selection = partial_selection
         self._root_seen = False
         self.input_note = ""
         self._live_output: Any = None  # the output being compared, in a live run (not in diff)
