@@ -9,10 +9,11 @@ Each call is compared as soon as the live layer returns (inside its forward hook
 in-place op can change the output), reading only that call's golden values: memory stays near
 one layer's worth. :func:`activation_guard.api.diff` drives the same object from a second recording.
 
-About 480 lines: matching by paths carries the compatibility rules of older goldens (format-1
-paths, the old empty-key encoding, containers once stored by type only) next to the matching they
-change, and the bit-identical fast path (deferred rows: :class:`~activation_guard.results.IdenticalCall`)
-sits in the matching it short-cuts; the judging itself is in :mod:`activation_guard.judges.strict`.
+A little over the ~400 lines we aim for: matching by paths carries the compatibility rules of
+older goldens (format-1 paths, the old empty-key encoding, containers once stored by type only) next
+to the matching they change, and the bit-identical fast path (deferred rows:
+:class:`~activation_guard.results.IdenticalCall`) sits in the matching it short-cuts. How two leaves
+of one kind compare is in :mod:`.pairs`; the judging itself in :mod:`activation_guard.judges.strict`.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import torch
 from .._core.dtypes import BY_NAME, dtype_name, numpy_view, tensor_bytes, tensor_from_bytes
 from .._core.tensors import is_plain_tensor
 from ..capture.hooks import Frame
-from ..distributed.transform import attribute, shard_verdict
-from ..judges.strict import Judge, LeafContext, dtype_change_allowed, identical_leaf
+from ..distributed.transform import attribute
+from ..judges.strict import Judge, LeafContext, identical_leaf
 from ..options.rename import apply_rename, renamed_patterns
 from ..options.selection import Selector, selected
 from ..options.spec import CompareSpec
@@ -47,6 +48,7 @@ from ..values.leaves import WALKED_SINCE, Leaf, LeafTransform, UnsupportedTensor
 from ..values.paths import EMPTY_KEY, first_duplicate, is_fields, match_old_empty_keys
 from .fingerprints import FingerprintJudge
 from .golden_selection import Selection, recorded_selection, refuse_strays
+from .pairs import PAIRS, kind_name, out_name, tensor_pair
 
 
 class StopForward(Exception):
@@ -294,7 +296,7 @@ class Comparator:
                     leaf.path = leaf.legacy_path
             dup = first_duplicate(leaf.path for leaf in leaves)
             if dup is not None:  # two live values under one name: one would go unjudged
-                return [LeafResult(dup, "structure", f"{_out(dup)}: two live values have this path in a format-1 "
+                return [LeafResult(dup, "structure", f"{out_name(dup)}: two live values have this path in a format-1 "
                                                      f"golden, which cannot tell them apart; re-record the golden")]
         judge = judge or self.judge
         if len(leaves) == 1 and len(entry.leaves) == 1 and leaves[0].path == entry.leaves[0].path:
@@ -323,7 +325,7 @@ class Comparator:
             if lv is None:
                 if not is_fields(g.path):  # a named tuple's field names: compared where both sides have them
                     results.append(LeafResult(g.path, "structure",
-                                              f"{_out(g.path)} ({_kind(g)}) is missing from the live output"))
+                                              f"{out_name(g.path)} ({kind_name(g)}) is missing from the live output"))
                 continue
             res = self._compare_leaf(g, lv, name, entry, judge)
             if lv.dist is not None:  # distributed: name the rank holding the worst element
@@ -334,7 +336,7 @@ class Comparator:
                 continue  # inside a container the golden holds by type only
             if leaf.path not in gpaths and not is_fields(leaf.path):  # (older goldens have no field names)
                 results.append(LeafResult(leaf.path, "structure",
-                                          f"{_out(leaf.path)} ({leaf.type_name}) is new in the live output"))
+                                          f"{out_name(leaf.path)} ({leaf.type_name}) is new in the live output"))
         return results
 
     def _same_bytes(self, g: LeafEntry, t: torch.Tensor, type_name: str, name: str,
@@ -362,6 +364,8 @@ class Comparator:
         return None if same is None else _identical_now(judge, name, entry, g, t, same)
 
     def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
+        """One golden leaf against the live leaf at its path: the cases every kind shares here, then
+        the comparer of the golden leaf's kind (:data:`PAIRS`)."""
         t = lv.tensor
         if lv.kind == "tensor" and t is not None:
             quick = self._identical_small(g, t, lv.type_name, name, entry, judge)
@@ -378,50 +382,18 @@ class Comparator:
             return LeafResult(p, "match", f"{g.type_name} object: compared by type only (re-record to compare "
                                           "its value)", type_name=lv.type_name, type_only=True)
         if g.kind != lv.kind:
-            return LeafResult(p, "structure", f"{_out(p)} was {_kind(g)}, is now {lv.type_name}")
-        if g.kind == "none":
-            return LeafResult(p, "match")
-        if g.kind == "object":
-            if g.type_name != lv.type_name:
-                return LeafResult(p, "structure", f"{_out(p)} type changed {g.type_name} -> {lv.type_name}")
-            if not lv.type_only:  # an empty container: nothing else to compare
-                return LeafResult(p, "match", type_name=lv.type_name)
-            return LeafResult(p, "match", f"{g.type_name} object: compared by type only", type_name=lv.type_name,
-                              type_only=True)
-        if g.kind == "ref":
-            if g.value != lv.value:
-                return LeafResult(p, "structure", f"{_out(p)} was a reference to output {g.value}, "
-                                                  f"is now a reference to output {lv.value}")
-            return LeafResult(p, "match", type_name=lv.type_name)
-        if g.type_name != lv.type_name and g.kind in ("tensor", "str"):
-            return LeafResult(p, "structure", f"{_out(p)} type changed {g.type_name} -> {lv.type_name}",
-                              type_name=lv.type_name)
-        if g.kind == "str":
-            if g.value != lv.value:
-                return LeafResult(p, "diverged", f"{_out(p)} {g.value!r} -> {lv.value!r}")
-            return LeafResult(p, "match")
-        t = lv.tensor
-        assert t is not None and g.dtype is not None
-        ldt = dtype_name(t)
-        lshape = tuple(int(s) for s in t.shape)
-        if lshape != g.shape:  # distributed: a rank's piece of the golden's value is a local shard
-            why = None if lv.dist is None else shard_verdict(lv.dist, name, p, g.shape)
-            detail = why or f"{_out(p)} shape {list(g.shape)} -> {list(lshape)}"
-            return LeafResult(p, "local_shard" if why else "shape", detail,
-                              dtype=g.dtype, live_dtype=ldt, shape=g.shape, live_shape=lshape, numel=g.numel)
-        if ldt != g.dtype and not (self.spec.allow_dtype_change and dtype_change_allowed(g.dtype, ldt)):
-            return LeafResult(p, "dtype", f"{_out(p)} dtype {g.dtype} -> {ldt}",
-                              dtype=g.dtype, live_dtype=ldt, shape=g.shape, live_shape=lshape, numel=g.numel)
-        ctx = LeafContext(name, entry.name, entry.call, p, g.dtype, ldt)
-        label = ctx.label
-        if g.pack is not None and ldt == g.dtype and t.device.type == "cpu":
+            return LeafResult(p, "structure", f"{out_name(p)} was {kind_name(g)}, is now {lv.type_name}")
+        return PAIRS.get(g.kind, tensor_pair)(self, g, lv, name, entry, judge)
+
+    def golden_tensor(self, g: LeafEntry, label: str, live: torch.Tensor) -> torch.Tensor:
+        """A stored tensor leaf's values, read the cheapest way for this run."""
+        if g.pack is not None and dtype_name(live) == g.dtype and live.device.type == "cpu":
             # a small stored leaf that is not bit-identical (``_identical_small`` settled those)
-            golden = tensor_from_bytes(self.reader.packed_bytes(g, label).copy(), BY_NAME[g.dtype], g.shape)
-        else:
-            # replay="all" reads a stored output again for replays: through their cache (children.py)
-            golden = (self.replayer.cache if self.replayer is not None and self.spec.replay == "all"
-                      else self.reader).load(g, label)
-        return judge.judge(ctx, golden, t)
+            assert g.dtype is not None
+            return tensor_from_bytes(self.reader.packed_bytes(g, label).copy(), BY_NAME[g.dtype], g.shape)
+        # replay="all" reads a stored output again for replays: through their cache (children.py)
+        return (self.replayer.cache if self.replayer is not None and self.spec.replay == "all"
+                else self.reader).load(g, label)
 
     # ------------------------------------------------------------------ end of run
     def notes(self) -> list[str]:
@@ -498,17 +470,3 @@ def _identical_row(name: str, golden_name: str, call: int, path: str, dtype: str
                    tol: Tolerance) -> LeafResult:
     """An IdenticalCall's one leaf, from the plain values its row holds."""
     return identical_leaf(LeafContext(name, golden_name, call, path, dtype, dtype), shape, first, tol)
-
-
-def _out(path: str) -> str:
-    """How a report names an output leaf: the bare output, or the one at a path inside it."""
-    return f"output {path}" if path else "the output"
-
-
-def _kind(g: LeafEntry) -> str:
-    if g.kind == "tensor":
-        return f"a {g.dtype} tensor" if g.type_name == "Tensor" else f"a {g.dtype} {g.type_name}"
-    if g.kind == "ref":
-        return f"a reference to output {g.value}"
-    return g.type_name or g.kind
-
