@@ -28,6 +28,7 @@ the live floors are measured during ``compare(tolerance="calibrated")``.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,9 +57,9 @@ from .selection import few
 from .shadow import ShadowRun
 
 __all__ = [
-    "ABS_TERM", "CALIBRATED_DTYPES", "CHUNK", "FORMAT_VERSION", "META_KEY", "MULTIPLIER", "MULTIPLIER_REDUCED",
-    "MULTIPLIER_SMALL", "REDUCED_DTYPES", "SMALL_NUMEL", "CalibratedJudge", "FloorTable", "NoiseFloor", "ShadowRun",
-    "diff_stats", "multiplier", "rule_text",
+    "ABS_TERM", "CALIBRATED_DTYPES", "CHUNK", "DIFFERS_KEY", "FORMAT_VERSION", "META_KEY", "MULTIPLIER",
+    "MULTIPLIER_REDUCED", "MULTIPLIER_SMALL", "REDUCED_DTYPES", "SMALL_NUMEL", "CalibratedJudge", "FloorTable",
+    "NoiseFloor", "ShadowRun", "diff_stats", "multiplier", "rule_text",
 ]
 
 
@@ -146,6 +147,9 @@ class CalibratedJudge:
         for pat, n in self.explicit.items():
             out.append(f"tolerances[{pat!r}] judged {n} output(s) strictly with its own numbers (explicit "
                        f"per-layer tolerances override calibration)")
+        diff = differs_note(self.golden.info.get(DIFFERS_KEY), self.shadow.differs)
+        if diff:
+            out.append(diff)
         if self.fallbacks:
             shown = few(self.fallbacks, sep="; ", show=str)
             out.append(f"{len(self.fallbacks)} outputs had no noise floor and used strict tolerances ({shown})")
@@ -159,6 +163,28 @@ class CalibratedJudge:
 
     def close(self) -> None:
         self.shadow.close()
+
+
+DIFFERS_KEY = "computes_differently"  # calibration meta: [[layer, call, departure share], ...]
+
+
+def differs_note(golden: Any, live: list[tuple[str, int, float]]) -> str | None:
+    """The note naming the leaf calls whose float64 copy computes another function than the run's
+    dtype (golden's record and live shadow): their low-precision result stood in for the float64
+    one, so later floors measure rounding only. ``golden`` is the meta's list, validated here."""
+    seen: dict[tuple[str, int], float] = {}
+    rows = golden if isinstance(golden, list) else []
+    for row in [*rows, *live]:
+        if (isinstance(row, (list, tuple)) and len(row) == 3 and isinstance(row[0], str)
+                and isinstance(row[1], int) and isinstance(row[2], (int, float))):
+            key = (row[0], row[1])
+            seen[key] = max(seen.get(key, 0.0), float(row[2]))
+    if not seen:
+        return None
+    shown = few([f"{n or '<root>'!r}[{c}] ({r:.2%} of its RMS)" for (n, c), r in seen.items()], show=str)
+    return (f"{len(seen)} layer call(s) whose float64 copy computes differently from the run's dtype on the same "
+            f"inputs, beyond rounding ({shown}: an epsilon from torch.finfo(dtype), a branch on the dtype): "
+            f"their own result stood in for the float64 reference, so later layers' floors measure rounding only")
 
 
 def _where(ctx: LeafContext) -> str:

@@ -1,0 +1,59 @@
+"""Legitimate models and refactors that once fooled the calibrated rule, the replays or the
+attribution: each is a minimal reproduction, judged by what the tool must say about it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import activation_guard as ag
+
+# --------------------------------------------------------------------------- calibrated floors
+
+
+class _EpsNorm(nn.Module):
+    """A norm whose epsilon follows the dtype: its float64 copy computes another function."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (x.abs().mean() + torch.finfo(x.dtype).eps ** 0.5)
+
+
+class _EpsNormModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+        self.n = _EpsNorm()
+        self.b = nn.Linear(64, 64)
+        self.c = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(self.n(self.a(x)))))
+
+
+def _eps_norm_model() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    m = _EpsNormModel().eval()
+    x = torch.randn(8, 32) * 0.1
+    with torch.no_grad():
+        m.a.weight.mul_(0.6)
+        m.a.bias.mul_(0.3)
+    return m, x
+
+
+def test_a_layer_whose_float64_copy_computes_differently_does_not_inflate_later_floors(tmp_path: Path) -> None:
+    m, x = _eps_norm_model()
+    p = tmp_path / "g.h5"
+    ag.record(m, (x,), path=p, calibrate=True)
+    same = ag.compare(m, (x,), path=p, tolerance="calibrated")
+    assert same.ok, str(same)
+    with torch.no_grad():
+        m.c.weight.mul_(1.03)
+    for replay in ("first", "all"):
+        report = ag.compare(m, (x,), path=p, tolerance="calibrated", replay=replay)
+        assert not report.ok, f"replay={replay}: {report}"
+        assert report.first_divergence is not None and report.first_divergence.name == "c", str(report)
+    # the layer that computes differently is named in the notes
+    assert any("'n'" in n and "float64 copy computes differently" in n for n in report.notes), report.notes
+
