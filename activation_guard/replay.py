@@ -92,6 +92,7 @@ class Replayer:
         self.between: dict[tuple[str, int], tuple[str | None, str]] = {}  # call -> children its code differs between
         self.no_reference: dict[str, int] = {}  # why replays had no float64 reference (own floor) -> how many
         self.drew_random: set[tuple[str, int]] = set()  # replayed calls that drew random numbers
+        self.wrote: set[str] = set()  # layers with a call that changed its arguments in place
 
     def random_hint(self, name: str, call: int) -> str:
         """What a replay of a call that draws random numbers cannot tell apart (for its origin text)."""
@@ -259,6 +260,15 @@ class Replayer:
                 return i, bad
         return None
 
+    def wrote_hint(self, prev: str | None, parent: str) -> str:
+        """For an origin between two children: the one before may have made the difference by
+        writing into its arguments, which is no output of its and so never compared."""
+        if prev is None or prev not in self.wrote:
+            return ""
+        p = _relative(prev, parent)
+        return (f"; but {p!r} changes its arguments in place, and what it writes is not compared (it is no output "
+                f"of {p!r}): the change may be in {p!r} instead")
+
     # ------------------------------------------------------------------ attribution
     def attribute(self, frame: Frame, entry: CallEntry, res: LayerResult, compare: Any,
                   inputs_changed: bool, earlier: Sequence[LayerResult] = ()) -> Origin:
@@ -315,7 +325,7 @@ class Replayer:
         return Origin(parent.name, pcall, "parent-code", err, type_name=type(parent.module).__name__, child=frame.name,
                       previous=prev, detail=(
                           f"own code {between}: its children compute the same on the golden inputs, but the inputs of "
-                          f"{child!r} differ"))
+                          f"{child!r} differ" + self.wrote_hint(prev, parent.name)))
 
     def parent_origin(self, name: str, call: int, tname: str, own: LayerResult, between: tuple[str | None, str] | None,
                       last_child: str | None, children: int) -> Origin:
@@ -328,7 +338,7 @@ class Replayer:
             return Origin(name, call, "parent-code", own.max_abs_diff, type_name=tname, child=child, previous=prev,
                           detail=(f"own code {where}: re-run on the golden's inputs, its children returning the "
                                   f"golden's outputs, the inputs of {_relative(child, name)!r} differ "
-                                  f"({_how(own)})"))
+                                  f"({_how(own)})" + self.wrote_hint(prev, name)))
         return Origin(name, call, "parent-code", own.max_abs_diff, type_name=tname, previous=last_child,
                       detail=(f"own code: its {children} child call(s) computed what they computed before, "
                               f"but re-run on the golden's own inputs its output still differs ({_numbers(own)})"
@@ -387,7 +397,12 @@ class Replayer:
                 # where it left the random stream (an eval-mode child may hold a training Dropout;
                 # a GPU one moves only the CUDA generator): its stub puts the stream there
                 end = rng_state()
-            aliased = stub and _shares_memory(frame, output)
+            # a child that wrote into its arguments runs in its parent's replay (a stub would not
+            # write, and the parent's next child would see other inputs: a false alarm)
+            wrote = modified_in_place(frame)
+            if wrote:
+                self.wrote.add(frame.name)
+            aliased = stub and (_shares_memory(frame, output) or wrote)
             parent.data.children.append(ChildCall(frame.module, frame.name, entry,
                                                   skeleton(output) if stub and not aliased else None, end, aliased))
 

@@ -3,8 +3,10 @@ attribution: each is a minimal reproduction, judged by what the tool must say ab
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -57,3 +59,51 @@ def test_a_layer_whose_float64_copy_computes_differently_does_not_inflate_later_
     # the layer that computes differently is named in the notes
     assert any("'n'" in n and "float64 copy computes differently" in n for n in report.notes), report.notes
 
+
+# --------------------------------------------------------------------------- replays: false alarms
+
+
+class _ScaleInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, t: torch.Tensor) -> None:
+        t.mul_(self.w)
+
+
+class _ScaleInPlaceNew(_ScaleInPlace):
+    def forward(self, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        t.mul_(self.w)
+        return t * 2
+
+
+class _InPlaceChild(nn.Module):
+    def __init__(self, child: nn.Module) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.rope, self.b = nn.Linear(16, 16), child, nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.a(x)
+        self.rope(q)
+        return self.b(torch.tanh(q))
+
+
+@pytest.mark.parametrize("child", [_ScaleInPlace, _ScaleInPlaceNew])
+@pytest.mark.parametrize("tolerance", ["strict", "calibrated"])
+def test_a_child_that_changes_its_argument_in_place_is_replayed_with_its_write(
+        tmp_path: Path, child: type[nn.Module], tolerance: str) -> None:
+    m = _InPlaceChild(child()).eval()
+    x = torch.randn(4, 16)
+    p = tmp_path / "g.h5"
+    ag.record(m, (x,), path=p, calibrate=tolerance == "calibrated")
+    same = ag.compare(m, (x,), path=p, tolerance=tolerance, replay="all")
+    assert same.ok, str(same)
+    changed = copy.deepcopy(m)
+    with torch.no_grad():
+        changed.rope.w.mul_(1.01)
+    rep = ag.compare(changed, (x,), path=p, tolerance=tolerance, replay="all")
+    assert not rep.ok and rep.origin is not None, str(rep)
+    # its write is no output of its: it is named, by its own replay or as what may have made it
+    assert rep.origin.name == "rope" or "'rope' changes its arguments in place" in rep.origin.detail, str(rep)
