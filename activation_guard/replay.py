@@ -42,7 +42,7 @@ import torch
 from .calibrate import CalibratedJudge
 from .callstart import CallStart, modified_in_place, start_values
 from .capture import Frame, HookState, rng_state, set_rng_state
-from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, skeleton
+from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, restore_buffers, saved_buffers, skeleton
 from .dtypes import dtype_name
 from .judges import Judge, LeafContext, StrictJudge
 from .leaves import UnsupportedTensorError, flatten, flatten_inputs
@@ -109,7 +109,7 @@ class Replayer:
         """``rewind``: (name, value) of the module's own buffers to set before it runs (the values
         they had when the live call started); every buffer is restored to its live value after."""
         assert self.state is not None
-        saved = [(b, b.detach().clone()) for b in _buffers(module, hooks.stubbed(modules or {}) if hooks else set())]
+        saved = saved_buffers(_buffers(module, hooks.stubbed(modules or {}) if hooks else set()))
         if rewind:
             with torch.no_grad():
                 for name, value in rewind:
@@ -126,9 +126,7 @@ class Replayer:
                 return call_as_captured(module, args, kwargs)
         finally:
             self.state.replaying = False
-            with torch.no_grad():
-                for b, v in saved:
-                    b.copy_(v)
+            restore_buffers(saved)
 
     def own(self, frame: Frame, entry: CallEntry, compare: Any) -> OwnResult:
         """The call re-run on the golden's inputs, its children returning the golden's outputs

@@ -107,3 +107,24 @@ def test_a_child_that_changes_its_argument_in_place_is_replayed_with_its_write(
     assert not rep.ok and rep.origin is not None, str(rep)
     # its write is no output of its: it is named, by its own replay or as what may have made it
     assert rep.origin.name == "rope" or "'rope' changes its arguments in place" in rep.origin.detail, str(rep)
+
+
+def test_replay_all_with_a_backward_golden_on_bert_leaves_saved_buffers_alone(tmp_path: Path) -> None:
+    """BERT's embedding saves a slice of its ``position_ids`` buffer for backward: a replay that
+    copied every buffer back in place bumped its version and the backward raised."""
+    pytest.importorskip("transformers")
+    from models import build_hf_bert, token_input
+
+    m = build_hf_bert()
+    x = token_input(1, 64)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p, backward=True)
+    rep = ag.compare(copy.deepcopy(m), x, path=p, replay="all", backward=True)
+    assert rep.ok, str(rep)
+    changed = copy.deepcopy(m)
+    with torch.no_grad():
+        changed.encoder.layer[1].output.dense.weight.mul_(1.01)
+    rep = ag.compare(changed, x, path=p, replay="all", backward=True)
+    assert not rep.ok and rep.first_divergence is not None, str(rep)
+    assert rep.first_divergence.name == "encoder.layer.1.output.dense", str(rep)
+
