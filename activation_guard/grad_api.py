@@ -22,7 +22,7 @@ from .capture import EnterCallback, LayerCallback, Target
 from .errors import ActivationGuardError, GoldenFormatError, UnsupportedModelError
 from .floors import FloorTable
 from .grad_compare import GradComparator, GradNoise
-from .grad_loss import DEFAULT_SEED, META_KEY, LossRule, loss_rule
+from .grad_loss import BY_PATH, DEFAULT_SEED, META_KEY, LossRule, loss_rule
 from .grad_store import CALIBRATION_KEY, GradRecorder, grad_floors
 from .gradients import Event, GradCapture
 from .judges import Judge
@@ -125,7 +125,7 @@ def compare_rule(spec: CompareSpec, meta: Mapping[str, Any], path: str, target: 
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise GoldenFormatError(path, f"has a malformed {META_KEY!r} record in its meta (seed {seed!r})",
                                     fix=RERECORD)
-        return LossRule("cotangent", seed)
+        return LossRule("cotangent", seed, by_path=rec.get("cotangents") == BY_PATH)
     if not callable(asked) or asked is True:
         raise ActivationGuardError(
             f"{path}: the golden's gradients were recorded with a custom loss function ({rec.get('function', '?')}), "
@@ -216,7 +216,7 @@ def diff_rows(golden: GoldenReader, other: GoldenReader, spec: CompareSpec, judg
         which = "the golden" if mine is not None else "the other recording"
         return layers, order, [f"backward: only {which} has gradients; they were not compared"]
     if not (isinstance(mine, Mapping) and isinstance(theirs, Mapping)) or any(
-            mine.get(k) != theirs.get(k) for k in ("loss", "seed", "function")):
+            mine.get(k) != theirs.get(k) for k in ("loss", "seed", "function", "cotangents")):
         return layers, order, ["backward: the two recordings used different losses; gradients not compared"]
     sink = GradComparator(golden, spec, judge, LossRule("cotangent"), live_to_golden)
     events = []

@@ -8,6 +8,7 @@ golden cannot store (compare needs the function again).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,10 +20,24 @@ from .leaves import flatten
 META_KEY = "backward"  # the golden meta's record of the loss (and gradient noise floors)
 META_VERSION = 1
 DEFAULT_SEED = 0
-COTANGENT_RULE = ("loss = sum over the model output's floating tensor leaves, in flatten order, of "
-                  "(leaf * c).sum(), with c = torch.randn(leaf.shape, dtype=torch.float32, "
-                  "generator=torch.Generator('cpu').manual_seed(seed)) drawn from one generator in that order, "
-                  "then cast to the leaf's dtype and device")
+COTANGENT_RULE = ("loss = sum over the model output's floating tensor leaves of (leaf * c).sum(), with "
+                  "c = torch.randn(leaf.shape, dtype=torch.float32, generator=torch.Generator('cpu')"
+                  ".manual_seed(path_seed(seed, leaf path))), one generator per leaf seeded by its path, then cast "
+                  "to the leaf's dtype and device; path_seed: the first 8 bytes of blake2b('<seed>:<path>') as a "
+                  "little-endian integer, its top bit cleared")
+# goldens before per-path cotangents drew them from one generator in flatten order (meta without "cotangents")
+COTANGENT_RULE_ORDERED = ("loss = sum over the model output's floating tensor leaves, in flatten order, of "
+                          "(leaf * c).sum(), with c = torch.randn(leaf.shape, dtype=torch.float32, "
+                          "generator=torch.Generator('cpu').manual_seed(seed)) drawn from one generator in that "
+                          "order, then cast to the leaf's dtype and device")
+BY_PATH = "by-path"  # meta "cotangents": each leaf's cotangent seeded by its path
+
+
+def path_seed(seed: int, path: str) -> int:
+    """The seed of one output leaf's cotangent: the same leaf (by path) gets the same cotangent
+    whatever the order of the output's entries (a dict returned in another key order)."""
+    digest = hashlib.blake2b(f"{seed}:{path}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 @dataclass(frozen=True)
@@ -35,10 +50,14 @@ class LossRule:
     seed: int = DEFAULT_SEED
     fn: Callable[[Any], Any] | None = field(default=None, compare=False)
     name: str = ""
+    by_path: bool = True  # False: a golden's cotangents drawn in flatten order, from one generator
 
     def to_meta(self) -> dict[str, Any]:
         if self.kind == "cotangent":
-            return {"version": META_VERSION, "loss": "cotangent", "seed": self.seed, "rule": COTANGENT_RULE}
+            if not self.by_path:
+                return {"version": META_VERSION, "loss": "cotangent", "seed": self.seed, "rule": COTANGENT_RULE_ORDERED}
+            return {"version": META_VERSION, "loss": "cotangent", "seed": self.seed, "cotangents": BY_PATH,
+                    "rule": COTANGENT_RULE}
         return {"version": META_VERSION, "loss": "custom", "function": self.name}
 
     def describe(self) -> str:
@@ -70,6 +89,8 @@ class LossRule:
             t = leaf.tensor
             if leaf.kind != "tensor" or t is None or not t.is_floating_point() or leaf.type_name != "Tensor":
                 continue
+            if self.by_path:
+                gen = torch.Generator("cpu").manual_seed(path_seed(self.seed, leaf.path))
             c = torch.randn(tuple(t.shape), dtype=torch.float32, generator=gen)  # drawn for every floating leaf
             if t.requires_grad:
                 roots.append(t)

@@ -28,7 +28,7 @@ from torch import nn
 import activation_guard as ag
 from activation_guard.capture import hooked, run_forward
 from activation_guard.errors import ActivationGuardError, OptionError
-from activation_guard.grad_loss import LossRule
+from activation_guard.grad_loss import LossRule, path_seed
 from activation_guard.gradients import Event, GradCapture
 
 
@@ -58,8 +58,9 @@ def capture(model: nn.Module, *args: Any, rule: LossRule | None = None) -> Colle
     return sink
 
 
-def cotangent_of(out: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    return torch.randn(tuple(out.shape), generator=torch.Generator().manual_seed(seed))
+def cotangent_of(out: torch.Tensor, seed: int = 0, path: str = "") -> torch.Tensor:
+    """The cotangent of the model output's leaf at ``path`` (a single tensor output: ``""``)."""
+    return torch.randn(tuple(out.shape), generator=torch.Generator().manual_seed(path_seed(seed, path)))
 
 
 def full_hooks(model: nn.Module, *args: Any) -> tuple[dict[str, tuple[Any, Any]], dict[str, torch.Tensor]]:
@@ -303,10 +304,10 @@ def test_tuple_outputs_and_unused_outputs(tmp_path: Path) -> None:
     x = torch.randn(2, 4)
     got = capture(model, x)
     assert {k[3] for k in got.values if k[:3] == ("output", "", 0)} == {"0", "1/b"}  # no integer leaf
-    # the root's output gradients are the seeded cotangents, drawn in path order
-    gen = torch.Generator().manual_seed(0)
-    assert torch.equal(got.values[("output", "", 0, "0")], torch.randn(2, 2, generator=gen))
-    assert torch.equal(got.values[("output", "", 0, "1/b")], torch.randn(2, 3, generator=gen))
+    # the root's output gradients are the seeded cotangents, each seeded by its leaf's path
+    for path, shape in (("0", (2, 2)), ("1/b", (2, 3))):
+        gen = torch.Generator().manual_seed(path_seed(0, path))
+        assert torch.equal(got.values[("output", "", 0, path)], torch.randn(*shape, generator=gen))
     lstm = build_lstm()
     ids = lstm_input()[0]
     got = capture(lstm, ids)

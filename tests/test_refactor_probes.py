@@ -128,3 +128,30 @@ def test_replay_all_with_a_backward_golden_on_bert_leaves_saved_buffers_alone(tm
     assert not rep.ok and rep.first_divergence is not None, str(rep)
     assert rep.first_divergence.name == "encoder.layer.1.output.dense", str(rep)
 
+
+# --------------------------------------------------------------------------- gradients
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.order = order
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        a, b = self.a(x), self.b(x)
+        return {"a": a, "b": b} if self.order == "ab" else {"b": b, "a": a}
+
+
+def test_gradients_follow_the_outputs_paths_not_their_order(tmp_path: Path) -> None:
+    x = torch.randn(5, 8)
+    p = tmp_path / "g.h5"
+    ag.record(_TwoHeads("ab"), (x,), path=p, backward=True)
+    rep = ag.compare(_TwoHeads("ba"), (x,), path=p, backward=True)
+    assert rep.ok, str(rep)
+    changed = _TwoHeads("ba")
+    with torch.no_grad():
+        changed.b.weight.mul_(1.01)
+    rep = ag.compare(changed, (x,), path=p, backward=True)
+    assert not rep.ok and rep.first_divergence is not None and rep.first_divergence.name == "b", str(rep)
