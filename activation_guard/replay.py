@@ -316,14 +316,42 @@ class Replayer:
             return Origin(frame.name, frame.call, "unknown", err, type_name=tname, detail=(
                 f"re-run on the golden's inputs it gives the golden's output; {why}"))
         assert self.state is not None
+        node, above = self._above(frame)
+        if isinstance(above, str):
+            return Origin(frame.name, frame.call, "unknown", err, type_name=tname, detail=(
+                f"re-run on the golden's inputs it gives the golden's output, and its inputs differ; {above}"))
+        parent = above
         pcall = self.state.calls.get(parent.name, 0)
-        child, prev = _relative(frame.name, parent.name), frame.previous
+        child, prev = _relative(node.name, parent.name), node.previous
         between = (f"between {_relative(prev, parent.name)!r} and {child!r}" if prev is not None
                    else f"before {child!r}")
-        return Origin(parent.name, pcall, "parent-code", err, type_name=type(parent.module).__name__, child=frame.name,
+        via = "" if node is frame else f" (and so those of {display_name(frame.name)!r} inside it)"
+        return Origin(parent.name, pcall, "parent-code", err, type_name=type(parent.module).__name__, child=node.name,
                       previous=prev, detail=(
                           f"own code {between}: its children compute the same on the golden inputs, but the inputs of "
-                          f"{child!r} differ" + self.wrote_hint(prev, parent.name)))
+                          f"{child!r} differ{via}" + self.wrote_hint(prev, parent.name)))
+
+    def _above(self, frame: Frame) -> tuple[Frame, Frame | str]:
+        """Whose code made the inputs of ``frame`` differ, which re-run on the golden's inputs gives
+        the golden's output: its parent's, unless it is its parent's first child and the parent's
+        own inputs differ too; then the change is above, and the walk goes on up. Returns the call
+        whose inputs the code made and the caller whose code it is, or why that cannot be told."""
+        assert self.state is not None
+        node = frame
+        while True:
+            parent = node.parent
+            assert parent is not None
+            if node.previous is not None or parent.parent is None:
+                return node, parent  # a sibling before it matched, or the model's own code
+            pentry = self.reader.by_key.get((parent.name, self.state.calls.get(parent.name, 0)))
+            differ = None if pentry is None else self._inputs_differ(parent, pentry)
+            if differ is False:
+                return node, parent  # its parent got the golden's inputs: its code before its first child
+            if differ is None:
+                return node, (f"it is the first child of {display_name(parent.name)!r}, whose own inputs could not "
+                              f"be checked against the golden's (not recorded, or changed in place), so the change "
+                              f"may be in {display_name(parent.name)!r}'s code before it or anywhere above")
+            node = parent
 
     def parent_origin(self, name: str, call: int, tname: str, own: LayerResult, between: tuple[str | None, str] | None,
                       last_child: str | None, children: int) -> Origin:

@@ -155,3 +155,37 @@ def test_gradients_follow_the_outputs_paths_not_their_order(tmp_path: Path) -> N
         changed.b.weight.mul_(1.01)
     rep = ag.compare(changed, (x,), path=p, backward=True)
     assert not rep.ok and rep.first_divergence is not None and rep.first_divergence.name == "b", str(rep)
+
+
+# --------------------------------------------------------------------------- attribution
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class _RootScales(nn.Module):
+    def __init__(self, k: float = 1.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.b1, self.b2 = _Block(), _Block()
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b2(self.b1(x) * self.k)
+
+
+@pytest.mark.parametrize("replay", ["first", "all"])
+def test_a_change_in_the_roots_code_is_not_blamed_on_the_grandchilds_parent(tmp_path: Path, replay: str) -> None:
+    x = torch.randn(4, 8)
+    p = tmp_path / "g.h5"
+    ag.record(_RootScales(1.0), (x,), path=p)
+    rep = ag.compare(_RootScales(1.01), (x,), path=p, replay=replay)
+    assert not rep.ok and rep.origin is not None, str(rep)
+    o = rep.origin
+    assert (o.name, o.kind, o.previous, o.child) == ("", "parent-code", "b1", "b2"), str(rep)
