@@ -46,7 +46,7 @@ from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, restore
 from .dtypes import dtype_name
 from .judges import Judge, LeafContext, StrictJudge
 from .leaves import UnsupportedTensorError, flatten, flatten_inputs
-from .origin_hints import string_hint, unjudged_source
+from .origin_hints import inexact_before, string_hint, unjudged_source
 from .ownfloor import OwnFloorJudge, judge_input
 from .rebuild import clone_inputs, rebuild_inputs
 from .replay_args import ArgsChanged, golden_inputs
@@ -280,6 +280,9 @@ class Replayer:
             passed_on = unjudged_source(frame, found, earlier)
             if passed_on is not None:
                 return passed_on
+            grown = inexact_before(frame, found, earlier)
+            if grown is not None:
+                return grown
         return found
 
     def _attribute(self, frame: Frame, entry: CallEntry, res: LayerResult, compare: Any,

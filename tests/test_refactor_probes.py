@@ -189,3 +189,37 @@ def test_a_change_in_the_roots_code_is_not_blamed_on_the_grandchilds_parent(tmp_
     assert not rep.ok and rep.origin is not None, str(rep)
     o = rep.origin
     assert (o.name, o.kind, o.previous, o.child) == ("", "parent-code", "b1", "b2"), str(rep)
+
+
+def _loud_llama() -> nn.Module:
+    """A tiny Llama with activations of realistic size (so an RMSNorm epsilon matters little) and
+    an MLP in layer 1 that amplifies what reaches it."""
+    from models import build_hf_llama
+
+    m = build_hf_llama()
+    with torch.no_grad():
+        m.model.embed_tokens.weight.mul_(80)
+        mlp = m.model.layers[1].mlp
+        mlp.gate_proj.weight.mul_(10)
+        mlp.up_proj.weight.mul_(10)
+        mlp.down_proj.weight.mul_(100)
+    return m
+
+
+def test_a_difference_under_tolerance_that_grows_is_not_blamed_on_unreplayed_parent_code(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from models import token_input
+
+    m, x = _loud_llama(), token_input(1, 64)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p)
+    changed = copy.deepcopy(m)
+    changed.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-5  # 1e-6 recorded
+    rep = ag.compare(changed, x, path=p)
+    assert not rep.ok and rep.first_divergence is not None, str(rep)
+    assert rep.first_divergence.name == "model.layers.1.mlp.down_proj", str(rep)
+    norm = next(r for r in rep.layers if r.name == "model.layers.1.post_attention_layernorm")
+    assert norm.ok and norm.max_abs_diff, str(rep)  # the change itself stayed under tolerance
+    o = rep.origin
+    assert o is not None and o.kind == "unknown", str(rep)  # LlamaMLP's code never changed
+    assert "model.layers.1.post_attention_layernorm" in o.detail and "replay='all'" in o.detail, o.detail
