@@ -223,3 +223,42 @@ def test_a_difference_under_tolerance_that_grows_is_not_blamed_on_unreplayed_par
     o = rep.origin
     assert o is not None and o.kind == "unknown", str(rep)  # LlamaMLP's code never changed
     assert "model.layers.1.post_attention_layernorm" in o.detail and "replay='all'" in o.detail, o.detail
+
+
+# --------------------------------------------------------------------------- damaged stored inputs
+
+
+def _damage_model_input(golden: Path) -> None:
+    """Flip one byte of the golden's stored model input (in its pack, where no output lives)."""
+    import h5py
+
+    with ag.read_golden(golden) as r:
+        entry = r.resolve(r.by_key[("", 0)].inputs[0])
+        assert entry.kind == "tensor" and entry.pack is not None
+        pack, offset = entry.pack, entry.offset
+    with h5py.File(golden, "r+") as f:
+        ds = f["packs"][f"{pack:04d}"]
+        data = ds[()]
+        data[offset + 3] ^= 0x10
+        ds[...] = data
+
+
+def test_a_flipped_byte_in_a_stored_model_input_is_found_by_verify_and_inspect(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from activation_guard.cli import main
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    p = tmp_path / "g.h5"
+    ag.record(m, (torch.randn(3, 8),), path=p)
+    assert main(["verify", str(p)]) == 0
+    assert "OK" in capsys.readouterr().out
+    _damage_model_input(p)
+    assert main(["diff", str(p), str(p)]) == 0  # reads no input: finds nothing, as before
+    capsys.readouterr()
+    assert main(["verify", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert str(p) in err and "layer '<root>' call 0 input 'args/0'" in err and "checksum" in err, err
+    assert main(["inspect", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert str(p) in err and "'<root>' call 0 input 'args/0'" in err, err
