@@ -87,6 +87,11 @@ class float32_random(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = dict(kwargs or {})
         f64 = torch.float64
+        wide = _keep_float64(func, args, kwargs)
+        if wide is not None:
+            args, kwargs = wide
+            if func is torch.Tensor.float:
+                return args[0]
         if func in (torch.rand, torch.randn) and kwargs.get("dtype") == f64:
             return func(*args, **{**kwargs, "dtype": torch.float32}).to(f64)
         if func is torch.normal and "out" not in kwargs and (kwargs.get("dtype") == f64 or any(
@@ -118,6 +123,32 @@ class float32_random(TorchFunctionMode):
             with torch.no_grad():
                 return first.copy_(drawn)
         return func(*args, **kwargs)
+
+
+_CASTS = (torch.Tensor.to, torch.Tensor.type)
+
+
+def _keep_float64(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...],
+                                                                                    dict[str, Any]] | None:
+    """An explicit cast to float32 of a float64 tensor (``x.float()``, ``x.to(torch.float32)``,
+    ``x.type(torch.float32)``), or an op told ``dtype=torch.float32`` on float64 tensors
+    (``softmax(x, -1, dtype=torch.float32)``), as float64 keeps it: in the float32 model these
+    are no-ops or the precision the model already has, and in the float64 copy a float32 tensor
+    meeting float64 weights in a matmul raised. The arguments to call with, or None."""
+    f32, f64 = torch.float32, torch.float64
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if func is torch.Tensor.float:
+        return (args, kwargs) if first is not None and first.dtype == f64 else None
+    if func in _CASTS:
+        if first is None or first.dtype != f64:
+            return None
+        if not any(a is f32 for a in args[1:]) and kwargs.get("dtype") is not f32:
+            return None
+        new = tuple(f64 if a is f32 else a for a in args)
+        return new, ({**kwargs, "dtype": f64} if kwargs.get("dtype") is f32 else kwargs)
+    if kwargs.get("dtype") is f32 and any(isinstance(a, torch.Tensor) and a.dtype == f64 for a in args):
+        return args, {**kwargs, "dtype": f64}
+    return None
 
 
 def _fails_as_is(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> bool:

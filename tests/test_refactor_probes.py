@@ -262,3 +262,38 @@ def test_a_flipped_byte_in_a_stored_model_input_is_found_by_verify_and_inspect(
     assert main(["inspect", str(p)]) == 2
     err = capsys.readouterr().err
     assert str(p) in err and "'<root>' call 0 input 'args/0'" in err, err
+
+
+# --------------------------------------------------------------------------- float64 copies of float32 casts
+
+
+class _Casts(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(x.float(), -1, dtype=torch.float32).to(torch.float32)
+        return p * x.type(torch.float32) + x.to(dtype=torch.float32)
+
+
+class _CastModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.n, self.b = nn.Linear(8, 8), _Casts(), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.n(self.a(x)).float())
+
+
+@pytest.mark.parametrize("replay", ["off", "all"])
+def test_explicit_float32_casts_run_in_the_float64_copy(tmp_path: Path, replay: str) -> None:
+    m, x = _CastModel().eval(), torch.randn(64, 8)
+    p = tmp_path / "g.h5"
+    ag.record(m, (x,), path=p, calibrate=True)
+    with ag.read_golden(p) as r:  # the floors measure float32 rounding, not a float32 reference
+        floors = r.meta["calibration"]["floors"]
+    assert 0 < floors["b"]["0"][""][0] < 1e-5, floors["b"]
+    assert ag.compare(m, (x,), path=p, tolerance="calibrated", replay=replay).ok
+    changed = copy.deepcopy(m)
+    with torch.no_grad():
+        changed.b.weight.mul_(1.001)
+    rep = ag.compare(changed, (x,), path=p, tolerance="calibrated", replay=replay)
+    assert not rep.ok and rep.first_divergence is not None and rep.first_divergence.name == "b", str(rep)
