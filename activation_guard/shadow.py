@@ -371,9 +371,13 @@ class ShadowRun:
                     e.add_note("activation_guard: raised in the float64 copy of the model that calibrated "
                                "tolerances run first; the model itself raises on these inputs too")
                 raise
+            hint = ("; explicit casts to float32 (x.float(), x.to(torch.float32), dtype=torch.float32 on float64 "
+                    "tensors) run as float64 there, but a tensor created as float32 from no float64 tensor "
+                    "(torch.zeros(n, dtype=torch.float32), torch.tensor(v)) or cast to float16/bfloat16 stays so"
+                    if "dtype" in str(e) else "")
             raise ActivationGuardError(
                 f"the float64 shadow forward for calibrated tolerances failed on {self.device} "
-                f"({type(e).__name__}: {e}), while the model runs as it is; record with calibrate=False "
+                f"({type(e).__name__}: {e}), while the model runs as it is{hint}; record with calibrate=False "
                 f"and compare with tolerance='strict' for this model") from e
         if self.keep_model:
             self.model = shadow

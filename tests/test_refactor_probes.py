@@ -297,3 +297,18 @@ def test_explicit_float32_casts_run_in_the_float64_copy(tmp_path: Path, replay: 
         changed.b.weight.mul_(1.001)
     rep = ag.compare(changed, (x,), path=p, tolerance="calibrated", replay=replay)
     assert not rep.ok and rep.first_divergence is not None and rep.first_divergence.name == "b", str(rep)
+
+
+class _MadeFloat32(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) @ torch.ones(4, 4, dtype=torch.float32)
+
+
+def test_a_float32_tensor_made_from_nothing_is_refused_with_the_casts_that_are_covered(tmp_path: Path) -> None:
+    with pytest.raises(ag.ActivationGuardError, match=r"created as float32 from no float64 tensor"):
+        ag.record(_MadeFloat32(), (torch.randn(2, 4),), path=tmp_path / "g.h5", calibrate=True)
+    assert not (tmp_path / "g.h5").exists()
