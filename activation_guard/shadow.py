@@ -126,6 +126,16 @@ class float32_random(TorchFunctionMode):
 
 
 _CASTS = (torch.Tensor.to, torch.Tensor.type)
+_NARROW: list[bool] = []  # not empty while a leaf check runs the model's own dtype: casts are casts there
+
+
+@contextmanager
+def _narrow() -> Iterator[None]:
+    _NARROW.append(True)
+    try:
+        yield
+    finally:
+        _NARROW.pop()
 
 
 def _keep_float64(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...],
@@ -135,6 +145,8 @@ def _keep_float64(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
     (``softmax(x, -1, dtype=torch.float32)``), as float64 keeps it: in the float32 model these
     are no-ops or the precision the model already has, and in the float64 copy a float32 tensor
     meeting float64 weights in a matmul raised. The arguments to call with, or None."""
+    if _NARROW:
+        return None
     f32, f64 = torch.float32, torch.float64
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
     if func is torch.Tensor.float:
@@ -217,7 +229,8 @@ class LeafChecks:
 
     def _wrap(self, name: str, mod: torch.nn.Module, orig: Any, dt: torch.dtype) -> Any:
         def checked(*args: Any, **kwargs: Any) -> Any:
-            low_in = map_tensors((args, kwargs), lambda t: t.detach().to(dt) if t.dtype == torch.float64 else t)
+            with _narrow():
+                low_in = map_tensors((args, kwargs), lambda t: t.detach().to(dt) if t.dtype == torch.float64 else t)
             before = rng_state()
             out = orig(*args, **kwargs)
             call = self.calls.get(name, 0)
@@ -226,7 +239,8 @@ class LeafChecks:
             after = rng_state()
             set_rng_state(before)
             try:
-                low = _run_low(mod, orig, low_in, dt)
+                with _narrow():
+                    low = _run_low(mod, orig, low_in, dt)
             except Exception:  # the leaf does not run in that dtype here: nothing to check against
                 low = None
             finally:
