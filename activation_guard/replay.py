@@ -137,6 +137,9 @@ class Replayer:
         if isinstance(golden, str):
             return self._not_replayed(golden)
         start = frame.data if isinstance(frame.data, CallStart) else CallStart([], {})
+        held = tensor_holders(frame.args, frame.kwargs)
+        if held:
+            return self._not_replayed(_holders_text(held))
         if any(v is None for v in start.objects.values()):
             return self._not_replayed("it takes an object that could not be copied when the call started, so a "
                                       "re-run would differ")
@@ -351,9 +354,11 @@ class Replayer:
             if differ is False:
                 return node, parent  # its parent got the golden's inputs: its code before its first child
             if differ is None:
+                held = tensor_holders(parent.args, parent.kwargs)
+                why = _holders_text(held) if held else "not recorded, or changed in place"
                 return node, (f"it is the first child of {display_name(parent.name)!r}, whose own inputs could not "
-                              f"be checked against the golden's (not recorded, or changed in place), so the change "
-                              f"may be in {display_name(parent.name)!r}'s code before it or anywhere above")
+                              f"be checked against the golden's ({why}), so the change may be in "
+                              f"{display_name(parent.name)!r}'s code before it or anywhere above")
             node = parent
 
     def parent_origin(self, name: str, call: int, tname: str, own: LayerResult, between: tuple[str | None, str] | None,
@@ -398,7 +403,7 @@ class Replayer:
     def _inputs_differ(self, frame: Frame, entry: CallEntry) -> bool | None:
         """Whether the live call's tensor inputs differ from the golden's beyond tolerance (None:
         cannot tell: the golden has no inputs, or the layer changed its inputs in place)."""
-        if entry.inputs is None or modified_in_place(frame):
+        if entry.inputs is None or modified_in_place(frame) or tensor_holders(frame.args, frame.kwargs):
             return None
         golden = {e.path: e for e in entry.inputs}
         for lv in flatten_inputs(frame.args, frame.kwargs):
@@ -532,6 +537,35 @@ def _buffers(module: torch.nn.Module, skip: set[int]) -> list[torch.Tensor]:
             out.extend(m.buffers(recurse=False))
             stack.extend(m.children())
     return out
+
+
+def tensor_holders(args: Any, kwargs: Any) -> list[tuple[str, str]]:
+    """Arguments that are plain objects holding tensors (an instance of a class with no methods of
+    its own, ``Box(h)``): a golden stores them by type only, so a replay would pass the live
+    object, live tensors inside, and judge its own output on the live values. (path, type name)."""
+    out = []
+    for key, v in [*((f"args/{i}", a) for i, a in enumerate(args)), *((f"kwargs/{k}", a) for k, a in kwargs.items())]:
+        if _plain_holder(v):
+            out.append((key, type(v).__name__))
+    return out
+
+
+def _plain_holder(v: Any) -> bool:
+    if isinstance(v, (torch.Tensor, torch.nn.Module, type)) or not hasattr(v, "__dict__"):
+        return False
+    cls = type(v)
+    if any(callable(f) and not (k.startswith("__") and k.endswith("__"))
+           for c in cls.__mro__[:-1] for k, f in vars(c).items()):
+        return False  # a class with methods (a cache that appends): copied at the call's start, replayed as is
+    return any(isinstance(x, torch.Tensor) or (isinstance(x, (list, tuple)) and any(isinstance(y, torch.Tensor)
+                                                                                    for y in x))
+               for x in vars(v).values())
+
+
+def _holders_text(held: list[tuple[str, str]]) -> str:
+    shown = ", ".join(f"{p} ({t})" for p, t in held[:3])
+    return (f"its argument(s) {shown} hold tensors inside a plain object, which the golden stores by type only: a "
+            f"re-run would use the live tensors, so it cannot be replayed on the golden's")
 
 
 def _relative(name: str | None, parent: str) -> str:

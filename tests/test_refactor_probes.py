@@ -312,3 +312,40 @@ def test_a_float32_tensor_made_from_nothing_is_refused_with_the_casts_that_are_c
     with pytest.raises(ag.ActivationGuardError, match=r"created as float32 from no float64 tensor"):
         ag.record(_MadeFloat32(), (torch.randn(2, 4),), path=tmp_path / "g.h5", calibrate=True)
     assert not (tmp_path / "g.h5").exists()
+
+
+class _Box:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _Unboxes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, box: _Box) -> torch.Tensor:
+        return self.fc(box.t)
+
+
+class _Boxing(nn.Module):
+    def __init__(self, k: float = 1.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.child, self.k = nn.Linear(8, 8), _Unboxes(), k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.child(_Box(self.a(x) * self.k))
+
+
+@pytest.mark.parametrize("replay", ["first", "all"])
+def test_a_tensor_inside_a_plain_object_argument_is_not_replayed_as_the_golden(tmp_path: Path, replay: str) -> None:
+    x = torch.randn(4, 8)
+    p = tmp_path / "g.h5"
+    ag.record(_Boxing(1.0), (x,), path=p)
+    rep = ag.compare(_Boxing(1.01), (x,), path=p, replay=replay)
+    assert not rep.ok and rep.origin is not None, str(rep)
+    o = rep.origin
+    assert o.name != "child" or o.kind == "unknown", str(rep)  # its arguments were the live ones
+    if o.kind == "unknown":
+        assert "_Box" in o.detail, str(rep)
