@@ -27,7 +27,7 @@ from .grad_store import CALIBRATION_KEY, GradRecorder, grad_floors
 from .gradients import Event, GradCapture
 from .judges import Judge
 from .results import LayerResult, Origin
-from .selection import few, selected
+from .selection import display_name, few, selected
 from .shadow import ShadowRun
 from .spec import CompareSpec, RecordSpec
 from .store import GoldenReader, GoldenWriter
@@ -172,7 +172,8 @@ class CompareGradients:
         if not self.ran:
             return layers, order
         offset = 1 + max((r.position for r in layers if r.position is not None), default=-1)
-        extra, more = self.comparator.results(offset, lambda n: selected(n, self.spec.include, self.spec.exclude))
+        extra, more = self.comparator.results(offset, lambda n: selected(n, self.spec.include, self.spec.exclude),
+                                              frozenset(self.capture.no_autograd))
         base = len(layers)
         merged = dict(order)
         merged.update({base + k: v for k, v in more.items()})
@@ -192,9 +193,17 @@ class CompareGradients:
         if off:
             names = list(dict.fromkeys(off))  # (a layer called twice is named once)
             shown = few(names)
-            out.append(f"backward: {len(off)} layer call(s) ran with autograd off ({shown}: inside torch.no_grad, or "
-                       f"an activation checkpoint with use_reentrant=True): their gradients are not compared, and a "
-                       f"change in their backward shows at the calls around them")
+            regions = few([display_name(n) for n in self.capture.autograd_off_regions()])
+            skipped = self.comparator.unjudged
+            params = sum(1 for kind, _, _ in skipped if kind == "param")
+            held = (f"; the golden's {len(skipped) - params} gradient(s) w.r.t. their outputs and inputs and "
+                    f"{params} of their parameter gradient(s) were not judged (not failed: the live capture saw none "
+                    f"computed)" if skipped else "")
+            out.append(f"backward: {len(off)} layer call(s) ran with autograd off ({shown}), inside the calls of "
+                       f"{regions}: torch.no_grad, or an activation checkpoint with use_reentrant=True, which "
+                       f"re-runs them inside the backward out of the capture's sight. Their gradients are not "
+                       f"compared{held}; the gradients of the calls around them are, and a change in their "
+                       f"backward shows there")
         left = self.capture.unadopted
         if left:
             shown = few(left)

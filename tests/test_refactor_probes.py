@@ -349,3 +349,33 @@ def test_a_tensor_inside_a_plain_object_argument_is_not_replayed_as_the_golden(t
     assert o.name != "child" or o.kind == "unknown", str(rep)  # its arguments were the live ones
     if o.kind == "unknown":
         assert "_Box" in o.detail, str(rep)
+
+
+@pytest.mark.slow
+def test_reentrant_activation_checkpointing_judges_what_it_can_and_fails_on_nothing_else(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    import warnings
+
+    from models import build_hf_llama, token_input
+
+    m, x, kw = build_hf_llama().train(), token_input(1, 64), {"use_cache": False}
+    p = tmp_path / "g.h5"
+    ag.record(m, x, kw, path=p, backward=True)
+
+    def checkpointed(model: nn.Module) -> nn.Module:
+        c = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            c.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        return c
+
+    rep = ag.compare(checkpointed(m), x, kw, path=p, backward=True)
+    assert rep.ok, str(rep)
+    note = next(n for n in rep.notes if "autograd off" in n)
+    assert "'model.layers.0', 'model.layers.1'" in note and "not judged" in note, note
+    assert "frozen parameters" not in str(rep)
+    changed = checkpointed(m)
+    with torch.no_grad():
+        changed.model.layers[1].mlp.down_proj.weight.mul_(1.01)
+    rep = ag.compare(changed, x, kw, path=p, backward=True)
+    assert not rep.ok, str(rep)  # what the skipped gradients would have shown still fails the run
