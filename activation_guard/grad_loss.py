@@ -20,11 +20,12 @@ from .leaves import flatten
 META_KEY = "backward"  # the golden meta's record of the loss (and gradient noise floors)
 META_VERSION = 1
 DEFAULT_SEED = 0
-COTANGENT_RULE = ("loss = sum over the model output's floating tensor leaves of (leaf * c).sum(), with "
-                  "c = torch.randn(leaf.shape, dtype=torch.float32, generator=torch.Generator('cpu')"
-                  ".manual_seed(path_seed(seed, leaf path))), one generator per leaf seeded by its path, then cast "
-                  "to the leaf's dtype and device; path_seed: the first 8 bytes of blake2b('<seed>:<path>') as a "
-                  "little-endian integer, its top bit cleared")
+COTANGENT_RULE = ("backward from the model output's floating and complex tensor leaves with gradient c each (for a "
+                  "real leaf the loss (leaf * c).sum()), c = torch.randn(leaf.shape, dtype=torch.float32 "
+                  "(torch.complex64 for a complex leaf), generator=torch.Generator('cpu')"
+                  ".manual_seed(path_seed(seed, leaf path))), one generator per leaf seeded by its path, then "
+                  "cast to the leaf's dtype and device; path_seed: the first 8 bytes of blake2b('<seed>:<path>') "
+                  "as a little-endian integer, its top bit cleared")
 # goldens before per-path cotangents drew them from one generator in flatten order (meta without "cotangents")
 COTANGENT_RULE_ORDERED = ("loss = sum over the model output's floating tensor leaves, in flatten order, of "
                           "(leaf * c).sum(), with c = torch.randn(leaf.shape, dtype=torch.float32, "
@@ -87,11 +88,16 @@ class LossRule:
             if leaf.kind == "object":
                 opaque.append(leaf.type_name)
             t = leaf.tensor
-            if leaf.kind != "tensor" or t is None or not t.is_floating_point() or leaf.type_name != "Tensor":
+            if leaf.kind != "tensor" or t is None or leaf.type_name != "Tensor":
+                continue
+            # complex leaves get a complex cotangent (per-path rule only: older goldens skipped them)
+            cplx = self.by_path and t.is_complex()
+            if not t.is_floating_point() and not cplx:
                 continue
             if self.by_path:
                 gen = torch.Generator("cpu").manual_seed(path_seed(self.seed, leaf.path))
-            c = torch.randn(tuple(t.shape), dtype=torch.float32, generator=gen)  # drawn for every floating leaf
+            c = torch.randn(tuple(t.shape), dtype=torch.complex64 if cplx else torch.float32,
+                            generator=gen)  # drawn for every floating leaf
             if t.requires_grad:
                 roots.append(t)
                 grads.append(c.to(device=t.device, dtype=t.dtype))
@@ -100,8 +106,8 @@ class LossRule:
                       f"type only and does not look into: return the tensors in a tuple, list, dict or dataclass, "
                       f"or pass backward=<a loss function of the output>" if opaque else "")
             raise ActivationGuardError(
-                "option backward=True: no floating tensor in the model's output requires grad, so there is no "
-                "gradient to record (all parameters frozen, the output detached, or the call made under "
+                "option backward=True: no floating or complex tensor in the model's output requires grad, so there "
+                "is no gradient to record (all parameters frozen, the output detached, or the call made under "
                 f"torch.inference_mode()?){hidden}")
         return roots, grads
 

@@ -114,7 +114,9 @@ class GradSink(Protocol):
 
 
 def _wants(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point() and type(t) is torch.Tensor
+    # complex values too: their gradients are complex (an FFT's real input gets a real one back)
+    return (isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex())
+            and type(t) is torch.Tensor)
 
 
 class GradCapture:
@@ -144,8 +146,9 @@ class GradCapture:
     @staticmethod
     def _floating(output: Any) -> bool:
         if type(output) is torch.Tensor:
-            return output.is_floating_point()
-        return any(leaf.tensor is not None and leaf.tensor.is_floating_point() for leaf in flatten(output))
+            return output.is_floating_point() or output.is_complex()
+        return any(leaf.tensor is not None and (leaf.tensor.is_floating_point() or leaf.tensor.is_complex())
+                   for leaf in flatten(output))
 
     def autograd_off_regions(self) -> list[str]:
         """The calls with autograd on whose own code turned it off for the calls inside them (a

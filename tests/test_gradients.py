@@ -483,7 +483,7 @@ def test_seeded_cotangent_is_stored_and_reused(tmp_path: Path) -> None:
 
 def test_frozen_model_with_backward_is_a_clear_error(tmp_path: Path) -> None:
     model = shared_loop().requires_grad_(False)
-    with pytest.raises(ActivationGuardError, match="no floating tensor in the model's output requires grad"):
+    with pytest.raises(ActivationGuardError, match="no floating or complex tensor in the model's output requires grad"):
         ag.record(model, torch.randn(2, 6), path=tmp_path / "g.h5", backward=True)
     assert not (tmp_path / "g.h5").exists()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -379,3 +380,51 @@ def test_reentrant_activation_checkpointing_judges_what_it_can_and_fails_on_noth
         changed.model.layers[1].mlp.down_proj.weight.mul_(1.01)
     rep = ag.compare(changed, x, kw, path=p, backward=True)
     assert not rep.ok, str(rep)  # what the skipped gradients would have shown still fails the run
+
+
+class _RFFT(torch.autograd.Function):
+    """rfft with a hand-written backward that can be made off by a factor."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, off: float) -> torch.Tensor:
+        ctx.off = off
+        return torch.fft.rfft(x, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        with torch.enable_grad():
+            x = torch.zeros((*g.shape[:-1], 2 * (g.shape[-1] - 1)), requires_grad=True)
+            (gx,) = torch.autograd.grad(torch.fft.rfft(x, dim=-1), x, g)
+        return gx * ctx.off, None
+
+
+class _FFT(nn.Module):
+    def __init__(self, off: float) -> None:
+        super().__init__()
+        self.off = off
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RFFT.apply(x, self.off)
+
+
+class _Spectral(nn.Module):
+    def __init__(self, off: float = 1.0, head: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.f, self.head = nn.Linear(8, 8), _FFT(off), head
+        self.b = nn.Linear(10, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.f(self.a(x))
+        return self.b(torch.cat([z.real, z.imag], -1)) if self.head else z
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["real output", "complex output"])
+def test_complex_gradients_are_recorded_and_compared_as_complex_values(tmp_path: Path, head: bool) -> None:
+    x = torch.randn(3, 8)
+    p = tmp_path / "g.h5"
+    ag.record(_Spectral(1.0, head), (x,), path=p, backward=True)
+    assert ag.compare(_Spectral(1.0, head), (x,), path=p, backward=True).ok
+    rep = ag.compare(_Spectral(1.05, head), (x,), path=p, backward=True)  # its backward 5% off
+    assert not rep.ok and rep.origin is not None, str(rep)
+    assert (rep.origin.name, rep.origin.kind) == ("f", "layer"), str(rep)
