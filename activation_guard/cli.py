@@ -7,9 +7,10 @@ Commands::
     activation-guard diff A.h5 B.h5 [--rtol R] [--atol A] [--tolerances FILE.json]
                                     [--json] [--plot FILE.png] [--html FILE.html]
     activation-guard textconv GOLDEN.h5                 for git's diff driver
+    activation-guard verify GOLDEN.h5...                every stored value against its checksum
 
 Exit status: 0 success (``diff``: the recordings match), 1 ``diff`` found a divergence (or
-``inspect --layer`` matched nothing), 2 usage error or an unusable file. File errors are one
+``inspect --layer`` matched nothing), 2 usage error or an unusable (damaged) file. File errors are one
 line on stderr, never a traceback: the golden errors already name the file and the fix.
 """
 
@@ -156,7 +157,34 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         shown = layer[0] if layer and len(layer) == 1 else layer
         _out(format_inspect(gi, shown))
+    for line in gi.damaged:  # stored inputs the table does not show: damage there is an unusable file too
+        print(f"{PROG}: error: {' '.join(line.split())}", file=sys.stderr)
+    if gi.damaged:
+        return 2
     return 1 if layer and not gi.leaves else 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .report.inspection import verify_values
+    from .store import GoldenReader
+
+    bad = 0
+    for path in args.golden:
+        try:
+            with GoldenReader(path) as reader:
+                n, damaged = verify_values(reader)
+        except GoldenError as e:  # its index, meta or layout: the file cannot be read at all
+            print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+            bad += 1
+            continue
+        for line in damaged:
+            print(f"{PROG}: error: {' '.join(line.split())}", file=sys.stderr)
+        if damaged:
+            bad += 1
+            _out(f"{path}: DAMAGED, {len(damaged)} of {n + len(damaged)} stored values fail their checks")
+        else:
+            _out(f"{path}: OK, {n} stored values and the index pass their checks")
+    return 2 if bad else 0
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -234,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Layer-by-layer activation goldens for PyTorch models: demo, inspect, diff, textconv.",
+        description="Layer-by-layer activation goldens for PyTorch models: demo, inspect, diff, textconv, verify.",
         epilog="Exit status: 0 ok, 1 diff found a divergence, 2 usage error or unusable file.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -281,6 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "min/max/mean/std, non-finite count. Use as git's textconv diff driver.")
     t.add_argument("golden", metavar="GOLDEN.h5")
     t.set_defaults(func=cmd_textconv)
+
+    v = sub.add_parser("verify", help="check every stored value and index rule of goldens (exit 2 if damaged)",
+                       description="Read every stored value of each golden (outputs, the calls' inputs, gradients, "
+                                   "fingerprints) against its checksum, resolve every alias, and check the index "
+                                   "and meta. Exit 2 naming each damaged value and its file.")
+    v.add_argument("golden", metavar="GOLDEN.h5", nargs="+")
+    v.set_defaults(func=cmd_verify)
     return p
 
 

@@ -29,7 +29,7 @@ import activation_guard as ag
 from activation_guard._core.errors import ActivationGuardError, OptionError
 from activation_guard.capture.hooks import hooked, run_forward
 from activation_guard.gradients.hooks import Event, GradCapture
-from activation_guard.gradients.loss import LossRule
+from activation_guard.gradients.loss import LossRule, path_seed
 
 
 class Collect:
@@ -58,8 +58,9 @@ def capture(model: nn.Module, *args: Any, rule: LossRule | None = None) -> Colle
     return sink
 
 
-def cotangent_of(out: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    return torch.randn(tuple(out.shape), generator=torch.Generator().manual_seed(seed))
+def cotangent_of(out: torch.Tensor, seed: int = 0, path: str = "") -> torch.Tensor:
+    """The cotangent of the model output's leaf at ``path`` (a single tensor output: ``""``)."""
+    return torch.randn(tuple(out.shape), generator=torch.Generator().manual_seed(path_seed(seed, path)))
 
 
 def full_hooks(model: nn.Module, *args: Any) -> tuple[dict[str, tuple[Any, Any]], dict[str, torch.Tensor]]:
@@ -303,10 +304,10 @@ def test_tuple_outputs_and_unused_outputs(tmp_path: Path) -> None:
     x = torch.randn(2, 4)
     got = capture(model, x)
     assert {k[3] for k in got.values if k[:3] == ("output", "", 0)} == {"0", "1/b"}  # no integer leaf
-    # the root's output gradients are the seeded cotangents, drawn in path order
-    gen = torch.Generator().manual_seed(0)
-    assert torch.equal(got.values[("output", "", 0, "0")], torch.randn(2, 2, generator=gen))
-    assert torch.equal(got.values[("output", "", 0, "1/b")], torch.randn(2, 3, generator=gen))
+    # the root's output gradients are the seeded cotangents, each seeded by its leaf's path
+    for path, shape in (("0", (2, 2)), ("1/b", (2, 3))):
+        gen = torch.Generator().manual_seed(path_seed(0, path))
+        assert torch.equal(got.values[("output", "", 0, path)], torch.randn(*shape, generator=gen))
     lstm = build_lstm()
     ids = lstm_input()[0]
     got = capture(lstm, ids)
@@ -483,7 +484,7 @@ def test_seeded_cotangent_is_stored_and_reused(tmp_path: Path) -> None:
 
 def test_frozen_model_with_backward_is_a_clear_error(tmp_path: Path) -> None:
     model = shared_loop().requires_grad_(False)
-    with pytest.raises(ActivationGuardError, match="no floating tensor in the model's output requires grad"):
+    with pytest.raises(ActivationGuardError, match="no floating or complex tensor in the model's output requires grad"):
         ag.record(model, torch.randn(2, 6), path=tmp_path / "g.h5", backward=True)
     assert not (tmp_path / "g.h5").exists()
 

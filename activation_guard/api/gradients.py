@@ -23,10 +23,10 @@ from ..calibration.shadow import ShadowRun
 from ..capture.hooks import EnterCallback, LayerCallback, Target
 from ..comparison.gradients import GradComparator, GradNoise
 from ..gradients.hooks import Event, GradCapture
-from ..gradients.loss import DEFAULT_SEED, META_KEY, LossRule, loss_rule
+from ..gradients.loss import BY_PATH, DEFAULT_SEED, META_KEY, LossRule, loss_rule
 from ..gradients.store import CALIBRATION_KEY, GradRecorder, grad_floors
 from ..judges.strict import Judge
-from ..options.selection import few, selected
+from ..options.selection import display_name, few, selected
 from ..options.spec import CompareSpec, RecordSpec
 from ..results import LayerResult, Origin
 from ..store import GoldenReader, GoldenWriter
@@ -125,7 +125,7 @@ def compare_rule(spec: CompareSpec, meta: Mapping[str, Any], path: str, target: 
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise GoldenFormatError(path, f"has a malformed {META_KEY!r} record in its meta (seed {seed!r})",
                                     fix=RERECORD)
-        return LossRule("cotangent", seed)
+        return LossRule("cotangent", seed, by_path=rec.get("cotangents") == BY_PATH)
     if not callable(asked):
         raise ActivationGuardError(
             f"{path}: the golden's gradients were recorded with a custom loss function ({rec.get('function', '?')}), "
@@ -172,7 +172,8 @@ class CompareGradients:
         if not self.ran:
             return layers, order
         offset = 1 + max((r.position for r in layers if r.position is not None), default=-1)
-        extra, more = self.comparator.results(offset, lambda n: selected(n, self.spec.include, self.spec.exclude))
+        extra, more = self.comparator.results(offset, lambda n: selected(n, self.spec.include, self.spec.exclude),
+                                              frozenset(self.capture.no_autograd))
         base = len(layers)
         merged = dict(order)
         merged.update({base + k: v for k, v in more.items()})
@@ -192,9 +193,17 @@ class CompareGradients:
         if off:
             names = list(dict.fromkeys(off))  # (a layer called twice is named once)
             shown = few(names)
-            out.append(f"backward: {len(off)} layer call(s) ran with autograd off ({shown}: inside torch.no_grad, or "
-                       f"an activation checkpoint with use_reentrant=True): their gradients are not compared, and a "
-                       f"change in their backward shows at the calls around them")
+            regions = few([display_name(n) for n in self.capture.autograd_off_regions()])
+            skipped = self.comparator.unjudged
+            params = sum(1 for kind, _, _ in skipped if kind == "param")
+            held = (f"; the golden's {len(skipped) - params} gradient(s) w.r.t. their outputs and inputs and "
+                    f"{params} of their parameter gradient(s) were not judged (not failed: the live capture saw none "
+                    f"computed)" if skipped else "")
+            out.append(f"backward: {len(off)} layer call(s) ran with autograd off ({shown}), inside the calls of "
+                       f"{regions}: torch.no_grad, or an activation checkpoint with use_reentrant=True, which "
+                       f"re-runs them inside the backward out of the capture's sight. Their gradients are not "
+                       f"compared{held}; the gradients of the calls around them are, and a change in their "
+                       f"backward shows there")
         left = self.capture.unadopted
         if left:
             shown = few(left)
@@ -216,7 +225,7 @@ def diff_rows(golden: GoldenReader, other: GoldenReader, spec: CompareSpec, judg
         which = "the golden" if mine is not None else "the other recording"
         return layers, order, [f"backward: only {which} has gradients; they were not compared"]
     if not (isinstance(mine, Mapping) and isinstance(theirs, Mapping)) or any(
-            mine.get(k) != theirs.get(k) for k in ("loss", "seed", "function")):
+            mine.get(k) != theirs.get(k) for k in ("loss", "seed", "function", "cotangents")):
         return layers, order, ["backward: the two recordings used different losses; gradients not compared"]
     sink = GradComparator(golden, spec, judge, LossRule("cotangent"), live_to_golden)
     events = []

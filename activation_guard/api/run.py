@@ -197,6 +197,8 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
         meta.update(meta_entry(fingerprinter))
         if shadow is not None:
             floors.info = {"reference_device": str(shadow.device)}
+            if shadow.differs:  # leaves whose float64 copy computes another function (calibrate.differs_note)
+                floors.info[calmod.DIFFERS_KEY] = [[n, c, r] for n, c, r in shadow.differs]
             meta[calmod.META_KEY] = floors.to_meta()
         writer.commit(meta)
     except BaseException:

@@ -9,6 +9,7 @@ temporary golden, so memory stays near one layer's worth as for the real golden.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import random
 import tempfile
@@ -24,7 +25,7 @@ from .._core.devices import reference_device
 from .._core.dtypes import dtype_name
 from .._core.errors import ActivationGuardError
 from .._core.numerics import full_fp32_precision
-from ..capture.hooks import Frame, hooked, run_forward
+from ..capture.hooks import Frame, hooked, rng_state, run_forward, set_rng_state
 from ..gradients.hooks import GradCapture
 from ..gradients.loss import LossRule
 from ..gradients.store import GradRecorder
@@ -86,6 +87,11 @@ class float32_random(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = dict(kwargs or {})
         f64 = torch.float64
+        wide = _keep_float64(func, args, kwargs)
+        if wide is not None:
+            args, kwargs = wide
+            if func is torch.Tensor.float:
+                return args[0]
         if func in (torch.rand, torch.randn) and kwargs.get("dtype") == f64:
             return func(*args, **{**kwargs, "dtype": torch.float32}).to(f64)
         if func is torch.normal and "out" not in kwargs and (kwargs.get("dtype") == f64 or any(
@@ -119,6 +125,44 @@ class float32_random(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_CASTS = (torch.Tensor.to, torch.Tensor.type)
+_NARROW: list[bool] = []  # not empty while a leaf check runs the model's own dtype: casts are casts there
+
+
+@contextmanager
+def _narrow() -> Iterator[None]:
+    _NARROW.append(True)
+    try:
+        yield
+    finally:
+        _NARROW.pop()
+
+
+def _keep_float64(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...],
+                                                                                    dict[str, Any]] | None:
+    """An explicit cast to float32 of a float64 tensor (``x.float()``, ``x.to(torch.float32)``,
+    ``x.type(torch.float32)``), or an op told ``dtype=torch.float32`` on float64 tensors
+    (``softmax(x, -1, dtype=torch.float32)``), as float64 keeps it: in the float32 model these
+    are no-ops or the precision the model already has, and in the float64 copy a float32 tensor
+    meeting float64 weights in a matmul raised. The arguments to call with, or None."""
+    if _NARROW:
+        return None
+    f32, f64 = torch.float32, torch.float64
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if func is torch.Tensor.float:
+        return (args, kwargs) if first is not None and first.dtype == f64 else None
+    if func in _CASTS:
+        if first is None or first.dtype != f64:
+            return None
+        if not any(a is f32 for a in args[1:]) and kwargs.get("dtype") is not f32:
+            return None
+        new = tuple(f64 if a is f32 else a for a in args)
+        return new, ({**kwargs, "dtype": f64} if kwargs.get("dtype") is f32 else kwargs)
+    if kwargs.get("dtype") is f32 and any(isinstance(a, torch.Tensor) and a.dtype == f64 for a in args):
+        return args, {**kwargs, "dtype": f64}
+    return None
+
+
 def _fails_as_is(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> bool:
     """Whether a copy of the model, in its own dtype, raises on copies of the inputs (asked only
     after its float64 copy raised: which of the two errors to show). The model is left untouched."""
@@ -132,6 +176,138 @@ def _fails_as_is(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     except Exception:
         return True
     return False
+
+
+# a leaf's float64 copy may depart from the same leaf run in the model's dtype on the same
+# (rounded) inputs by its rounding: one layer of float32 stays far under 0.1% of its output's RMS,
+# one of float16/bfloat16 under 5%. More than that is another function (an epsilon taken from
+# ``torch.finfo(x.dtype)``, a branch on the dtype), and its float64 output must not be the
+# reference of every later layer: their floors would measure the other function, not rounding
+SEMANTICS_LIMIT = {torch.float16: 0.05, torch.bfloat16: 0.05}
+SEMANTICS_LIMIT_DEFAULT = 1e-3
+
+
+def _first_float(obj: Any) -> torch.dtype | None:
+    for t in torch.utils._pytree.tree_leaves(obj):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+            return t.dtype
+    return None
+
+
+def _run_dtypes(model: torch.nn.Module, args: Any, kwargs: Any) -> dict[str, torch.dtype]:
+    """The dtype each leaf module computes in, in the model as it is: its own floating parameters'
+    or buffers', else the model's inputs', else the model's first floating parameter's."""
+    default = (_first_float((args, kwargs)) or _first_float(list(model.parameters()))
+               or _first_float(list(model.buffers())) or torch.float32)
+    out = {}
+    for name, mod in model.named_modules():
+        own = _first_float([*mod.parameters(recurse=False), *mod.buffers(recurse=False)])
+        out[name] = own or default
+    return out
+
+
+class LeafChecks:
+    """Every leaf module of the float64 copy, checked call by call against itself run in the
+    model's own dtype on its inputs rounded to that dtype. A call that departs by more than
+    rounding explains is listed in ``differs`` and returns its low-precision result (widened, the
+    float64 gradient kept) to what follows, so later layers' floors measure rounding, not the other
+    function. Its own floor then lacks its own rounding (a limit: docs/cross-device.md)."""
+
+    def __init__(self, differs: list[tuple[str, int, float]]):
+        self.differs = differs
+        self.recording = True
+        self.calls: dict[str, int] = {}
+
+    def install(self, shadow: torch.nn.Module, dtypes: dict[str, torch.dtype]) -> None:
+        for name, mod in shadow.named_modules():
+            if next(iter(mod.children()), None) is not None or "forward" in mod.__dict__:
+                continue
+            dt = dtypes.get(name, torch.float32)
+            if dt == torch.float64:
+                continue
+            mod.forward = self._wrap(name, mod, mod.forward, dt)  # type: ignore[method-assign]
+
+    def _wrap(self, name: str, mod: torch.nn.Module, orig: Any, dt: torch.dtype) -> Any:
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            # the check's own work runs outside the float64 copy's torch-function mode: in the
+            # model's dtype that mode changes nothing, and its Python hook on every op tripled the
+            # cost of a calibrated record of a small model
+            with _narrow(), torch._C.DisableTorchFunction():
+                low_in = map_tensors((args, kwargs), lambda t: t.detach().to(dt) if t.dtype == torch.float64 else t)
+            before = rng_state()
+            out = orig(*args, **kwargs)
+            call = self.calls.get(name, 0)
+            if self.recording:
+                self.calls[name] = call + 1
+            after = rng_state()
+            set_rng_state(before)
+            try:
+                with _narrow(), torch._C.DisableTorchFunction():
+                    low = _run_low(mod, orig, low_in, dt)
+            except Exception:  # the leaf does not run in that dtype here: nothing to check against
+                low = None
+            finally:
+                set_rng_state(after)
+            if low is None:
+                return out
+            with torch._C.DisableTorchFunction():
+                ratio, swapped = _departure(out, low, dt)
+            if ratio is None:
+                return out
+            if self.recording:
+                self.differs.append((name, call, ratio))
+            return swapped
+        return checked
+
+
+def _run_low(mod: torch.nn.Module, orig: Any, low_in: Any, dt: torch.dtype) -> Any:
+    """``orig`` run with the module's float64 parameters and buffers as ``dt`` copies (its own are
+    untouched: running statistics a training-mode forward updates stay the float64 run's)."""
+    saved: dict[tuple[int, str], tuple[dict[str, Any], str, Any]] = {}
+    stores: tuple[dict[str, Any], ...] = (mod._parameters, mod._buffers)
+    for store in stores:
+        for k, v in store.items():
+            if v is not None and v.dtype == torch.float64:
+                saved[(id(store), k)] = (store, k, v)
+                store[k] = v.detach().to(dt)
+    try:
+        with torch.no_grad():
+            a, kw = low_in
+            return orig(*a, **kw)
+    finally:
+        for store, k, v in saved.values():
+            store[k] = v
+
+
+def _departure(out: Any, low: Any, dt: torch.dtype) -> tuple[float | None, Any]:
+    """How far the low-precision run is from the float64 one (the largest share of an output's RMS)
+    when that is more than rounding, and the output with the low-precision values in its place."""
+    flat, spec = torch.utils._pytree.tree_flatten(out)
+    lflat, lspec = torch.utils._pytree.tree_flatten(low)
+    if spec != lspec:
+        return None, out
+    limit = SEMANTICS_LIMIT.get(dt, SEMANTICS_LIMIT_DEFAULT)
+    worst: float | None = None
+    pairs = []
+    for o, lo in zip(flat, lflat):
+        if (not isinstance(o, torch.Tensor) or not isinstance(lo, torch.Tensor) or o.dtype != torch.float64
+                or not lo.is_floating_point() or o.shape != lo.shape):
+            continue
+        pairs.append((o, lo))
+        if o.numel() == 0:
+            continue
+        od = o.detach()
+        rms, scale = torch.stack([(lo.to(torch.float64) - od).square().mean().sqrt(),
+                                  od.square().mean().sqrt()]).tolist()
+        if not (math.isfinite(rms) and math.isfinite(scale)):
+            continue
+        if rms > limit * scale:
+            share = rms / scale if scale > 0 else math.inf
+            worst = share if worst is None else max(worst, share)
+    if worst is None:
+        return None, out
+    swap = {id(o): o + (lo.to(o.dtype) - o).detach() for o, lo in pairs}
+    return worst, torch.utils._pytree.tree_unflatten([swap.get(id(x), x) for x in flat], spec)
 
 
 class ShadowRun:
@@ -152,6 +328,9 @@ class ShadowRun:
         self._tmp = tempfile.TemporaryDirectory(prefix="activation_guard-shadow-")
         self.reader: GoldenReader | None = None
         self._calls: dict[tuple[str, int], dict[str, Any]] = {}
+        # leaf calls whose float64 copy computes another function than the model's dtype does:
+        # (layer, call, departure as a share of the output's RMS)
+        self.differs: list[tuple[str, int, float]] = []
         try:
             self._run(model, args, kwargs, include, exclude)
         except BaseException:
@@ -172,7 +351,10 @@ class ShadowRun:
                     m._compiled_call_impl = None
             if self.device != self.live_device:
                 shadow.to(self.device)
+            own = _run_dtypes(model, args, kwargs)
             shadow.double()
+            checks = LeafChecks(self.differs)
+            checks.install(shadow, own)
             a = to_reference(args, self.device)
             kw = to_reference(kwargs, self.device)
             path = os.path.join(self._tmp.name, "shadow.h5")
@@ -193,6 +375,7 @@ class ShadowRun:
                         out = run_forward(shadow, a, kw, state, grad=self.grad or grads is not None)
                     if grads is not None and self.backward is not None:
                         grads.backward(shadow, out, self.backward, a, kw)
+                checks.recording = False  # replays of the kept copy re-check, but are not this run's calls
                 writer.commit({})
             except BaseException:
                 writer.abort()
@@ -209,9 +392,13 @@ class ShadowRun:
                     e.add_note("activation_guard: raised in the float64 copy of the model that calibrated "
                                "tolerances run first; the model itself raises on these inputs too")
                 raise
+            hint = ("; explicit casts to float32 (x.float(), x.to(torch.float32), dtype=torch.float32 on float64 "
+                    "tensors) run as float64 there, but a tensor created as float32 from no float64 tensor "
+                    "(torch.zeros(n, dtype=torch.float32), torch.tensor(v)) or cast to float16/bfloat16 stays so"
+                    if "dtype" in str(e) else "")
             raise ActivationGuardError(
                 f"the float64 shadow forward for calibrated tolerances failed on {self.device} "
-                f"({type(e).__name__}: {e}), while the model runs as it is; record with calibrate=False "
+                f"({type(e).__name__}: {e}), while the model runs as it is{hint}; record with calibrate=False "
                 f"and compare with tolerance='strict' for this model") from e
         if self.keep_model:
             self.model = shadow

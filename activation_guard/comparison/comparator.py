@@ -129,6 +129,7 @@ class Comparator:
         self.input_note = ""
         self._live_output: Any = None  # the output being compared, in a live run (not in diff)
         self.origin: Origin | None = None
+        self.unreplayed: dict[tuple[str, int], str] = {}  # replay="all": calls not replayed, and why
         self.parents: dict[tuple[str, int], tuple[int, str | None]] = {}  # replay="all": call -> children, last
         self.hints: dict[tuple[str, int], str] = {}  # replay="all": a failing own error's string-argument hint
 
@@ -182,6 +183,8 @@ class Comparator:
             self.replayer.returned(frame, entry, output, stub=self.spec.replay == "all")
             if self.spec.replay == "all":
                 own = self.replayer.own(frame, entry, self._compare_call)
+                if own.layer is None and own.reason is not None:
+                    self.unreplayed[(res.name, res.call)] = str(own.reason)
                 if own.layer is not None and not own.layer.ok:
                     self.hints[(res.name, res.call)] = string_hint(entry, frame)
                 if own.layer is not None and (self.inputs_replaced or self.verify_inputs or self.partial_selection):
@@ -286,6 +289,10 @@ class Comparator:
             root = next((r for r in self.results if r.name == ""), None)
             return inputs_origin("", "" if root is None else root.type_name, first.name, first.own_max_abs_diff,
                                  replayed=first.own_max_abs_diff is not None)
+        why = None if first is None else self.unreplayed.get((first.name, first.call))
+        if first is not None and why is not None:  # judged by what it inherited: no replay names an origin
+            return Origin(first.name, first.call, "unknown", type_name=first.type_name,
+                          detail=f"not replayed: {why}; its output, with what it inherited, differs")
         return None
 
     def _compare_call(self, entry: CallEntry, leaves: list[Leaf], name: str,

@@ -70,6 +70,7 @@ class GradNoise(ShadowRun):
         self.live_device = shadow.live_device
         self.model = None
         self.reader = None
+        self.differs = shadow.differs
 
     def floor(self, name: str, call: int, path: str, value: torch.Tensor) -> NoiseFloor | None:
         return self.inner.grad_floor(name, call, path, value)
@@ -97,6 +98,8 @@ class GradComparator:
         self.events: list[Event] = []
         self.leaves: dict[int, dict[str, LeafResult]] = {}
         self.met: set[tuple[str, str, int]] = set()
+        # golden gradients of calls that ran with autograd off live: (kind, layer, call), not judged
+        self.unjudged: list[tuple[str, str, int]] = []
         self._golden_leaves: dict[int, dict[str, LeafEntry]] = {}
         self.parents: dict[tuple[str, str, int], tuple[tuple[str, int] | None, int]] = {}
 
@@ -157,8 +160,8 @@ class GradComparator:
         return res
 
     # ------------------------------------------------------------------ results
-    def results(self, offset: int,
-                wanted: Callable[[str], bool]) -> tuple[list[LayerResult], dict[int, tuple[float, int]]]:
+    def results(self, offset: int, wanted: Callable[[str], bool],
+                off: frozenset[str] = frozenset()) -> tuple[list[LayerResult], dict[int, tuple[float, int]]]:
         """Live gradients in backward order (positions from ``offset``), then golden gradients the
         live backward never produced (``missing``), each placed where the live one passed its spot;
         the second value maps those to their sort keys, as :meth:`Comparator.finish` does."""
@@ -195,6 +198,9 @@ class GradComparator:
             assert c.grad is not None
             live = golden_to_live.get(c.name, c.name)
             if (c.grad, c.name, c.call) in self.met or not wanted(live):
+                continue
+            if live in off:  # ran with autograd off live (a reentrant checkpoint): no gradient to judge
+                self.unjudged.append((c.grad, live, c.call))
                 continue
             later = [p for gp, p in live_at if gp > c.position]
             at = min(later) - 0.5 if later else math.inf

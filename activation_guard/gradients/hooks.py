@@ -114,7 +114,9 @@ class GradSink(Protocol):
 
 
 def _wants(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point() and type(t) is torch.Tensor
+    # complex values too: their gradients are complex (an FFT's real input gets a real one back)
+    return (isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex())
+            and type(t) is torch.Tensor)
 
 
 class GradCapture:
@@ -139,12 +141,22 @@ class GradCapture:
         # calls that ran with autograd off although the forward had it on: their gradients never
         # exist (a reentrant checkpoint re-runs them inside the backward, out of the capture's sight)
         self.no_autograd: list[str] = []
+        self.no_autograd_parent: dict[str, str | None] = {}  # each of them -> the call it ran inside
 
     @staticmethod
     def _floating(output: Any) -> bool:
         if type(output) is torch.Tensor:
-            return output.is_floating_point()
-        return any(leaf.tensor is not None and leaf.tensor.is_floating_point() for leaf in flatten(output))
+            return output.is_floating_point() or output.is_complex()
+        return any(leaf.tensor is not None and (leaf.tensor.is_floating_point() or leaf.tensor.is_complex())
+                   for leaf in flatten(output))
+
+    def autograd_off_regions(self) -> list[str]:
+        """The calls with autograd on whose own code turned it off for the calls inside them (a
+        reentrant checkpoint around a block's forward, a ``torch.no_grad`` block): the callers of
+        the outermost calls that ran with it off ("" for the model itself)."""
+        off = set(self.no_autograd)
+        tops = [self.no_autograd_parent.get(n) for n in dict.fromkeys(self.no_autograd)]
+        return list(dict.fromkeys(p or "" for p in tops if p not in off))
 
     # ------------------------------------------------------------------ forward side
     def on_enter(self, frame: Frame) -> None:
@@ -180,6 +192,7 @@ class GradCapture:
         if not outs:  # nothing of it is differentiated: no gradient flows through it
             if not torch.is_grad_enabled() and self._floating(output):
                 self.no_autograd.append(name)  # torch.no_grad, or a reentrant activation checkpoint
+                self.no_autograd_parent[name] = None if frame.parent is None else frame.parent.name
             return
         targets: dict[tuple[int, int], list[str]] = {}
         for path, e in ins:

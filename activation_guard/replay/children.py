@@ -260,20 +260,46 @@ class ChildHooks:
             # it runs after all (calls inside it are not its parent's); the replay did not plan to
             # restore its buffers, so this does
             self.active.append(None)
-            saved = [(b, b.detach().clone()) for b in mod.buffers()]
+            saved = saved_buffers(list(mod.buffers()))
             try:
                 return type(mod).forward(mod, *args, **kwargs)
             finally:
                 self.active.pop()
-                with torch.no_grad():
-                    for b, v in saved:
-                        b.copy_(v)
+                restore_buffers(saved)
         end = self.calls[i].rng_end
         if end is not None:
             set_rng_state(end)
         return rebuild(sk.output, {p: golden[p].clone() if dt is None
                                    else devices.golden_on(golden[p], dev, _wide(dt) if widen else dt, copy=True)
                                    for p, (_, dt, dev) in sk.meta.items()})
+
+
+SavedBuffer = tuple[torch.Tensor, torch.Tensor, "int | None"]
+
+
+def saved_buffers(buffers: Sequence[torch.Tensor]) -> list[SavedBuffer]:
+    """Each buffer with a copy of its value and its in-place version, before a replay runs."""
+    out = []
+    for b in buffers:
+        try:
+            version: int | None = b._version
+        except RuntimeError:  # an inference tensor has no version counter
+            version = None
+        out.append((b, b.detach().clone(), version))
+    return out
+
+
+def restore_buffers(saved: Sequence[SavedBuffer]) -> None:
+    """Put back the values of the buffers a replay changed, and only those: a copy into one it
+    left alone would bump the version of a tensor autograd saved for the backward (BERT's
+    embedding saves a slice of its ``position_ids``), and the backward would raise."""
+    with torch.no_grad():
+        for b, v, version in saved:
+            # by value too: a kernel may write a buffer without bumping its version (batch norm's
+            # running statistics on the CPU)
+            if (version is None or b._version == version) and torch.equal(b, v):
+                continue
+            b.copy_(v)
 
 
 def _fits(meta: Mapping[str, TensorMeta], golden: Mapping[str, torch.Tensor]) -> bool:

@@ -51,6 +51,35 @@ def unjudged_source(frame: Frame, found: Origin, earlier: Sequence[LayerResult])
     return None
 
 
+def inexact_before(frame: Frame, found: Origin, earlier: Sequence[LayerResult]) -> Origin | None:
+    """An origin in a parent's code that no replay of that code showed (the first diverging call,
+    re-run on the golden's inputs, gave the golden's output, and its live inputs differ) holds only
+    if every call before it returned the golden's values. One that matched *within tolerance* but
+    not exactly may have passed on a difference that grew to this one (an RMSNorm epsilon moving
+    its output by 8e-6, under strict's 1e-5, found out of tolerance two layers later): then the
+    origin is ``unknown``, and says which call and what tells the two apart."""
+    if found.kind != "parent-code" or found.name == frame.name:
+        return None
+    inexact = [r for r in earlier if r.phase == "forward" and r.status == "match" and r.max_abs_diff is not None
+               and r.max_abs_diff > 0 and r.name != frame.name]
+    if not inexact:
+        return None
+    first = inexact[0]
+    return Origin(frame.name, frame.call, "unknown", found.own_error, type_name=found.type_name, detail=(
+        f"re-run on the golden's inputs it gives the golden's output, and its inputs differ; "
+        f"{len(inexact)} call(s) before it matched within tolerance but not exactly (the first: "
+        f"{display_name(first.name)!r} call {first.call}, max abs diff {first.max_abs_diff:.3g}), so a difference "
+        f"under tolerance may have grown into this one, or {display_name(found.name)!r}'s own code "
+        f"{_where(found)} changed; replay='all' replays each call and tells them apart"))
+
+
+def _where(found: Origin) -> str:
+    child = display_name(found.child) if found.child is not None else None
+    if found.previous is not None and child is not None:
+        return f"between {display_name(found.previous)!r} and {child!r}"
+    return f"before {child!r}" if child is not None else ""
+
+
 def string_hint(entry: CallEntry, frame: Frame) -> str:
     """What to add to an origin that blames a call's own code when a plain string it was given
     differs from the recording (:func:`.args.string_changes`), or ""."""

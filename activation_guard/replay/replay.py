@@ -53,8 +53,8 @@ from ..values.leaves import UnsupportedTensorError, flatten, flatten_inputs
 from ..values.rebuild import clone_inputs, rebuild_inputs
 from .args import ArgsChanged, golden_inputs
 from .callstart import CallStart, modified_in_place, start_values
-from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, skeleton
-from .hints import string_hint, unjudged_source
+from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, restore_buffers, saved_buffers, skeleton
+from .hints import inexact_before, string_hint, unjudged_source
 
 REPLAYABLE = frozenset({"diverged", "nonfinite", "shape", "dtype", "structure"})
 
@@ -93,6 +93,7 @@ class Replayer:
         self.between: dict[tuple[str, int], tuple[str | None, str]] = {}  # call -> children its code differs between
         self.no_reference: dict[str, int] = {}  # why replays had no float64 reference (own floor) -> how many
         self.drew_random: set[tuple[str, int]] = set()  # replayed calls that drew random numbers
+        self.wrote: set[str] = set()  # layers with a call that changed its arguments in place
 
     def random_hint(self, name: str, call: int) -> str:
         """What a replay of a call that draws random numbers cannot tell apart (for its origin text)."""
@@ -109,7 +110,7 @@ class Replayer:
         """``rewind``: (name, value) of the module's own buffers to set before it runs (the values
         they had when the live call started); every buffer is restored to its live value after."""
         assert self.state is not None
-        saved = [(b, b.detach().clone()) for b in _buffers(module, hooks.stubbed(modules or {}) if hooks else set())]
+        saved = saved_buffers(_buffers(module, hooks.stubbed(modules or {}) if hooks else set()))
         if rewind:
             with torch.no_grad():
                 for name, value in rewind:
@@ -128,9 +129,7 @@ class Replayer:
                 return call_as_captured(module, args, kwargs)
         finally:
             self.state.replaying = False
-            with torch.no_grad():
-                for b, v in saved:
-                    b.copy_(v)
+            restore_buffers(saved)
 
     def own(self, frame: Frame, entry: CallEntry, compare: Any) -> OwnResult:
         """The call re-run on the golden's inputs, its children returning the golden's outputs
@@ -141,6 +140,9 @@ class Replayer:
         if isinstance(golden, str):
             return self._not_replayed(golden)
         start = frame.data if isinstance(frame.data, CallStart) else CallStart([], {})
+        held = tensor_holders(frame.args, frame.kwargs)
+        if held:
+            return self._not_replayed(_holders_text(held))
         if any(v is None for v in start.objects.values()):
             return self._not_replayed("it takes an object that could not be copied when the call started, so a "
                                       "re-run would differ")
@@ -262,6 +264,15 @@ class Replayer:
                 return i, bad
         return None
 
+    def wrote_hint(self, prev: str | None, parent: str) -> str:
+        """For an origin between two children: the one before may have made the difference by
+        writing into its arguments, which is no output of its and so never compared."""
+        if prev is None or prev not in self.wrote:
+            return ""
+        p = _relative(prev, parent)
+        return (f"; but {p!r} changes its arguments in place, and what it writes is not compared (it is no output "
+                f"of {p!r}): the change may be in {p!r} instead")
+
     # ------------------------------------------------------------------ attribution
     def attribute(self, frame: Frame, entry: CallEntry, res: LayerResult, compare: Any,
                   inputs_changed: bool, earlier: Sequence[LayerResult] = ()) -> Origin:
@@ -275,6 +286,9 @@ class Replayer:
             passed_on = unjudged_source(frame, found, earlier)
             if passed_on is not None:
                 return passed_on
+            grown = inexact_before(frame, found, earlier)
+            if grown is not None:
+                return grown
         return found
 
     def _attribute(self, frame: Frame, entry: CallEntry, res: LayerResult, compare: Any,
@@ -311,14 +325,44 @@ class Replayer:
             return Origin(frame.name, frame.call, "unknown", err, type_name=tname, detail=(
                 f"re-run on the golden's inputs it gives the golden's output; {why}"))
         assert self.state is not None
+        node, above = self._above(frame)
+        if isinstance(above, str):
+            return Origin(frame.name, frame.call, "unknown", err, type_name=tname, detail=(
+                f"re-run on the golden's inputs it gives the golden's output, and its inputs differ; {above}"))
+        parent = above
         pcall = self.state.calls.get(parent.name, 0)
-        child, prev = _relative(frame.name, parent.name), frame.previous
+        child, prev = _relative(node.name, parent.name), node.previous
         between = (f"between {_relative(prev, parent.name)!r} and {child!r}" if prev is not None
                    else f"before {child!r}")
-        return Origin(parent.name, pcall, "parent-code", err, type_name=type(parent.module).__name__, child=frame.name,
+        via = "" if node is frame else f" (and so those of {display_name(frame.name)!r} inside it)"
+        return Origin(parent.name, pcall, "parent-code", err, type_name=type(parent.module).__name__, child=node.name,
                       previous=prev, detail=(
                           f"own code {between}: its children compute the same on the golden inputs, but the inputs of "
-                          f"{child!r} differ"))
+                          f"{child!r} differ{via}" + self.wrote_hint(prev, parent.name)))
+
+    def _above(self, frame: Frame) -> tuple[Frame, Frame | str]:
+        """Whose code made the inputs of ``frame`` differ, which re-run on the golden's inputs gives
+        the golden's output: its parent's, unless it is its parent's first child and the parent's
+        own inputs differ too; then the change is above, and the walk goes on up. Returns the call
+        whose inputs the code made and the caller whose code it is, or why that cannot be told."""
+        assert self.state is not None
+        node = frame
+        while True:
+            parent = node.parent
+            assert parent is not None
+            if node.previous is not None or parent.parent is None:
+                return node, parent  # a sibling before it matched, or the model's own code
+            pentry = self.reader.by_key.get((parent.name, self.state.calls.get(parent.name, 0)))
+            differ = None if pentry is None else self._inputs_differ(parent, pentry)
+            if differ is False:
+                return node, parent  # its parent got the golden's inputs: its code before its first child
+            if differ is None:
+                held = tensor_holders(parent.args, parent.kwargs)
+                why = _holders_text(held) if held else "not recorded, or changed in place"
+                return node, (f"it is the first child of {display_name(parent.name)!r}, whose own inputs could not "
+                              f"be checked against the golden's ({why}), so the change may be in "
+                              f"{display_name(parent.name)!r}'s code before it or anywhere above")
+            node = parent
 
     def parent_origin(self, name: str, call: int, tname: str, own: LayerResult, between: tuple[str | None, str] | None,
                       last_child: str | None, children: int) -> Origin:
@@ -331,7 +375,7 @@ class Replayer:
             return Origin(name, call, "parent-code", own.max_abs_diff, type_name=tname, child=child, previous=prev,
                           detail=(f"own code {where}: re-run on the golden's inputs, its children returning the "
                                   f"golden's outputs, the inputs of {_relative(child, name)!r} differ "
-                                  f"({_how(own)})"))
+                                  f"({_how(own)})" + self.wrote_hint(prev, name)))
         return Origin(name, call, "parent-code", own.max_abs_diff, type_name=tname, previous=last_child,
                       detail=(f"own code: its {children} child call(s) computed what they computed before, "
                               f"but re-run on the golden's own inputs its output still differs ({_numbers(own)})"
@@ -362,7 +406,7 @@ class Replayer:
     def _inputs_differ(self, frame: Frame, entry: CallEntry) -> bool | None:
         """Whether the live call's tensor inputs differ from the golden's beyond tolerance (None:
         cannot tell: the golden has no inputs, or the layer changed its inputs in place)."""
-        if entry.inputs is None or modified_in_place(frame):
+        if entry.inputs is None or modified_in_place(frame) or tensor_holders(frame.args, frame.kwargs):
             return None
         golden = {e.path: e for e in entry.inputs}
         for lv in flatten_inputs(frame.args, frame.kwargs):
@@ -390,7 +434,12 @@ class Replayer:
                 # where it left the random stream (an eval-mode child may hold a training Dropout;
                 # a GPU one moves only the CUDA generator): its stub puts the stream there
                 end = rng_state()
-            aliased = stub and _shares_memory(frame, output)
+            # a child that wrote into its arguments runs in its parent's replay (a stub would not
+            # write, and the parent's next child would see other inputs: a false alarm)
+            wrote = modified_in_place(frame)
+            if wrote:
+                self.wrote.add(frame.name)
+            aliased = stub and (_shares_memory(frame, output) or wrote)
             parent.data.children.append(ChildCall(frame.module, frame.name, entry,
                                                   skeleton(output) if stub and not aliased else None, end, aliased))
 
@@ -491,6 +540,35 @@ def _buffers(module: torch.nn.Module, skip: set[int]) -> list[torch.Tensor]:
             out.extend(m.buffers(recurse=False))
             stack.extend(m.children())
     return out
+
+
+def tensor_holders(args: Any, kwargs: Any) -> list[tuple[str, str]]:
+    """Arguments that are plain objects holding tensors (an instance of a class with no methods of
+    its own, ``Box(h)``): a golden stores them by type only, so a replay would pass the live
+    object, live tensors inside, and judge its own output on the live values. (path, type name)."""
+    out = []
+    for key, v in [*((f"args/{i}", a) for i, a in enumerate(args)), *((f"kwargs/{k}", a) for k, a in kwargs.items())]:
+        if _plain_holder(v):
+            out.append((key, type(v).__name__))
+    return out
+
+
+def _plain_holder(v: Any) -> bool:
+    if isinstance(v, (torch.Tensor, torch.nn.Module, type)) or not hasattr(v, "__dict__"):
+        return False
+    cls = type(v)
+    if any(callable(f) and not (k.startswith("__") and k.endswith("__"))
+           for c in cls.__mro__[:-1] for k, f in vars(c).items()):
+        return False  # a class with methods (a cache that appends): copied at the call's start, replayed as is
+    return any(isinstance(x, torch.Tensor) or (isinstance(x, (list, tuple)) and any(isinstance(y, torch.Tensor)
+                                                                                    for y in x))
+               for x in vars(v).values())
+
+
+def _holders_text(held: list[tuple[str, str]]) -> str:
+    shown = ", ".join(f"{p} ({t})" for p, t in held[:3])
+    return (f"its argument(s) {shown} hold tensors inside a plain object, which the golden stores by type only: a "
+            f"re-run would use the live tensors, so it cannot be replayed on the golden's")
 
 
 def _relative(name: str | None, parent: str) -> str:

@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from .._core import dtypes
+from .._core.errors import GoldenError
 from ..fingerprints.fingerprint import Fingerprint
 from ..fingerprints.soundness import gamma
-from ..options.selection import match_any
+from ..options.selection import display_name, match_any
 from ..results import json_number
 from ..store import CallEntry, GoldenReader, LeafEntry
 from ..store.fingerprints import encode as fingerprint_bytes
@@ -110,12 +111,16 @@ class GoldenInfo:
     layer_calls: int
     leaves: list[LeafInfo] = field(default_factory=list)
     format_version: int = 0  # the file's own (an older golden is read as it was written)
+    damaged: list[str] = field(default_factory=list)  # stored values read past that fail their checks
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "path": self.path, "format_version": self.format_version, "file_bytes": self.file_bytes,
             "layer_calls": self.layer_calls, "meta": self.meta, "leaves": [x.to_dict() for x in self.leaves],
         }
+        if self.damaged:
+            out["damaged"] = list(self.damaged)
+        return out
 
 
 def tensor_stats(t: torch.Tensor) -> LeafStats:
@@ -218,12 +223,45 @@ def iter_leaves(reader: GoldenReader, layer: str | Sequence[str] | None = None,
 
 
 def inspect_golden(path: str | os.PathLike[str], layer: str | Sequence[str] | None = None) -> GoldenInfo:
-    """Read a golden's metadata and every (selected) leaf with statistics."""
+    """Read a golden's metadata and every (selected) leaf with statistics; what it does not show
+    (the calls' stored inputs) is read and checked too, and damage found there is listed in
+    ``damaged`` (a value that fails its checksum must not pass unnoticed because no table row shows it)."""
     with GoldenReader(path) as reader:
         gi = GoldenInfo(os.fspath(path), reader.file_size, reader.meta, len(reader.calls),
                         format_version=reader.version)
         gi.leaves = list(iter_leaves(reader, layer))
+        gi.damaged = verify_values(reader, outputs=False)[1]
     return gi
+
+
+def verify_values(reader: GoldenReader, *, outputs: bool = True) -> tuple[int, list[str]]:
+    """Every stored value of a golden read and checked: each call's outputs (``outputs``), its
+    inputs and its gradients; tensors and fingerprints against their checksums and index entries,
+    aliases to what they name. Returns how many values were checked and one line per damaged one
+    (the file's error, naming the file and the value); opening the golden checked its index tables."""
+    checked, damaged = 0, []
+    for c in [*reader.calls, *reader.backward]:
+        what = "output" if c.grad is None else f"{c.grad} gradient"
+        sections: list[tuple[str, Sequence[LeafEntry]]] = []
+        if outputs or c.grad is not None:
+            sections.append((what, c.leaves))
+        try:
+            sections.append(("input", c.inputs or []))
+        except GoldenError as e:
+            damaged.append(str(e))
+        for section, leaves in sections:
+            for leaf in leaves:
+                where = f"layer {display_name(c.name)!r} call {c.call} {section} {leaf.path!r}"
+                try:
+                    target = reader.resolve(leaf, where)
+                    if target.kind == "tensor":
+                        reader.load(target, where)
+                    elif target.kind == "fingerprint":
+                        reader.fingerprint(target, where)
+                    checked += 1
+                except GoldenError as e:
+                    damaged.append(str(e))
+    return checked, damaged
 
 
 def path_str(path: str) -> str:

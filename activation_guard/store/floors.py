@@ -47,7 +47,7 @@ def multiplier(dtype_name: str, numel: int) -> float:
 
 
 def rule_text(m: float) -> str:
-    return f"calibrated: {m:g} x (golden floor + live floor) + {ABS_TERM:g}"
+    return f"calibrated: {m:g} x (golden floor + live floor) + {ABS_TERM:g} x min(1, values' RMS)"
 
 
 # --------------------------------------------------------------------------- statistics
