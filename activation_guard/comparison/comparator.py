@@ -182,7 +182,7 @@ class Comparator:
             # its parent's replay returns the golden's output for it (replay="all": without running it)
             self.replayer.returned(frame, entry, output, stub=self.spec.replay == "all")
             if self.spec.replay == "all":
-                own = self.replayer.own(frame, entry, self._compare_call)
+                own = self.replayer.own(frame, entry, self.compare_leaves)
                 if own.layer is None and own.reason is not None:
                     self.unreplayed[(res.name, res.call)] = str(own.reason)
                 if own.layer is not None and not own.layer.ok:
@@ -199,7 +199,7 @@ class Comparator:
                 if frame.children:
                     self.parents[(res.name, res.call)] = (frame.children, frame.last_child)
             elif self.origin is None and res.status in REPLAYABLE:
-                self.origin = self.replayer.attribute(frame, entry, res, self._compare_call, self.inputs_changed,
+                self.origin = self.replayer.attribute(frame, entry, res, self.compare_leaves, self.inputs_changed,
                                                       self.results)
         if self.spec.fail_fast and not res.ok:
             raise StopForward
@@ -255,7 +255,7 @@ class Comparator:
                         self.results.append(res)
                         return res, entry
                     quick = _identical_now(self.judge, name, entry, g, single, same)
-            leaves = [quick] if quick is not None else self._compare_call(entry, get_leaves(), name)
+            leaves = [quick] if quick is not None else self.compare_leaves(entry, get_leaves(), name)
             res = LayerResult.from_leaves(name, call, tname, leaves, position=pos, golden_position=entry.position,
                                           golden_name=gname)
             if type_changed:
@@ -295,8 +295,10 @@ class Comparator:
                           detail=f"not replayed: {why}; its output, with what it inherited, differs")
         return None
 
-    def _compare_call(self, entry: CallEntry, leaves: list[Leaf], name: str,
-                      judge: Judge | None = None) -> list[LeafResult]:
+    def compare_leaves(self, entry: CallEntry, leaves: list[Leaf], name: str,
+                       judge: Judge | None = None) -> list[LeafResult]:
+        """One call's live leaves against its golden entry, by ``judge`` (default: this run's); what
+        replay calls for a replayed output (:class:`~activation_guard.replay.replay.CompareLeaves`)."""
         if self.reader.version < 2:  # a format-1 golden names leaves by its own (non-injective) paths
             for leaf in leaves:
                 if leaf.legacy_path is not None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -49,12 +49,21 @@ from ..judges.strict import Judge, LeafContext, StrictJudge
 from ..options.selection import display_name
 from ..results import LayerResult, LeafResult, Origin
 from ..store import CallEntry, GoldenReader
-from ..values.leaves import UnsupportedTensorError, flatten, flatten_inputs
+from ..values.leaves import Leaf, UnsupportedTensorError, flatten, flatten_inputs
 from ..values.rebuild import clone_inputs, rebuild_inputs
 from .args import ArgsChanged, golden_inputs
 from .callstart import CallStart, modified_in_place, start_values
 from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, restore_buffers, saved_buffers, skeleton
 from .hints import inexact_before, string_hint, unjudged_source
+
+
+class CompareLeaves(Protocol):
+    """How replay asks the comparator to judge a replayed output: the leaves of one call against
+    its golden entry, by the given judge (default: the comparator's own)."""
+
+    def __call__(self, entry: CallEntry, leaves: list[Leaf], name: str,
+                 judge: Judge | None = None) -> list[LeafResult]: ...
+
 
 REPLAYABLE = frozenset({"diverged", "nonfinite", "shape", "dtype", "structure"})
 
@@ -131,7 +140,7 @@ class Replayer:
             self.state.replaying = False
             restore_buffers(saved)
 
-    def own(self, frame: Frame, entry: CallEntry, compare: Any) -> OwnResult:
+    def own(self, frame: Frame, entry: CallEntry, compare: CompareLeaves) -> OwnResult:
         """The call re-run on the golden's inputs, its children returning the golden's outputs
         (:mod:`activation_guard.replay.children`), and judged against the golden: its output, and the
         inputs its own code gave each child. ``compare(entry, leaves, name, judge)`` is the
@@ -274,7 +283,7 @@ class Replayer:
                 f"of {p!r}): the change may be in {p!r} instead")
 
     # ------------------------------------------------------------------ attribution
-    def attribute(self, frame: Frame, entry: CallEntry, res: LayerResult, compare: Any,
+    def attribute(self, frame: Frame, entry: CallEntry, res: LayerResult, compare: CompareLeaves,
                   inputs_changed: bool, earlier: Sequence[LayerResult] = ()) -> Origin:
         """Why the first diverging call ``frame`` differs (see the module docstring). ``earlier``:
         the calls judged before it, for the ones that pass on a difference without failing."""
@@ -291,7 +300,7 @@ class Replayer:
                 return grown
         return found
 
-    def _attribute(self, frame: Frame, entry: CallEntry, res: LayerResult, compare: Any,
+    def _attribute(self, frame: Frame, entry: CallEntry, res: LayerResult, compare: CompareLeaves,
                    inputs_changed: bool) -> Origin:
         tname = type(frame.module).__name__
         own = self.own(frame, entry, compare)
