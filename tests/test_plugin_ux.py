@@ -597,7 +597,7 @@ def test_a_lower_precision_run_is_not_blamed_on_code_and_points_to_calibrated(
     monkeypatch.setenv("AG_BF16", "1")
     r = ag.runpytest("test_bf.py", *LEAN)
     r.assert_outcomes(failed=1)
-    origin = next(ln for ln in r.outlines if ln.startswith("  origin        :"))
+    origin = next(ln for ln in r.outlines if ln.startswith(("  origin        :", "  replayed      :")))
     assert "which bfloat16 rounding of that code can explain as well" in origin
     assert "strict tolerances cannot tell a code change from rounding" in origin
     r.stdout.fnmatch_lines(["  note: the live run computes in bfloat16, the golden in float32: strict tolerances judge "

@@ -445,8 +445,10 @@ def lowered_precision(report: Report) -> None:
     hint = (f"tolerance=\"calibrated\" (a golden recorded with calibrate=True) allows for {live} rounding "
             f"layer by layer and still finds real changes")
     o = report.origin
-    if o is not None and o.kind in ("layer", "parent-code"):
-        where = o.detail if o.kind == "parent-code" else "its own computation differs on the golden's inputs"
+    # an origin that names code (a layer's own, a parent's between its children), even as one of two
+    # possibilities, is one the rounding explains as well
+    if o is not None and (o.kind in ("layer", "parent-code") or (o.kind == "unknown" and "own code" in o.detail)):
+        where = "its own computation differs on the golden's inputs" if o.kind == "layer" else o.detail
         o.detail = (f"{where}, which {live} rounding of that code can explain as well (the live run computes in "
                     f"{live} against a {golden} golden): strict tolerances cannot tell a code change from rounding "
                     f"here; see the note on tolerance=\"calibrated\"")
