@@ -423,3 +423,12 @@ def test_store_errors_do_not_name_pytest(tmp_path):
     assert msg.endswith("; to fix: re-record the golden") and str(bad) in msg
     rest = msg.replace(str(bad), "")  # tmp_path itself contains "pytest"
     assert "pytest" not in rest and "--ag-" not in rest
+
+
+def test_the_store_keeps_the_leaf_kinds_the_walker_makes():
+    """The index encodes a leaf's kind by its position in the store's LEAF_KINDS: the same
+    vocabulary, in the same order, as the walker's LeafKind (a new kind must be added to both)."""
+    from activation_guard.store.format import LEAF_KINDS as STORED
+    from activation_guard.values.leaves import LEAF_KINDS as WALKED
+
+    assert STORED == WALKED

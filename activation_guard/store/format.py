@@ -27,11 +27,14 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._core import dtypes
 from .._core.errors import GoldenFormatError
 from .._core.slots import SLOTS
+
+if TYPE_CHECKING:  # the type only: the store does not load the value walker
+    from ..values.leaves import LeafKind
 
 FORMAT_NAME = "activation_guard.golden"
 FORMAT_VERSION = 3
@@ -78,7 +81,7 @@ class LeafEntry:
     """One leaf of a recorded layer call, as the index describes it (no values)."""
 
     path: str
-    kind: str  # tensor | none | str | object | ref | fingerprint
+    kind: LeafKind
     dtype: str | None = None
     shape: tuple[int, ...] = ()
     nbytes: int = 0

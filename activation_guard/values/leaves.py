@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal, get_args
 
 import numpy as np
 import torch
@@ -110,6 +110,11 @@ class NamespaceView(Mapping[str, Any]):
         return len(vars(self.ns))
 
 
+# what a leaf holds; a golden stores the same kinds (store/format.py's LEAF_KINDS, in this order)
+LeafKind = Literal["tensor", "none", "str", "object", "ref", "alias", "fingerprint"]
+LEAF_KINDS: tuple[LeafKind, ...] = get_args(LeafKind)
+
+
 @dataclass
 class Leaf:
     """One addressed value inside a layer's output (or inputs).
@@ -125,7 +130,7 @@ class Leaf:
     """
 
     path: str
-    kind: str
+    kind: LeafKind
     tensor: torch.Tensor | None = None
     type_name: str = "Tensor"
     value: str | None = None
@@ -172,7 +177,7 @@ class _Walker:
         self.seen: dict[int, str] = {}
         self.fields = fields
 
-    def leaf(self, path: str, legacy: str | None, kind: str, **kw: Any) -> None:
+    def leaf(self, path: str, legacy: str | None, kind: LeafKind, **kw: Any) -> None:
         self.out.append(Leaf(path, kind, legacy_path=legacy if legacy != path else None, **kw))
 
     def walk(self, obj: Any, path: str, legacy: str | None, depth: int) -> None:
