@@ -11,9 +11,9 @@ torch and h5py unless a test actually uses it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ._core.lazy import lazy_names
 from ._version import __version__
 
 _LAZY: dict[str, str] = {
@@ -105,14 +105,4 @@ if TYPE_CHECKING:
     from .results import LayerResult, LeafResult
 
 
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'activation_guard' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())

@@ -360,7 +360,6 @@ def test_store_imports_only_core_and_the_fingerprint_type():
     added = set(mods.split())
     assert "activation_guard.capture.hooks" not in added
     assert {m for m in added if not m.startswith("activation_guard.store")} == {
-        "activation_guard._core",
         "activation_guard.fingerprints",
         "activation_guard._core.dtypes",
         "activation_guard._core.errors",

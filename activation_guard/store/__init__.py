@@ -21,8 +21,9 @@ the pytest plugin can use :mod:`.naming` without importing h5py and torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._core.lazy import lazy_names
 
 _LAZY: dict[str, str] = {
     "ALLOWED_FILTERS": "format",
@@ -96,14 +97,4 @@ if TYPE_CHECKING:
     from .writer import GoldenWriter, LeafLike
 
 
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'activation_guard.store' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())
