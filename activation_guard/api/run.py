@@ -41,6 +41,7 @@ from ..results import LayerResult
 from ..store import GoldenReader, GoldenWriter
 from ..values.rebuild import clone_inputs
 from . import gradients as grad_api
+from . import graph as graph_api
 
 
 @dataclass
@@ -296,6 +297,10 @@ def _replayer(spec: CompareSpec, reader: GoldenReader, judge: Judge, resolver: T
 def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
                  path: str | os.PathLike[str], spec: CompareSpec) -> Report:
     """:func:`compare` with its options already in a :class:`CompareSpec` (the plugin's entry)."""
+    graph = graph_api.as_graph(model)  # an exported program, a .pt2 file, a flattened graph: no modules to hook
+    if graph is not None:
+        a, kw = normalize_inputs(args, kwargs)
+        return graph_api.compare_graph(*graph, a, kw, path=golden_path(path), spec=spec, report_meta=report_meta)
     target = check_model(model)
     model = target.root
     a, kw = normalize_inputs(args, kwargs)

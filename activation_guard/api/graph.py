@@ -1,0 +1,148 @@
+"""Exported programs, ``.pt2`` files and flattened FX graphs, compared per eager module call.
+
+:func:`as_graph` tells a model hooks can see (an eager module, an unflattened exported program, a
+symbolically traced module calling its submodules) from a flattened graph whose module calls live
+only in its nodes' ``nn_module_stack``; :func:`compare_graph` drives the comparator from a
+:class:`~activation_guard.graphs.source.GraphSource` and builds the report as
+:func:`~activation_guard.api.run.compare` does. The user never chooses: ``compare`` and ``record``
+pick hooks where modules exist and the graph where they do not.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import fx
+
+from .._core.errors import UnsupportedModelError
+from ..capture import env as envmod
+from ..comparison.comparator import Comparator
+from ..comparison.golden_selection import recorded_selection, selective_note
+from ..gradients.loss import META_KEY as BACKWARD_KEY
+from ..graphs.source import GUARDS, STACK, GraphSource, has_module_stack, type_name
+from ..judges.strict import StrictJudge
+from ..options.selection import Selector, nothing_selected
+from ..options.spec import CompareSpec
+from ..options.tolerances import ToleranceResolver
+from ..report.report import Report
+from ..results import Origin
+from ..store import GoldenReader
+
+NO_METADATA_FIX = ("export it with torch.export.export(model, args) and pass the ExportedProgram, its .module() or "
+                   "the .pt2 file, or keep nn_module_stack when transforming a graph (copy node.meta to the nodes a "
+                   "pass creates)")
+
+
+def _is_pt2(obj: Any) -> bool:
+    return isinstance(obj, (str, os.PathLike))
+
+
+def as_graph(model: Any) -> tuple[fx.GraphModule, str] | None:
+    """The flattened graph to run node by node, and what it is (for notes and errors); None for a
+    model whose module calls hooks can see. A path is read as a ``.pt2`` exported program; a
+    ``GraphModule`` with no module stack on any node and no submodule to hook is refused."""
+    label = "graph"
+    if _is_pt2(model):
+        path = os.fspath(model)
+        if not os.path.isfile(path):
+            raise UnsupportedModelError(f"model {path!r} is not a file: a path names an exported program saved with "
+                                        f"torch.export.save (.pt2)")
+        try:
+            model = torch.export.load(path)
+        except Exception as e:
+            raise UnsupportedModelError(f"model {path!r} could not be loaded as an exported program "
+                                        f"(torch.export.load: {type(e).__name__}: {e})") from e
+        label = f"exported program {os.path.basename(path)}"
+    if isinstance(model, torch.export.ExportedProgram):
+        label = "exported program" if label == "graph" else label
+        model = model.module()
+    if not isinstance(model, fx.GraphModule):
+        return None
+    if has_module_stack(model):
+        return model, label if label != "graph" else "graph module"
+    if any(name != GUARDS for name, _ in model.named_children()):
+        return None  # a traced module that still calls its submodules: hooks see them
+    raise UnsupportedModelError(
+        f"{type(model).__name__}: a torch.fx.GraphModule with no nn_module_stack on any node and no submodules: "
+        f"its values cannot be named by the eager modules that computed them; {NO_METADATA_FIX}")
+
+
+def root_type(gm: fx.GraphModule) -> str:
+    """The eager root module's class name, as the graph's module stacks record it."""
+    for node in gm.graph.nodes:
+        for path, mtype in (node.meta.get(STACK) or {}).values():
+            if path == "":
+                return type_name(mtype)
+    return type(gm).__name__
+
+
+def _device(gm: fx.GraphModule, args: tuple[Any, ...]) -> torch.device:
+    for t in [*args, *gm.parameters(), *gm.buffers()]:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def compare_graph(gm: fx.GraphModule, label: str, a: tuple[Any, ...], kw: dict[str, Any], *, path: str,
+                  spec: CompareSpec, report_meta: Callable[[Mapping[str, Any]], dict[str, Any]]) -> Report:
+    """Compare a flattened graph with the golden at ``path``, module call by module call."""
+    if spec.calibrated:
+        raise UnsupportedModelError(f"tolerance='calibrated' needs an eager model for its float64 shadow forward; "
+                                    f"the {label} is compared with strict tolerances (or compare "
+                                    f"torch.export.unflatten(ep), whose modules run in float64)")
+    if spec.backward not in (None, False):
+        raise UnsupportedModelError(f"backward=: gradients of a {label} are not captured per module call (its "
+                                    f"graph is an inference graph without autograd nodes per module); compare the "
+                                    f"eager model or torch.export.unflatten(ep) with backward=, or pass "
+                                    f"backward=False")
+    dev = _device(gm, a)
+    live_inputs = envmod.input_fingerprint(a, kw)
+    with GoldenReader(path) as reader:
+        gmeta = reader.meta
+        golden_filter = None
+        if spec.include is None and spec.exclude is None:
+            if spec.rename:
+                golden_filter = Comparator.default_filter(gmeta, spec)
+            else:
+                spec = spec.with_selection(*recorded_selection(gmeta))
+        gdev = envmod.recorded_device(gmeta)
+        resolver = ToleranceResolver(spec, golden_device=gdev, live_device=str(dev))
+        comp = Comparator(reader, spec, StrictJudge(resolver), golden_filter=golden_filter)
+        inputs_raw = gmeta.get("inputs")
+        input_changes = envmod.describe_input_change(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs)
+        comp.inputs_changed = bool(input_changes)
+
+        def golden(name: str, call: int) -> Any:
+            g = comp.live_to_golden.get(name)
+            return None if g is None else reader.by_key.get((g, call))
+
+        names = sorted({s[0] for n in gm.graph.nodes for s in (n.meta.get(STACK) or {}).values()} | {""})
+        wanted = Selector(spec.include, spec.exclude, names)
+        expected = [(comp.golden_to_live.get(c.name, c.name), c.call, c.type_name) for c in comp.golden_selected]
+        source = GraphSource(gm, a, kw, golden, expected, wanted=wanted, label=label, root_type=root_type(gm))
+        comp.consume(source)
+        layers, order = comp.finish()
+        if not layers:
+            raise nothing_selected(spec.include, spec.exclude, names)
+        stopped = source.output is None
+        notes = [source.describe(), *source.notes(), *comp.notes()]
+    if gmeta.get(BACKWARD_KEY) is not None and spec.backward is None:
+        notes.append(f"the golden has gradients; the {label} is compared on its forward only (gradients need the "
+                     f"eager model or torch.export.unflatten(ep))")
+    env_changes = envmod.describe_env_change(gmeta.get("numerics"), envmod.numerics_flags())
+    env_changes += envmod.describe_version_change(gmeta.get("versions"), envmod.versions())
+    report = Report(path=path, layers=layers, golden_meta=report_meta(gmeta), live_device=str(dev),
+                    input_changes=input_changes, env_changes=env_changes, stopped_early=stopped,
+                    output=source.output, _order=order, mode=spec.tolerance, replay=spec.replay)
+    fd = report.first_divergence
+    if fd is not None and spec.replay != "off":
+        report.origin = Origin(fd.name, fd.call, "unknown", type_name=fd.type_name,
+                               detail=f"not replayed: the {label} is compared per module call, and re-running one "
+                                      f"call's nodes on the golden's inputs is not done for graphs yet; the first "
+                                      f"divergence is the first module call whose outputs differ")
+    report.notes += notes
+    report.notes += selective_note(gmeta)
+    return report
