@@ -19,12 +19,14 @@ names it with the reason. The root is always compared, so a change anywhere stil
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx
+from torch.fx import _pytree as fx_pytree
 
 from ..store.format import CallEntry, LeafEntry
 from ..values.calls import LiveCall
@@ -65,6 +67,22 @@ def _is_guard(node: fx.Node) -> bool:
     return node.op == "call_module" and node.target == GUARDS
 
 
+# ops that return their input itself when nothing changes (``x.to(x.dtype)``): such a node inside a
+# module, read outside it, is the module's input handed on (a residual), not a value it computed
+_ALIASING = ("to", "alias", "detach", "_assert_tensor_metadata")
+
+
+def _passthrough(node: fx.Node, inside: set[fx.Node]) -> bool:
+    packet = getattr(node.target, "overloadpacket", None)
+    if node.op != "call_function" or getattr(packet, "__name__", None) not in _ALIASING or not node.args:
+        return False
+    src = node.args[0]
+    if not isinstance(src, fx.Node) or src in inside:
+        return False
+    a, b = node.meta.get("val"), src.meta.get("val")
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+
+
 def scopes(gm: fx.GraphModule) -> list[Scope]:
     """Every module call named in the graph's module stacks (the root excluded: its output is the
     graph's), each with the values leaving it, in the order the calls finish (children first)."""
@@ -86,7 +104,7 @@ def scopes(gm: fx.GraphModule) -> list[Scope]:
         s.call = calls.get(s.path, 0)
         calls[s.path] = s.call + 1
         inside = set(s.nodes)
-        s.escaping = [n for n in s.nodes if any(u not in inside for u in n.users)]
+        s.escaping = [n for n in s.nodes if any(u not in inside for u in n.users) and not _passthrough(n, inside)]
     return sorted(found.values(), key=lambda s: (order[s.nodes[-1]], -s.depth))
 
 
@@ -166,8 +184,21 @@ class GraphSource:
 
     def _flat_inputs(self) -> list[Any]:
         codegen = self.gm.graph._codegen
-        if isinstance(codegen, fx.graph._PyTreeCodeGen):
-            return list(codegen.process_inputs(*self.args, **self.kwargs))
+        info = codegen.pytree_info if isinstance(codegen, fx.graph._PyTreeCodeGen) else None
+        if info is not None and info.in_spec is not None:
+            # as the graph's own forward does: its parameters bound by name, then flattened by the
+            # input spec recorded at export ((positional, keyword) as the export was called)
+            try:
+                bound = inspect.signature(self.gm.forward).bind(*self.args, **self.kwargs).arguments
+            except TypeError as e:
+                raise TypeError(f"the {self.label} takes {inspect.signature(self.gm.forward)}: {e}") from None
+            spec = info.in_spec
+            kids = spec.children()
+            if len(kids) == 2 and kids[1].type is dict:
+                npos, names = kids[0].num_children, kids[1].context
+                values = [bound[n] for n in info.orig_args if n in bound]
+                return list(fx_pytree.tree_flatten_spec((values[:npos], {n: bound[n] for n in names}), spec))
+            return list(fx_pytree.tree_flatten_spec([bound[n] for n in info.orig_args if n in bound], spec))
         if self.kwargs:
             raise TypeError(f"this {self.label} takes positional inputs only; got keyword inputs "
                             f"{sorted(self.kwargs)}")
