@@ -10,6 +10,7 @@ pick hooks where modules exist and the graph where they do not.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,14 +23,17 @@ from ..capture import env as envmod
 from ..comparison.comparator import Comparator
 from ..comparison.golden_selection import recorded_selection, selective_note
 from ..gradients.loss import META_KEY as BACKWARD_KEY
-from ..graphs.source import GUARDS, STACK, GraphSource, has_module_stack, type_name
+from ..graphs.replay import replay_scope
+from ..graphs.source import GUARDS, STACK, GraphSource, Scope, has_module_stack, type_name
 from ..judges.strict import StrictJudge
 from ..options.selection import Selector, nothing_selected
 from ..options.spec import CompareSpec
 from ..options.tolerances import ToleranceResolver
+from ..replay.replay import keep_own
 from ..report.report import Report
-from ..results import Origin
-from ..store import GoldenReader
+from ..results import LayerResult, Origin
+from ..store import CallEntry, GoldenReader
+from ..values.leaves import Leaf
 
 NO_METADATA_FIX = ("export it with torch.export.export(model, args) and pass the ExportedProgram, its .module() or "
                    "the .pt2 file, or keep nn_module_stack when transforming a graph (copy node.meta to the nodes a "
@@ -86,6 +90,80 @@ def _device(gm: fx.GraphModule, args: tuple[Any, ...]) -> torch.device:
     return torch.device("cpu")
 
 
+def _parent(scope: Scope) -> str:
+    """The module call a scope's code runs in (its stack's previous entry; the root's is "")."""
+    for node in scope.nodes:
+        paths = [p for p, _ in (node.meta.get(STACK) or {}).values()]
+        if scope.path in paths:
+            i = paths.index(scope.path)
+            return paths[i - 1] if i > 0 else ""
+    return ""
+
+
+class GraphReplays:
+    """Replays of module calls of a graph (``replay="first"``: the first diverging call; ``"all"``:
+    every compared call, its own error beside its accumulated one), run while the call's live
+    values are still at hand, and the origin they give."""
+
+    def __init__(self, gm: fx.GraphModule, source: GraphSource, comp: Comparator, reader: GoldenReader,
+                 golden: Callable[[str, int], CallEntry | None], mode: str, inputs_same: bool):
+        self.gm, self.source, self.comp, self.reader, self.golden = gm, source, comp, reader, golden
+        self.mode, self.inputs_same = mode, inputs_same
+        self.first: Origin | None = None
+        self.memo: dict[fx.Node, bool] = {}
+
+    def after(self, scope: Scope, env: Mapping[fx.Node, Any]) -> None:
+        res = self.comp.results[-1] if self.comp.results else None
+        if res is None or (res.name, res.call) != (scope.path, scope.call):
+            return
+        first = self.first is None and not res.ok
+        if not (first or self.mode == "all"):
+            return
+        entry = self.golden(scope.path, scope.call)
+        mapped = self.source.mapped[(scope.path, scope.call)]
+        if entry is None:
+            return
+        entry = dataclasses.replace(entry, leaves=[g for g in entry.leaves if g.path in mapped])
+        got = replay_scope(self.gm, scope, env, entry, mapped, self.reader.load, self.reader.resolve,
+                           self.source.golden_of.get, self.inputs_same, self.memo)
+        if isinstance(got, str):
+            if first:
+                self.first = Origin(res.name, res.call, "unknown", type_name=res.type_name,
+                                    detail=f"not replayed: {got}")
+            return
+        leaves = [Leaf(path, "tensor", tensor=t) for path, t in got.items()]
+        own = LayerResult.from_leaves(res.name, res.call, res.type_name,
+                                      self.comp._compare_call(entry, leaves, res.name))
+        keep_own(res, own)
+        if not first and not (self.mode == "all" and self.first is None and own.status != "match"):
+            return
+        if own.status != "match":
+            self.first = Origin(res.name, res.call, "layer", own.max_abs_diff, type_name=res.type_name,
+                                detail="re-run on the golden's values, the graph's nodes of this module call differ: "
+                                       "its own computation changed")
+        elif first:
+            parent = _parent(scope)
+            self.first = Origin(parent, 0, "parent-code", own.max_abs_diff, child=res.name,
+                                detail=f"re-run on the golden's values, {res.name!r} computes the same: its inputs "
+                                       f"differ, made by code of {parent or 'the model'!r} outside any compared module "
+                                       f"call (the graph's nodes of that scope, or a call not comparable)")
+
+    def origin(self, first_divergence: LayerResult | None) -> Origin | None:
+        if first_divergence is None or self.mode == "off":
+            return None
+        if self.first is None and first_divergence.name == "":  # every compared module call matches
+            whole = [k for k in self.source.skipped if k.whole]
+            if whole:
+                return Origin("", 0, "unknown", type_name=first_divergence.type_name,
+                              detail=f"every compared module call matches; the model's own code outside them, or a "
+                                     f"module call that is not comparable ({', '.join(repr(k.name) for k in whole)}), "
+                                     f"made the difference")
+            return Origin("", 0, "layer", first_divergence.max_abs_diff, type_name=first_divergence.type_name,
+                          detail="every module call matches: the model's own code outside them (the graph's nodes "
+                                 "with no module call of their own) made the difference")
+        return self.first
+
+
 def compare_graph(gm: fx.GraphModule, label: str, a: tuple[Any, ...], kw: dict[str, Any], *, path: str,
                   spec: CompareSpec, report_meta: Callable[[Mapping[str, Any]], dict[str, Any]]) -> Report:
     """Compare a flattened graph with the golden at ``path``, module call by module call."""
@@ -123,6 +201,9 @@ def compare_graph(gm: fx.GraphModule, label: str, a: tuple[Any, ...], kw: dict[s
         wanted = Selector(spec.include, spec.exclude, names)
         expected = [(comp.golden_to_live.get(c.name, c.name), c.call, c.type_name) for c in comp.golden_selected]
         source = GraphSource(gm, a, kw, golden, expected, wanted=wanted, label=label, root_type=root_type(gm))
+        replays = GraphReplays(gm, source, comp, reader, golden, spec.replay, inputs_same=not input_changes)
+        if spec.replay != "off":
+            source.after = replays.after
         comp.consume(source)
         layers, order = comp.finish()
         if not layers:
@@ -137,12 +218,7 @@ def compare_graph(gm: fx.GraphModule, label: str, a: tuple[Any, ...], kw: dict[s
     report = Report(path=path, layers=layers, golden_meta=report_meta(gmeta), live_device=str(dev),
                     input_changes=input_changes, env_changes=env_changes, stopped_early=stopped,
                     output=source.output, _order=order, mode=spec.tolerance, replay=spec.replay)
-    fd = report.first_divergence
-    if fd is not None and spec.replay != "off":
-        report.origin = Origin(fd.name, fd.call, "unknown", type_name=fd.type_name,
-                               detail=f"not replayed: the {label} is compared per module call, and re-running one "
-                                      f"call's nodes on the golden's inputs is not done for graphs yet; the first "
-                                      f"divergence is the first module call whose outputs differ")
+    report.origin = replays.origin(report.first_divergence)
     report.notes += notes
     report.notes += selective_note(gmeta)
     return report

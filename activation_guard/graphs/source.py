@@ -169,6 +169,11 @@ class GraphSource:
         self.gm, self.args, self.kwargs = gm, args, dict(kwargs)
         self.golden, self.golden_calls, self.wanted, self.label = golden, golden_calls, wanted, label
         self.skipped: list[Skipped] = []
+        # per compared call: which node is which golden output; per node, the golden output it is
+        self.mapped: dict[tuple[str, int], dict[str, fx.Node]] = {}
+        self.golden_of: dict[fx.Node, LeafEntry] = {}
+        # called with each compared call and the live values once the comparator has judged it (replay)
+        self.after: Callable[[Scope, Mapping[fx.Node, Any]], None] | None = None
         self.compared = 0  # module calls judged on at least one output
         self.output: Any = None
         self.scopes = scopes(gm)
@@ -221,8 +226,11 @@ class GraphSource:
         for node in self.gm.graph.nodes:
             for a in node.all_input_nodes:
                 last[a] = node
-        for s in self.scopes:
-            for e in s.escaping:
+        for s in self.scopes:  # (and its inputs, while a replay may re-run it)
+            inside = set(s.nodes)
+            keep = s.escaping + ([a for n in s.nodes for a in n.all_input_nodes if a not in inside]
+                                 if self.after is not None else [])
+            for e in keep:
                 if self.order.get(last.get(e), -1) < self.order[s.nodes[-1]]:  # type: ignore[arg-type]
                     last[e] = s.nodes[-1]
         drop: dict[fx.Node, list[fx.Node]] = {}
@@ -240,6 +248,8 @@ class GraphSource:
                         continue
                     met.add((s.path, s.call))
                     yield self._call(s, env)
+                    if self.after is not None and (s.path, s.call) in self.mapped:
+                        self.after(s, env)
                 for value in drop.get(node, ()):
                     env.pop(value, None)
             else:  # pragma: no cover - every graph ends in an output node
@@ -271,6 +281,10 @@ class GraphSource:
             self.skipped.append(Skipped(s.path, s.call, f"{_where(path)}: {why}", not mapped))
         if mapped:
             self.compared += 1
+            self.mapped[(s.path, s.call)] = {path: s.escaping[i] for path, i in mapped.items()}
+            by_path = {g.path: g for g in entry.leaves}
+            for path, i in mapped.items():
+                self.golden_of.setdefault(s.escaping[i], by_path[path])
         leaves = [Leaf(path, "tensor", tensor=values[i]) for path, i in mapped.items()]
         only = frozenset(mapped)
         return LiveCall(s.path, s.call, s.type_name, lambda: leaves, only=only)
