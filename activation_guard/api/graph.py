@@ -27,12 +27,12 @@ from ..graphs.replay import replay_scope
 from ..graphs.source import GUARDS, STACK, GraphSource, Scope, has_module_stack, type_name
 from ..judges.strict import StrictJudge
 from ..options.selection import Selector, nothing_selected
-from ..options.spec import CompareSpec
+from ..options.spec import CompareSpec, RecordSpec
 from ..options.tolerances import ToleranceResolver
 from ..replay.replay import keep_own
 from ..report.report import Report
 from ..results import LayerResult, Origin
-from ..store import CallEntry, GoldenReader
+from ..store import CallEntry, GoldenReader, GoldenWriter
 from ..values.leaves import Leaf
 
 NO_METADATA_FIX = ("export it with torch.export.export(model, args) and pass the ExportedProgram, its .module() or "
@@ -197,7 +197,7 @@ def compare_graph(gm: fx.GraphModule, label: str, a: tuple[Any, ...], kw: dict[s
             g = comp.live_to_golden.get(name)
             return None if g is None else reader.by_key.get((g, call))
 
-        names = sorted({s[0] for n in gm.graph.nodes for s in (n.meta.get(STACK) or {}).values()} | {""})
+        names = _names(gm)
         wanted = Selector(spec.include, spec.exclude, names)
         expected = [(comp.golden_to_live.get(c.name, c.name), c.call, c.type_name) for c in comp.golden_selected]
         source = GraphSource(gm, a, kw, golden, expected, wanted=wanted, label=label, root_type=root_type(gm))
@@ -222,3 +222,58 @@ def compare_graph(gm: fx.GraphModule, label: str, a: tuple[Any, ...], kw: dict[s
     report.notes += notes
     report.notes += selective_note(gmeta)
     return report
+
+
+def record_graph(gm: fx.GraphModule, label: str, a: tuple[Any, ...], kw: dict[str, Any], *, path: str,
+                 spec: RecordSpec) -> dict[str, Any]:
+    """Record a flattened graph's module calls to a golden at ``path``, with the eager layer names
+    (the fields of :class:`~activation_guard.api.run.RecordSummary`). A call whose one value leaves
+    its scope is stored as that tensor, as eager stores a one-tensor output; several values, as a
+    tuple in graph order. The mode a graph runs in was fixed when it was exported: no mode is stored."""
+    for given, why in ((spec.calibrate, "calibrate=True needs an eager model for its float64 shadow forward"),
+                       (bool(spec.backward), "backward=: gradients per module call need the eager model (or "
+                                             "torch.export.unflatten(ep), whose modules fire hooks)"),
+                       (spec.fingerprint is not False, "fingerprint=: record the full values of a graph")):
+        if given:
+            raise UnsupportedModelError(f"recording the {label}: {why}")
+    dev = _device(gm, a)
+    wanted = Selector(spec.include, spec.exclude, _names(gm))
+    source = GraphSource(gm, a, kw, lambda name, call: None, (), wanted=wanted, label=label, root_type=root_type(gm))
+    writer = GoldenWriter(path, compression=spec.compression)
+    names: list[str] = []
+    try:
+        for c in source.calls():
+            if c.name == "" and not wanted(""):
+                continue
+            writer.add_call(c.name, c.call, c.type_name, c.leaves())
+            if c.call == 0:
+                names.append(c.name)
+        if not writer.calls:
+            raise nothing_selected(spec.include, spec.exclude, _names(gm))
+        meta = {"versions": envmod.versions(), "device": envmod.device_info(dev), "model_class": _root_class(gm),
+                "inputs": envmod.input_fingerprint(a, kw), "numerics": envmod.numerics_flags(),
+                "layer_inputs": False, "include": None if spec.include is None else list(spec.include),
+                "exclude": None if spec.exclude is None else list(spec.exclude), "layer_calls": len(writer.calls),
+                "source": source.describe()}
+        writer.commit(meta)
+    except BaseException:
+        writer.abort()
+        raise
+    notes = [f"recorded from the {label}: the mode it runs in was fixed at export and is not stored"]
+    if spec.inputs:
+        notes.append(f"layer inputs are not recorded from the {label} (its values have no eager argument names): "
+                     f"a compare against this golden cannot replay layers")
+    return dict(path=writer.path, layer_calls=len(writer.calls), leaves=writer.nleaves, nbytes=writer.nbytes,
+                file_bytes=os.path.getsize(writer.path), names=names, output=source.output, notes=notes)
+
+
+def _names(gm: fx.GraphModule) -> list[str]:
+    return sorted({p for n in gm.graph.nodes for p, _ in (n.meta.get(STACK) or {}).values()} | {""})
+
+
+def _root_class(gm: fx.GraphModule) -> str:
+    for node in gm.graph.nodes:
+        for p, mtype in (node.meta.get(STACK) or {}).values():
+            if p == "":
+                return mtype if isinstance(mtype, str) else f"{mtype.__module__}.{mtype.__qualname__}"
+    return f"{type(gm).__module__}.{type(gm).__qualname__}"
