@@ -100,6 +100,14 @@ def _parent(scope: Scope) -> str:
     return ""
 
 
+def _type_of(scope: Scope, path: str) -> str:
+    for node in scope.nodes:
+        for p, mtype in (node.meta.get(STACK) or {}).values():
+            if p == path:
+                return type_name(mtype)
+    return ""
+
+
 class GraphReplays:
     """Replays of module calls of a graph (``replay="first"``: the first diverging call; ``"all"``:
     every compared call, its own error beside its accumulated one), run while the call's live
@@ -144,6 +152,7 @@ class GraphReplays:
         elif first:
             parent = _parent(scope)
             self.first = Origin(parent, 0, "parent-code", own.max_abs_diff, child=res.name,
+                                type_name=self.source.root_type if parent == "" else _type_of(scope, parent),
                                 detail=f"re-run on the golden's values, {res.name!r} computes the same: its inputs "
                                        f"differ, made by code of {parent or 'the model'!r} outside any compared module "
                                        f"call (the graph's nodes of that scope, or a call not comparable)")
@@ -199,7 +208,7 @@ def compare_graph(gm: fx.GraphModule, label: str, a: tuple[Any, ...], kw: dict[s
 
         names = _names(gm)
         wanted = Selector(spec.include, spec.exclude, names)
-        expected = [(comp.golden_to_live.get(c.name, c.name), c.call, c.type_name) for c in comp.golden_selected]
+        expected = [(comp.golden_to_live.get(c.name, c.name), c) for c in comp.golden_selected]
         source = GraphSource(gm, a, kw, golden, expected, wanted=wanted, label=label, root_type=root_type(gm))
         replays = GraphReplays(gm, source, comp, reader, golden, spec.replay, inputs_same=not input_changes)
         if spec.replay != "off":

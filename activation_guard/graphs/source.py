@@ -159,18 +159,19 @@ class GraphSource:
     """A :class:`~activation_guard.values.calls.LiveSource` over a flattened graph (module docstring).
 
     ``golden`` answers a golden call's entry by (name, call) (None when the golden has no such
-    call); ``golden_calls`` lists the golden's selected calls as (live name, call, type name), so
+    call); ``golden_calls`` lists the golden's selected calls as (live name, entry), so
     those the graph never produces are named in :attr:`skipped` (and marked as met: not comparable
     is not missing). ``wanted`` filters module paths (include/exclude)."""
 
     def __init__(self, gm: fx.GraphModule, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-                 golden: Callable[[str, int], CallEntry | None], golden_calls: Sequence[tuple[str, int, str]],
+                 golden: Callable[[str, int], CallEntry | None], golden_calls: Sequence[tuple[str, CallEntry]],
                  wanted: Callable[[str], bool] = lambda name: True, label: str = "graph", root_type: str = ""):
         self.gm, self.args, self.kwargs = gm, args, dict(kwargs)
         self.golden, self.golden_calls, self.wanted, self.label = golden, golden_calls, wanted, label
         self.skipped: list[Skipped] = []
         # per compared call: which node is which golden output; per node, the golden output it is
         self.mapped: dict[tuple[str, int], dict[str, fx.Node]] = {}
+        self.folded: dict[tuple[str, int], str] = {}
         self.golden_of: dict[fx.Node, LeafEntry] = {}
         # called with each compared call and the live values once the comparator has judged it (replay)
         self.after: Callable[[Scope, Mapping[fx.Node, Any]], None] | None = None
@@ -210,6 +211,7 @@ class GraphSource:
         return list(self.args)
 
     def calls(self) -> Iterator[LiveCall]:
+        self.folded = self._folding()
         interp = fx.Interpreter(self.gm, garbage_collect_values=False)
         flat = self._flat_inputs()
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -259,17 +261,71 @@ class GraphSource:
         env.clear()
         self.output = out
         # golden calls no graph node belongs to: not comparable, and said so (met, not missing)
-        for name, call, tname in self.golden_calls:
-            if name and (name, call) not in met and self.wanted(name):
-                self.skipped.append(Skipped(name, call, "no node of the graph belongs to this module call (it "
-                                                            "returns its input unchanged, or a pass dropped its "
-                                                            "module stack)", True))
-                yield LiveCall(name, call, tname, list, only=frozenset())
+        for name, c in self.golden_calls:
+            if name and (name, c.call) not in met and self.wanted(name):
+                why = self.folded.get((name, c.call), "no node of the graph belongs to this module call (it returns "
+                                                      "its input unchanged)")
+                self.skipped.append(Skipped(name, c.call, why, True))
+                yield LiveCall(name, c.call, c.type_name, list, only=frozenset())
         self.compared += 1
         yield LiveCall("", 0, self.root_type or type(self.gm).__name__, lambda: flatten(out, fields=True))
 
+    def _folding(self) -> dict[tuple[str, int], str]:
+        """Golden calls with no node in the graph that computed something in eager (their output
+        is not their input, by the golden's checksums): a pass folded that computation into the
+        call that produced their input (a batch norm into the conv before it), whose graph value
+        then carries both; neither is comparable. Without recorded inputs the call just before
+        is suspect alike."""
+        present = {(s.path, s.call) for s in self.scopes}
+        out: dict[tuple[str, int], str] = {}
+        previous: tuple[str, int] | None = None
+        live_of = {(c.name, c.call): name for name, c in self.golden_calls}
+        for name, c in self.golden_calls:
+            key = (name, c.call)
+            if not name or key in present:
+                previous = key
+                continue
+            inputs = [i for i in c.inputs or () if i.kind in ("tensor", "alias")]
+            crcs = {(i.crc32, tuple(i.shape), i.dtype) for i in inputs if i.kind == "tensor"}
+            producers = [live_of.get((i.alias[0], i.alias[1])) for i in inputs if i.alias is not None]
+            if c.inputs is not None and all(g.kind != "tensor" or (g.crc32, tuple(g.shape), g.dtype) in crcs
+                                            or (any(i.alias is not None for i in inputs) and self._same_as_input(g, c))
+                                            for g in c.leaves):
+                previous = key
+                continue  # returns its input: nothing of it is missing from the graph
+            suspects = [p for p in producers if p is not None] if c.inputs is not None else (
+                [previous[0]] if previous is not None and previous[0] else [])
+            out[key] = ("no node of the graph belongs to this module call, and in eager it computed something: "
+                        "a pass folded it into " + (", ".join(repr(p) for p in suspects) or "a neighbour")
+                        + " or removed it")
+            for p in suspects:
+                for k, cc in self.golden_calls:
+                    if k == p:
+                        out.setdefault((k, cc.call), f"its graph value also carries {name!r} (a module with no node "
+                                                     f"of its own: folded across the module boundary)")
+            previous = key
+        return out
+
+    def _same_as_input(self, g: LeafEntry, c: CallEntry) -> bool:
+        """Whether output leaf ``g`` of call ``c`` is, by checksum, one of the golden outputs its
+        input aliases (a module handing its input on)."""
+        for i in c.inputs or ():
+            if i.alias is None:
+                continue
+            src = self.golden(i.alias[0], i.alias[1])
+            if src is None:
+                continue
+            for h in src.leaves:
+                if h.path == i.alias[3] and (h.crc32, tuple(h.shape), h.dtype) == (g.crc32, tuple(g.shape), g.dtype):
+                    return True
+        return False
+
     def _call(self, s: Scope, env: Mapping[fx.Node, Any]) -> LiveCall:
         entry = self.golden(s.path, s.call)
+        folded = self.folded.get((s.path, s.call))
+        if entry is not None and folded is not None:
+            self.skipped.append(Skipped(s.path, s.call, folded, True))
+            return LiveCall(s.path, s.call, s.type_name, list, only=frozenset())
         if entry is None:  # not in the golden: the comparator names it unexpected
             values = [env[e] for e in s.escaping]
             leaves: list[Leaf] = (flatten(values[0], fields=True) if len(values) == 1
