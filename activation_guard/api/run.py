@@ -43,7 +43,6 @@ from ..values.rebuild import clone_inputs
 from . import gradients as grad_api
 from . import graph as graph_api
 
-
 # an eager module (hooks), or an ExportedProgram, a .pt2 path, a flattened GraphModule (api/graph.py)
 Model = torch.nn.Module | torch.export.ExportedProgram | str | os.PathLike[str]
 
