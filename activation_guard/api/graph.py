@@ -65,12 +65,13 @@ def as_graph(model: Any) -> tuple[fx.GraphModule, str] | None:
         model = model.module()
     if not isinstance(model, fx.GraphModule):
         return None
+    if any(n.op == "call_module" and n.target != GUARDS for n in model.graph.nodes):
+        return None  # a traced module that still calls its submodules (symbolic_trace): hooks see them
     if has_module_stack(model):
         return model, label if label != "graph" else "graph module"
-    if any(name != GUARDS for name, _ in model.named_children()):
-        return None  # a traced module that still calls its submodules: hooks see them
     raise UnsupportedModelError(
-        f"{type(model).__name__}: a torch.fx.GraphModule with no nn_module_stack on any node and no submodules: "
+        f"{type(model).__name__}: a torch.fx.GraphModule with no nn_module_stack on any node and no submodule it "
+        f"calls: "
         f"its values cannot be named by the eager modules that computed them; {NO_METADATA_FIX}")
 
 
