@@ -224,7 +224,8 @@ class Comparator:
             if only is not None:  # a source that sees some outputs only: the others are not comparable
                 if not only:
                     return None, entry
-                entry = dataclasses.replace(entry, leaves=[g for g in entry.leaves if g.path in only])
+                if len(only) != len(entry.leaves) or any(g.path not in only for g in entry.leaves):
+                    entry = dataclasses.replace(entry, leaves=[g for g in entry.leaves if g.path in only])
             type_changed = entry.type_name and entry.type_name != tname
             gname = entry.name if entry.name != name else None
             quick = None

@@ -244,7 +244,11 @@ class GraphSource:
                 if node.op == "output":
                     flat_out = interp.run_node(node)
                     break
-                env[node] = interp.run_node(node)
+                if node.op == "call_function":  # the common case, without the interpreter's per-node bookkeeping
+                    a, kw = interp.fetch_args_kwargs_from_env(node)
+                    env[node] = node.target(*a, **kw)  # type: ignore[operator]
+                else:
+                    env[node] = interp.run_node(node)
                 for s in ends.get(node, ()):
                     if not self.wanted(s.path):
                         continue
