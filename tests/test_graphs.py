@@ -320,3 +320,47 @@ def test_a_batch_norm_folded_into_its_conv_makes_both_not_comparable(tmp_path: P
     assert report.origin is None or report.origin.name != "conv1"
     assert not [r for r in report.layers if r.status in ("structure", "missing")]
 
+
+
+GRAPH_WORKFLOW = '''
+import torch
+from agmodels import build, inputs
+
+EXPORTED = False
+BIAS = 0.0
+
+def test_mlp(activation_guard):
+    model = build()
+    with torch.no_grad():
+        model[2].weight.add_(BIAS)
+    if EXPORTED:
+        model = torch.export.export(model, inputs())
+    activation_guard.check(model, inputs())
+'''
+
+PLUGIN_MODELS = '''
+import torch
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).eval()
+
+def inputs():
+    return (torch.randn(2, 4, generator=torch.Generator().manual_seed(1)),)
+'''
+
+
+@pytest.mark.slow
+def test_the_plugin_checks_an_exported_program_against_the_eager_golden(pytester: pytest.Pytester) -> None:
+    # each run in its own process: torch's structured trace logging asserts when a second export
+    # in one process runs under pytester's log capture
+    pytester.makepyfile(agmodels=PLUGIN_MODELS)
+    pytester.makepyfile(test_graph=GRAPH_WORKFLOW)
+    pytester.runpytest_subprocess("--ag-update").assert_outcomes(passed=1)
+    pytester.makepyfile(test_graph=GRAPH_WORKFLOW.replace("EXPORTED = False", "EXPORTED = True"))
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+    pytester.makepyfile(test_graph=GRAPH_WORKFLOW.replace("EXPORTED = False", "EXPORTED = True")
+                        .replace("BIAS = 0.0", "BIAS = 1e-3"))
+    r = pytester.runpytest_subprocess()
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*first divergence at layer '2' (Linear) call 0*"])

@@ -44,6 +44,11 @@ def _is_pt2(obj: Any) -> bool:
     return isinstance(obj, (str, os.PathLike))
 
 
+def maybe_graph(model: Any) -> bool:
+    """Whether ``model`` is a form :func:`as_graph` reads (cheap: nothing is loaded or checked)."""
+    return _is_pt2(model) or isinstance(model, (torch.export.ExportedProgram, fx.GraphModule))
+
+
 def as_graph(model: Any) -> tuple[fx.GraphModule, str] | None:
     """The flattened graph to run node by node, and what it is (for notes and errors); None for a
     model whose module calls hooks can see. A path is read as a ``.pt2`` exported program; a
