@@ -83,14 +83,46 @@ def _passthrough(node: fx.Node, inside: set[fx.Node]) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
 
 
-def scopes(gm: fx.GraphModule) -> list[Scope]:
-    """Every module call named in the graph's module stacks (the root excluded: its output is the
-    graph's), each with the values leaving it, in the order the calls finish (children first)."""
-    found: dict[str, Scope] = {}
+def _stack(node: fx.Node) -> list[tuple[str, Any]]:
+    """A node's module calls, outermost first, as (key, (path, type))."""
+    return list((node.meta.get(STACK) or {}).items())
+
+
+def enclosing(gm: fx.GraphModule) -> dict[fx.Node, list[tuple[str, Any]]]:
+    """Every computing node's module calls: its own stack, or, for a node with none (made by a
+    pass, a quantize/dequantize), the calls shared by every node it reads and every node reading
+    it (parameters and inputs aside): the enclosing scope whose code it is. A PT2E weight's
+    dequantize, read by one Linear only, is that Linear's; a quantize/dequantize pair between two
+    layers is their common parent's (the root's)."""
+    out: dict[fx.Node, list[tuple[str, Any]]] = {}
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output") or _is_guard(node):
+        if node.op in ("placeholder", "output", "get_attr") or _is_guard(node):
             continue
-        for depth, (key, entry) in enumerate((node.meta.get(STACK) or {}).items()):
+        out[node] = _stack(node)
+    for node, stack in out.items():
+        if stack:
+            continue
+        near = [m for m in node.all_input_nodes if m in out] + [u for u in node.users if u in out]
+        stacks = [out[m] for m in near]  # (one still unresolved counts as the root's)
+        if not stacks:
+            continue
+        common = stacks[0]
+        for other in stacks[1:]:
+            k = 0
+            while k < min(len(common), len(other)) and common[k][0] == other[k][0]:
+                k += 1
+            common = common[:k]
+        out[node] = list(common)
+    return out
+
+
+def scopes(gm: fx.GraphModule, around: Mapping[fx.Node, list[tuple[str, Any]]] | None = None) -> list[Scope]:
+    """Every module call named in the graph's module stacks (the root excluded: its output is the
+    graph's), each with the values leaving it, in the order the calls finish (children first).
+    ``around``: :func:`enclosing`'s answer, when already at hand."""
+    found: dict[str, Scope] = {}
+    for node, stack in (enclosing(gm) if around is None else around).items():
+        for depth, (key, entry) in enumerate(stack):
             path, mtype = entry[0], entry[1]
             if path == "":
                 continue
@@ -177,16 +209,20 @@ class GraphSource:
         self.after: Callable[[Scope, Mapping[fx.Node, Any]], None] | None = None
         self.compared = 0  # module calls judged on at least one output
         self.output: Any = None
-        self.scopes = scopes(gm)
+        around = enclosing(gm)
+        self.scopes = scopes(gm, around)
+        # nodes with no module stack of their own: given to the one module call around them, or the root's
+        self.stackless = sum(1 for n in around if not n.meta.get(STACK))
+        self.inherited = sum(1 for n, st in around.items() if st and not n.meta.get(STACK))
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.root_type = root_type
         self.nodes = sum(1 for _ in gm.graph.nodes)
-        self.unscoped = sum(1 for n in gm.graph.nodes if n.op == "call_function" and not n.meta.get(STACK))
 
     def describe(self) -> str:
         return (f"live values from the {self.label} run node by node under torch.fx.Interpreter: "
-                f"{len(self.scopes)} module calls named by the graph's module stacks, {self.unscoped} of "
-                f"{self.nodes} nodes without one (judged in the enclosing scope, the root's output)")
+                f"{len(self.scopes)} module calls named by the graph's module stacks; {self.stackless} of "
+                f"{self.nodes} nodes have none of their own ({self.inherited} given to the module call around "
+                f"them, {self.stackless - self.inherited} the root's code, judged in its output)")
 
     def _flat_inputs(self) -> list[Any]:
         codegen = self.gm.graph._codegen
