@@ -67,6 +67,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,50 @@ print(ag.compare(refactored, x, path="golden.h5"))
 with ag.emulate_tf32():  # a GPU's TF32 matmuls, emulated on the CPU: every layer drifts
     print(ag.compare(refactored, x, path="golden.h5", tolerance="calibrated"))
     print(ag.compare(refactored, x, path="golden.h5", tolerance="calibrated", replay="all"))
+'''
+
+
+GRAPH_SCRIPT = '''\
+import torch
+from torch import nn
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
+
+import activation_guard as ag
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2, self.head = nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.act(self.fc2(self.act(self.fc1(x)))))
+
+
+torch.manual_seed(0)
+model, x = Net().eval(), torch.randn(8, 16)
+ag.record(model, x, path="eager.h5")
+
+ep = torch.export.export(model, (x,))
+torch.export.save(ep, "net.pt2")
+print(ag.compare("net.pt2", x, path="eager.h5"))
+
+gm = ep.module()  # a user pass: the second GELU call in its tanh form
+for node in gm.graph.nodes:
+    if node.target is torch.ops.aten.gelu.default and node.name == "gelu_1":
+        node.kwargs = {"approximate": "tanh"}
+gm.recompile()
+print(ag.compare(gm, x, path="eager.h5"))
+
+quantizer = xiq.X86InductorQuantizer()
+quantizer.set_global(xiq.get_default_x86_inductor_quantization_config())
+prepared = prepare_pt2e(torch.export.export(model, (x,)).module(), quantizer)
+prepared(x)  # calibration
+report = ag.compare(convert_pt2e(prepared), x, path="eager.h5", replay="all")
+for r in report.layers:  # each module call's own error (its replay) beside the error it accumulated
+    if r.name:
+        print(f"{r.name:4} call {r.call}  accumulated {r.max_abs_diff:.2e}  own {r.own_max_abs_diff:.2e}")
 '''
 
 
@@ -377,6 +422,19 @@ def ex_why(s: Scratch) -> str:
     return "\n".join(["$ cat why.py", *WHY_SCRIPT.splitlines(), "$ python why.py", *lines[:last], *tail])
 
 
+def ex_graphs(s: Scratch) -> str:
+    """The README's exported-program script: a .pt2 against the eager golden, a user pass, PT2E."""
+    (s.path / "graphs.py").write_text(GRAPH_SCRIPT)
+    buf = io.StringIO()
+    with cwd(s.path), contextlib.redirect_stdout(buf), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runpy.run_path("graphs.py", run_name="__main__")
+    lines = buf.getvalue().splitlines()
+    second = next(k for k, x in enumerate(lines) if x.startswith("activation_guard: first divergence"))
+    return "\n".join(["$ python graphs.py", *lines[:second],
+                      *elide(lines[second:], r"^\s*note:", r"^\s*context \(execution order\)")])
+
+
 @dataclass(frozen=True)
 class Example:
     run: Callable[[Scratch], str]
@@ -397,6 +455,7 @@ EXAMPLES: dict[str, Example] = {
     "pytest-failure": Example(ex_pytest_failure, background=True),
     "fingerprint": Example(ex_fingerprint),
     "why-diverged": Example(ex_why),
+    "exported-graphs": Example(ex_graphs),
 }
 
 

@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"fingerprints"},
     {"values", "options", "results"},
     {"store"},
-    {"capture", "distributed"},
+    {"capture", "distributed", "graphs"},
     {"gradients"},
     {"judges"},
     {"calibration"},

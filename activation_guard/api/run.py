@@ -41,6 +41,10 @@ from ..results import LayerResult
 from ..store import GoldenReader, GoldenWriter
 from ..values.rebuild import clone_inputs
 from . import gradients as grad_api
+from . import graph as graph_api
+
+# an eager module (hooks), or an ExportedProgram, a .pt2 path, a flattened GraphModule (api/graph.py)
+Model = torch.nn.Module | torch.export.ExportedProgram | str | os.PathLike[str]
 
 
 @dataclass
@@ -95,7 +99,7 @@ def _build_meta(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str,
 
 
 def record(
-    model: torch.nn.Module,
+    model: Model,
     args: Any = (),
     kwargs: Mapping[str, Any] | None = None,
     *,
@@ -138,6 +142,11 @@ def record(
     ``backward=<fn>`` uses ``fn(output) -> scalar`` as the loss instead (compare needs it again).
     The model is left as it was: ``.grad`` values, grad mode, training flag and RNG state.
 
+    ``model`` may also be an exported program (an ``ExportedProgram``, the path of a ``.pt2``
+    file, ``ep.module()`` or any ``GraphModule`` whose nodes carry ``nn_module_stack``): its
+    module calls are recorded with the eager names from the graph (docs: "Compiled, exported and
+    quantized models").
+
     The write is atomic: the golden at ``path`` is replaced only after the new one is complete,
     so an error or a kill mid-forward leaves the previous golden as it was. In a multi-rank
     torch.distributed run each rank writes its own local values to ``<golden>.rank<r>-of-<w>.h5``
@@ -150,12 +159,16 @@ def record(
 
 
 @with_frozen_gc
-def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
+def record_spec(model: Model, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
                 path: str | os.PathLike[str], spec: RecordSpec, per_rank: bool = True) -> RecordSummary:
     """:func:`record` with its options already in a :class:`RecordSpec` (the plugin's entry).
 
     ``per_rank=False``: in a multi-rank run write ``path`` itself, with full values, as
     a single-device golden (only for a path no other rank writes: compare_models' private one)."""
+    graph = graph_api.as_graph(model)  # an exported program, a .pt2 file, a flattened graph: no modules to hook
+    if graph is not None:
+        a, kw = normalize_inputs(args, kwargs)
+        return RecordSummary(**graph_api.record_graph(*graph, a, kw, path=golden_path(path), spec=spec))
     target = check_model(model)
     model = target.root
     a, kw = normalize_inputs(args, kwargs)
@@ -221,7 +234,7 @@ def record_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any
 
 
 def compare(
-    model: torch.nn.Module,
+    model: Model,
     args: Any = (),
     kwargs: Mapping[str, Any] | None = None,
     *,
@@ -255,6 +268,11 @@ def compare(
     then one backward with the golden's loss; when every forward output matches, the first
     diverging gradient in backward order is the first divergence. A golden recorded with a custom
     loss needs that function again (``backward=<fn>``); ``backward=False`` compares the forward only.
+
+    ``model`` may also be an exported program (an ``ExportedProgram``, the path of a ``.pt2``
+    file, ``ep.module()``, a PT2E model or any ``GraphModule`` whose nodes carry
+    ``nn_module_stack``): it runs node by node and each eager module call is compared on the
+    values leaving its scope; what cannot be compared is named in a note with the reason.
 
     Comparison streams: each layer's golden is read when that layer returns, and compared while
     its output is still as the layer produced it. Memory stays near one layer's worth of data.
@@ -295,9 +313,13 @@ def _replayer(spec: CompareSpec, reader: GoldenReader, judge: Judge, resolver: T
 
 
 @with_frozen_gc
-def compare_spec(model: torch.nn.Module, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
+def compare_spec(model: Model, args: Any = (), kwargs: Mapping[str, Any] | None = None, *,
                  path: str | os.PathLike[str], spec: CompareSpec) -> Report:
     """:func:`compare` with its options already in a :class:`CompareSpec` (the plugin's entry)."""
+    graph = graph_api.as_graph(model)  # an exported program, a .pt2 file, a flattened graph: no modules to hook
+    if graph is not None:
+        a, kw = normalize_inputs(args, kwargs)
+        return graph_api.compare_graph(*graph, a, kw, path=golden_path(path), spec=spec, report_meta=report_meta)
     target = check_model(model)
     model = target.root
     a, kw = normalize_inputs(args, kwargs)

@@ -19,6 +19,7 @@ of one kind compare is in :mod:`.pairs`; the judging itself in :mod:`activation_
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Mapping
@@ -210,18 +211,21 @@ class Comparator:
         diverging call."""
         try:
             for c in source.calls():
-                self.on_leaves(c.name, c.call, c.type_name, c.leaves)
+                self.on_leaves(c.name, c.call, c.type_name, c.leaves, c.only)
         except StopForward:
             pass
 
-    def on_leaves(self, name: str, call: int, tname: str, get_leaves: Callable[[], list[Leaf]]) -> None:
-        """Compare one layer call given its flattened outputs (a recording's: :mod:`activation_guard.api.diff`)."""
-        res, _ = self._judge_call(name, call, tname, get_leaves)
+    def on_leaves(self, name: str, call: int, tname: str, get_leaves: Callable[[], list[Leaf]],
+                  only: frozenset[str] | None = None) -> None:
+        """Compare one layer call given its flattened outputs (a recording's: :mod:`activation_guard.api.diff`);
+        ``only``: the golden outputs it can be judged on (``LiveCall.only``)."""
+        res, _ = self._judge_call(name, call, tname, get_leaves, only=only)
         if res is not None and self.spec.fail_fast and not res.ok:
             raise StopForward
 
     def _judge_call(self, name: str, call: int, tname: str, get_leaves: Callable[[], list[Leaf]],
-                    single: Any = None) -> tuple[LayerResult | None, CallEntry | None]:
+                    single: Any = None, only: frozenset[str] | None = None
+                    ) -> tuple[LayerResult | None, CallEntry | None]:
         """Compare one layer call given its flattened outputs; ``get_leaves`` runs only when the
         golden has this call. None for a call outside the golden's recorded selection. ``single``:
         the output when it is one plain tensor, for the common case settled without leaves."""
@@ -239,6 +243,11 @@ class Comparator:
             res = LayerResult(name, call, "unexpected", tname, position=pos, detail=detail)
         else:
             self.seen.add((entry.name, call))
+            if only is not None:  # a source that sees some outputs only: the others are not comparable
+                if not only:
+                    return None, entry
+                if len(only) != len(entry.leaves) or any(g.path not in only for g in entry.leaves):
+                    entry = dataclasses.replace(entry, leaves=[g for g in entry.leaves if g.path in only])
             type_changed = entry.type_name and entry.type_name != tname
             gname = entry.name if entry.name != name else None
             quick = None

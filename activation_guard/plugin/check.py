@@ -236,7 +236,8 @@ class GoldenCheck:
                 rec_path, path = ranks.golden_paths(path, updating=self.update is not None)
             opts = self.options(**options)
             rec_spec, cmp_spec = engine_specs(opts)
-            check_model(model)  # a lambda, torch.compile or TorchScript model: one line, not a traceback
+            if not api.graph_api.maybe_graph(model):  # an exported program is read by record/compare
+                check_model(model)  # a lambda, torch.compile or TorchScript model: one line, not a traceback
         except (OptionError, ValueError, UnsupportedModelError) as e:
             problem = str(e)
         if problem is not None:  # outside the except block: no chained traceback in the report

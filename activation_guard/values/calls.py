@@ -21,12 +21,16 @@ class LiveCall:
     """One call of one layer: ``name`` as the golden spells it (the eager module path), ``call``
     its 0-based index among that layer's calls, ``type_name`` the module's class name, and
     ``leaves`` its outputs flattened as :func:`~.leaves.flatten` does (fetched only when the golden
-    has this call, so a source can defer reading or copying them)."""
+    has this call, so a source can defer reading or copying them). ``only``: the golden output
+    paths this call can be judged on (a graph yields only the values that leave a module's scope);
+    the golden's other outputs are not comparable, which the source names in its own notes, and
+    an empty set marks the call as met without a row. None: every output, as hooks see them."""
 
     name: str
     call: int
     type_name: str
     leaves: Callable[[], list[Leaf]]
+    only: frozenset[str] | None = None
 
 
 @runtime_checkable
