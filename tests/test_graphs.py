@@ -287,6 +287,7 @@ class Plain(nn.Module):
 
 
 def _quantized(model: nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphModule:
+    pytest.importorskip("torchao", reason="PT2E needs the quant extra: pip install 'activation_guard[quant]'")
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
     from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
 

@@ -147,7 +147,7 @@ class GraphReplays:
             return
         leaves = [Leaf(path, "tensor", tensor=t) for path, t in got.items()]
         own = LayerResult.from_leaves(res.name, res.call, res.type_name,
-                                      self.comp._compare_call(entry, leaves, res.name))
+                                      self.comp.compare_leaves(entry, leaves, res.name))
         keep_own(res, own)
         if not first and not (self.mode == "all" and self.first is None and own.status != "match"):
             return
