@@ -31,6 +31,7 @@ from .._core.tensors import is_plain_tensor
 from ..capture.hooks import Frame
 from ..distributed.transform import attribute, shard_verdict
 from ..judges.strict import Judge, LeafContext, dtype_change_allowed, identical_leaf
+from ..judges.where import describe
 from ..options.rename import apply_rename, renamed_patterns
 from ..options.selection import Selector, selected
 from ..options.spec import CompareSpec
@@ -46,6 +47,11 @@ from ..values.leaves import WALKED_SINCE, Leaf, LeafTransform, UnsupportedTensor
 from ..values.paths import EMPTY_KEY, first_duplicate, is_fields, match_old_empty_keys
 from .fingerprints import FingerprintJudge
 from .golden_selection import Selection, recorded_selection, refuse_strays
+
+# diverged calls (in execution order) whose shape of divergence is described and kept for a
+# heatmap: the first is the report's subject; a few more let a page show a picture per click,
+# while the page stays small and a failing compare stays near its cost without them
+DESCRIBED = 12
 
 
 class StopForward(Exception):
@@ -112,6 +118,9 @@ class Comparator:
         self.origin: Origin | None = None
         self.parents: dict[tuple[str, int], tuple[int, str | None]] = {}  # replay="all": call -> children, last
         self.hints: dict[tuple[str, int], str] = {}  # replay="all": a failing own error's string-argument hint
+        self.described = 0  # diverged calls described so far (DESCRIBED)
+        self.describe_first = DESCRIBED  # how many diverged calls get described without being asked
+        self._where = None if spec.where is None else Selector(spec.where, None, self.live_to_golden)
 
     @staticmethod
     def default_filter(meta: Mapping[str, Any], spec: CompareSpec) -> Selection | None:
@@ -233,7 +242,7 @@ class Comparator:
                         self.results.append(res)
                         return res, entry
                     quick = _identical_now(self.judge, name, entry, g, single, same)
-            leaves = [quick] if quick is not None else self._compare_call(entry, get_leaves(), name)
+            leaves = [quick] if quick is not None else self._compare_call(entry, get_leaves(), name, describe=True)
             res = LayerResult.from_leaves(name, call, tname, leaves, position=pos, golden_position=entry.position,
                                           golden_name=gname)
             if type_changed:
@@ -270,7 +279,23 @@ class Comparator:
         return None
 
     def _compare_call(self, entry: CallEntry, leaves: list[Leaf], name: str,
-                      judge: Judge | None = None) -> list[LeafResult]:
+                      judge: Judge | None = None, *, describe: bool = False) -> list[LeafResult]:
+        """``describe``: a call of the run itself (not a replay's): a diverged output may get
+        its shape of divergence (:meth:`_describe`)."""
+        out = self._compare_leaves(entry, leaves, name, judge, describe)
+        if describe and any(r.where is not None for r in out):
+            self.described += 1
+        return out
+
+    def _wants_where(self, name: str) -> bool | None:
+        """Whether a diverged call of ``name`` is described: True when asked for (``where``),
+        False among the first ``describe_first`` diverged calls, None for neither."""
+        if self._where is not None and self._where(name):
+            return True
+        return False if self.described < self.describe_first else None
+
+    def _compare_leaves(self, entry: CallEntry, leaves: list[Leaf], name: str, judge: Judge | None,
+                        describe: bool) -> list[LeafResult]:
         if self.reader.version < 2:  # a format-1 golden names leaves by its own (non-injective) paths
             for leaf in leaves:
                 if leaf.legacy_path is not None:
@@ -282,7 +307,7 @@ class Comparator:
         judge = judge or self.judge
         if len(leaves) == 1 and len(entry.leaves) == 1 and leaves[0].path == entry.leaves[0].path:
             only = leaves[0]  # one output, where the golden has it: no path matching to do
-            res = self._compare_leaf(entry.leaves[0], only, name, entry, judge)
+            res = self._compare_leaf(entry.leaves[0], only, name, entry, judge, describe)
             if only.dist is not None:  # distributed: name the rank holding the worst element
                 attribute(res, only.dist)
             return [res]
@@ -308,7 +333,7 @@ class Comparator:
                     results.append(LeafResult(g.path, "structure",
                                               f"{_out(g.path)} ({_kind(g)}) is missing from the live output"))
                 continue
-            res = self._compare_leaf(g, lv, name, entry, judge)
+            res = self._compare_leaf(g, lv, name, entry, judge, describe)
             if lv.dist is not None:  # distributed: name the rank holding the worst element
                 attribute(res, lv.dist)
             results.append(res)
@@ -344,7 +369,8 @@ class Comparator:
         same = self._same_bytes(g, t, type_name, name, entry)
         return None if same is None else _identical_now(judge, name, entry, g, t, same)
 
-    def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
+    def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge,
+                      describe_it: bool = False) -> LeafResult:
         t = lv.tensor
         if lv.kind == "tensor" and t is not None:
             quick = self._identical_small(g, t, lv.type_name, name, entry, judge)
@@ -404,7 +430,13 @@ class Comparator:
             # replay="all" reads a stored output again for replays: through their cache (children.py)
             golden = (self.replayer.cache if self.replayer is not None and self.spec.replay == "all"
                       else self.reader).load(g, label)
-        return judge.judge(ctx, golden, t)
+        res = judge.judge(ctx, golden, t)
+        if describe_it and res.status in ("diverged", "nonfinite"):
+            asked = self._wants_where(name)
+            if asked is not None:  # both tensors are in memory only here: the shape is taken now
+                res.where = describe(golden, t, res.rtol or 0.0, res.atol or 0.0)
+                res.where.requested = asked
+        return res
 
     # ------------------------------------------------------------------ end of run
     def notes(self) -> list[str]:
