@@ -1,0 +1,189 @@
+"""The shape of a divergence: each pattern is named on real layers changed the way a bug changes
+them, a broad change is called broad, and the fields survive the JSON round trip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import activation_guard as ag
+from activation_guard.judges.where import describe
+from activation_guard.report.report import Report
+
+
+class Shift(torch.nn.Module):
+    """A layer whose forward a bug changes: ``bug(x)`` is applied to its output."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.bug = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        return y if self.bug is None else self.bug(y)
+
+
+def _where(tmp_path: Path, inner: torch.nn.Module, x: torch.Tensor, bug, **kw):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    m = Shift(inner).eval()
+    p = tmp_path / "g.h5"
+    with torch.no_grad():
+        ag.record(m, (x,), path=p)
+        m.bug = bug
+        r = ag.compare(m, (x,), path=p, replay="off", **kw)
+    assert not r.ok
+    fd = r.first_divergence
+    assert fd is not None and fd.name == "", fd.label  # the model's own output: the changed forward
+    leaf = fd.leaves[0]
+    assert leaf.where is not None
+    return r, leaf.where
+
+
+def _lin() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Linear(32, 48)
+
+
+def test_positions_from_a_cutoff(tmp_path: Path) -> None:
+    x = torch.randn(2, 96, 32)
+
+    def bug(y: torch.Tensor) -> torch.Tensor:
+        y = y.clone()
+        y[:, 64:] += 0.01 * torch.randn(y[:, 64:].shape, generator=torch.Generator().manual_seed(3))
+        return y
+    r, w = _where(tmp_path, _lin(), x, bug)
+    assert [d.text for d in w.dims] == ["all positions", "only at 64-95", "all positions"]
+    assert w.relation == "broad"
+    assert "dim 1 (96): only at 64-95" in str(r)
+
+
+def test_one_channel(tmp_path: Path) -> None:
+    def bug(y: torch.Tensor) -> torch.Tensor:
+        y = y.clone()
+        y[..., 7] = y[..., 7] * 1.5
+        return y
+    _, w = _where(tmp_path, _lin(), torch.randn(3, 20, 32), bug)
+    assert w.dims[2].text == "index 7 only" and w.dims[0].text == w.dims[1].text == "all positions"
+    assert w.relation == "scale" and w.factor == pytest.approx(1.5, rel=1e-5)
+
+
+def test_one_batch_element(tmp_path: Path) -> None:
+    def bug(y: torch.Tensor) -> torch.Tensor:
+        y = y.clone()
+        y[2] = y[2] + 0.25
+        return y
+    _, w = _where(tmp_path, _lin(), torch.randn(4, 10, 32), bug)
+    assert w.dims[0].text == "index 2 only"
+    assert w.relation == "offset" and w.offset == pytest.approx(0.25, rel=1e-4)
+
+
+def test_scale_factor(tmp_path: Path) -> None:
+    r, w = _where(tmp_path, torch.nn.GELU(), torch.randn(2, 16, 64), lambda y: y * 1.01)
+    assert w.relation == "scale" and w.factor == pytest.approx(1.01, rel=1e-5)
+    assert "live = 1.0100 x golden" in str(r)
+    assert all(d.text == "all positions" for d in w.dims)
+
+
+def test_permutation(tmp_path: Path) -> None:
+    perm = torch.tensor([0, 1, 5, 3, 4, 2, 6, 7, 8, 9])
+    _, w = _where(tmp_path, _lin(), torch.randn(2, 10, 32), lambda y: y[:, perm])
+    assert w.relation == "permutation" and w.perm_dim == 1 and w.moved == 2
+    assert w.dims[1].text == "only at 2, 5 (2 of 10)"
+
+
+def test_sign_flips(tmp_path: Path) -> None:
+    def bug(y: torch.Tensor) -> torch.Tensor:
+        y = y.clone()
+        y[:, 3:6] = -y[:, 3:6]
+        return y
+    _, w = _where(tmp_path, _lin(), torch.randn(2, 12, 32), bug)
+    assert w.relation == "sign" and w.dims[1].text == "only at 3-5"
+
+
+def test_padding_border(tmp_path: Path) -> None:
+    torch.manual_seed(2)
+    conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+    x = torch.randn(2, 3, 16, 16)
+    p = tmp_path / "g.h5"
+    with torch.no_grad():
+        ag.record(conv, (x,), path=p)
+        conv.padding_mode = "reflect"  # the padding changed: only border pixels differ
+        r = ag.compare(conv, (x,), path=p, replay="off")
+    w = r.first_divergence.leaves[0].where  # type: ignore[union-attr]
+    assert w is not None and w.border == 1
+    assert "within 1 position(s) of the edges" in str(r)
+
+
+def test_broad_random_change_is_broad(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(5)
+    _, w = _where(tmp_path, _lin(), torch.randn(2, 30, 32), lambda y: y + 0.1 * torch.randn(y.shape, generator=g))
+    assert w.relation == "broad" and w.border is None
+    assert all(d.text == "all positions" for d in w.dims)
+
+
+def test_round_trip_and_heatmap_grid(tmp_path: Path) -> None:
+    r, w = _where(tmp_path, _lin(), torch.randn(2, 70, 32), lambda y: y * 1.01)
+    assert w.heat is not None and len(w.heat.diff) == 32 and len(w.heat.diff[0]) == 32
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["first_divergence"]["where"]["relation"] == "scale"
+    assert d["first_divergence"]["where"]["dims"][1] == {"dim": 1, "size": 70, "count": 70, "ranges": [[0, 69]],
+                                                          "text": "all positions"}
+    back = Report.from_dict(d)
+    assert back.to_dict() == r.to_dict()
+    assert back.first_divergence.leaves[0].where == w  # type: ignore[union-attr]
+
+
+def test_requested_layer_is_described(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    x = torch.randn(5, 8)
+    p = tmp_path / "g.h5"
+    with torch.no_grad():
+        ag.record(m, (x,), path=p)
+        m[0].bias[2] += 1.0
+        r = ag.compare(m, (x,), path=p, replay="off", where=["2"])
+    text = str(r)
+    assert "where in 2[0]:" in text
+    leaf = next(x for x in r.layers if x.name == "2").leaves[0]
+    assert leaf.where is not None and leaf.where.requested
+
+
+def test_only_the_first_calls_are_described_unasked(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(20)])
+    x = torch.randn(3, 4)
+    p = tmp_path / "g.h5"
+    with torch.no_grad():
+        ag.record(m, (x,), path=p)
+        m[0].weight += 0.1
+        r = ag.compare(m, (x,), path=p, replay="off")
+    described = r.described()
+    assert 0 < len(described) <= 12
+    assert described[0][0] is r.first_divergence
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 5), st.integers(1, 6), st.floats(0.5, 3.0).filter(lambda f: abs(f - 1) > 1e-3))
+def test_scaled_slab_is_located_and_named(i: int, n: int, factor: float) -> None:
+    g = torch.randn(6, 9, 5, generator=torch.Generator().manual_seed(i * 7 + n))
+    lv = g.clone()
+    lv[:, i : i + n] *= factor
+    w = describe(g, lv, 1e-5, 1e-6)
+    hi = min(i + n, 9) - 1
+    assert w.dims[1].ranges == [[i, hi]]
+    assert w.relation == "scale" and w.factor == pytest.approx(factor, rel=1e-5)
+
+
+def test_fingerprint_says_only_what_samples_prove() -> None:
+    from activation_guard.report.report import sampled_where
+    from activation_guard.results import LeafResult
+
+    leaf = LeafResult("", "diverged", sampled=64, mismatched=3, index=(1, 2), estimate="l2")
+    (line,) = sampled_where(leaf)
+    assert "not located" in line and "64 exact samples" in line and "3 lie outside" in line
