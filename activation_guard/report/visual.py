@@ -32,7 +32,7 @@ from importlib import resources
 from typing import Any, NamedTuple, Protocol, Union, runtime_checkable
 
 from .._core.errors import ActivationGuardError
-from ..results import IdenticalCall, LayerResult, LeafResult, Origin
+from ..results import Heat, IdenticalCall, LayerResult, LeafResult, Origin
 from .heatmap import render_heat_png
 from .textfmt import fmt_diff, fmt_pair, why
 
@@ -94,6 +94,11 @@ def heat_png(label: str, leaf: LeafResult, *, golden_only: bool = False) -> byte
     name = label + (f" output {leaf.path}" if leaf.path else "")
     return render_heat_png(leaf.where.heat, _matplotlib(), title=name, rtol=leaf.rtol, atol=leaf.atol,
                            golden_only=golden_only)
+
+
+def golden_png(label: str, heat: Heat) -> bytes:
+    """A golden's values alone, as ``inspect --plot`` draws them."""
+    return render_heat_png(heat, _matplotlib(), title=f"golden {label}", golden_only=True)
 
 
 def _heat_figures(report: ReportLike, i: int) -> tuple[list[str], dict[int, str]]:
