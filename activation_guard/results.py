@@ -125,6 +125,9 @@ class Where:
         d = asdict(self)
         for k in ("factor", "offset"):
             d[k] = json_number(d[k])
+        if d["heat"] is not None:  # an inf |d| (a new Inf) is written as JSON allows
+            for k in ("diff", "golden", "live"):
+                d["heat"][k] = [[json_number(v) for v in row] for row in d["heat"][k]]
         return d
 
     @classmethod
@@ -138,7 +141,10 @@ class Where:
         kw["dims"] = [DimWhere(**{k: v for k, v in x.items() if k in DimWhere.__dataclass_fields__})
                       for x in kw.get("dims") or []]
         if isinstance(kw.get("heat"), dict):
-            kw["heat"] = Heat(**{k: v for k, v in kw["heat"].items() if k in Heat.__dataclass_fields__})
+            h = {k: v for k, v in kw["heat"].items() if k in Heat.__dataclass_fields__}
+            for k in ("diff", "golden", "live"):
+                h[k] = [[from_json_number(v) for v in row] for row in h.get(k) or []]
+            kw["heat"] = Heat(**h)
         return cls(**kw)
 
 

@@ -131,8 +131,8 @@ def test_round_trip_and_heatmap_grid(tmp_path: Path) -> None:
     r, w = _where(tmp_path, _lin(), torch.randn(2, 70, 32), lambda y: y * 1.01)
     assert w.heat is not None and len(w.heat.diff) == 32 and len(w.heat.diff[0]) == 32
     d = json.loads(json.dumps(r.to_dict()))
-    assert d["first_divergence"]["where"]["relation"] == "scale"
-    assert d["first_divergence"]["where"]["dims"][1] == {"dim": 1, "size": 70, "count": 70, "ranges": [[0, 69]],
+    assert d["where"]["relation"] == "scale"
+    assert d["where"]["dims"][1] == {"dim": 1, "size": 70, "count": 70, "ranges": [[0, 69]],
                                                           "text": "all positions"}
     back = Report.from_dict(d)
     assert back.to_dict() == r.to_dict()

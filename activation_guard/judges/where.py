@@ -47,11 +47,11 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
     step = max(1, SLAB // rest)
     real = not cdt.is_complex
     any_bad = [torch.zeros(s, dtype=torch.bool, device=live.device) for s in golden.shape]
-    sig_g = [torch.zeros(s, dtype=torch.float64, device=live.device) for s in golden.shape]
-    sig_l = [torch.zeros(s, dtype=torch.float64, device=live.device) for s in golden.shape]
-    sums = torch.zeros(7, dtype=torch.float64, device=live.device)  # nbad, gg, lg, ll, dd, d, flips
+    # nbad, gg, lg, ll, dd, d (over mismatched elements), flips; then sums of g, l, g^2, l^2 over all
+    sums = torch.zeros(11, dtype=torch.float64, device=live.device)
     rows_cols = golden.shape[-2:] if nd >= 2 else (1, golden.shape[0])
     hd = hg = hl = hb = None
+    f64 = torch.float64
     for i in range(0, n0, step):
         g, lv = golden[i : i + step], live[i : i + step]
         gc, lc, d, ga, _, ok = element_rule(g, lv, cdt, rtol, atol)
@@ -64,52 +64,47 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
             else:
                 any_bad[k] |= a
         if real:
-            fin = torch.isfinite(gc) & torch.isfinite(lc)
-            g64 = torch.where(fin, gc, 0).to(torch.float64)
-            l64 = torch.where(fin, lc, 0).to(torch.float64)
-            for k in range(nd):  # slice sums: the signature a permutation along k keeps
-                other = [j for j in range(nd) if j != k]
-                sg = g64.sum(dim=other) if other else g64
-                sl = l64.sum(dim=other) if other else l64
-                if k == 0:
-                    sig_g[0][i : i + step], sig_l[0][i : i + step] = sg, sl
-                else:
-                    sig_g[k] += sg
-                    sig_l[k] += sl
-            bg = torch.where(bad & fin, g64, 0)
-            bl = torch.where(bad & fin, l64, 0)
+            if not bool(torch.isfinite(d).all()):  # (rare) NaN/Inf take no part in the relations
+                fin = torch.isfinite(gc) & torch.isfinite(lc)
+                gc, lc = torch.where(fin, gc, 0), torch.where(fin, lc, 0)
+                bad = bad & fin
+            bg, bl = gc * bad, lc * bad
             bd = bl - bg
-            flip = bad & ((lc + gc).abs() <= atol + rtol * ga)
-            sums += torch.stack([bad.sum(dtype=torch.float64), (bg * bg).sum(), (bl * bg).sum(), (bl * bl).sum(),
-                                 (bd * bd).sum(), bd.sum(), flip.sum(dtype=torch.float64)])
+            flips = ((bl + bg).abs() <= atol + rtol * ga) & bad
+            sums += torch.stack([bad.sum(dtype=f64), (bg * bg).sum(dtype=f64), (bl * bg).sum(dtype=f64),
+                                 (bl * bl).sum(dtype=f64), (bd * bd).sum(dtype=f64), bd.sum(dtype=f64),
+                                 flips.sum(dtype=f64), gc.sum(dtype=f64), lc.sum(dtype=f64),
+                                 (gc * gc).sum(dtype=f64), (lc * lc).sum(dtype=f64)])
         if heat:
-            dd = torch.nan_to_num(d.to(torch.float32), nan=math.inf)
-            gv = gc.abs().to(torch.float32) if not real else gc.to(torch.float32)
-            lvv = lc.abs().to(torch.float32) if not real else lc.to(torch.float32)
-            if nd >= 3:  # leading dimensions are reduced: max of |d|, sums of values and of mismatches
-                parts = (dd.reshape(-1, *rows_cols), gv.reshape(-1, *rows_cols), lvv.reshape(-1, *rows_cols),
-                         bad.reshape(-1, *rows_cols).to(torch.int32))
-                m, sg2, sl2, sb = parts[0].amax(0), parts[1].sum(0), parts[2].sum(0), parts[3].sum(0)
+            dd = torch.nan_to_num(d, nan=math.inf)
+            gv = gc if real else gc.abs()
+            lvv = lc if real else lc.abs()
+            if nd >= 3:  # leading dimensions are reduced: max of |d|, sums of values, any mismatch
+                m = dd.reshape(-1, *rows_cols).amax(0)
+                sg2, sl2 = gv.reshape(-1, *rows_cols).sum(0, dtype=f64), lvv.reshape(-1, *rows_cols).sum(0, dtype=f64)
+                sb = bad.reshape(-1, *rows_cols).any(0)
                 hd = m if hd is None else torch.maximum(hd, m)
                 hg = sg2 if hg is None else hg + sg2
                 hl = sl2 if hl is None else hl + sl2
-                hb = sb if hb is None else hb + sb
+                hb = sb if hb is None else hb | sb
             else:  # 1-D or 2-D: the slab's rows are rows of the map
-                b32 = bad.to(torch.int32)
                 hd = dd if hd is None else torch.cat([hd, dd])
                 hg = gv if hg is None else torch.cat([hg, gv])
                 hl = lvv if hl is None else torch.cat([hl, lvv])
-                hb = b32 if hb is None else torch.cat([hb, b32])
+                hb = bad if hb is None else torch.cat([hb, bad])
         elif nd >= 3:  # the border test reads the mismatches of the last two dimensions
             sb = bad.reshape(-1, *rows_cols).any(0)
             hb = sb if hb is None else hb | sb
     dims = [_dim_where(k, any_bad[k]) for k in range(nd)] if live.ndim else []
-    nbad, gg, lg, ll, ddsum, dsum, flips = (float(x) for x in sums.tolist())
-    where = _relation(golden, live, rtol, atol, real, nbad, gg, lg, ll, ddsum, dsum, int(flips), sig_g, sig_l,
+    nbad, gg, lg, ll, ddsum, dsum, flips, gs, ls, gss, lss = (float(x) for x in sums.tolist())
+    # a permutation keeps the sum and the sum of squares (the slices' own sums are looked at only then)
+    perm_candidate = math.isclose(gs, ls, rel_tol=1e-4, abs_tol=1e-6 * math.sqrt(gss * golden.numel()) + atol) \
+        and math.isclose(gss, lss, rel_tol=1e-4, abs_tol=1e-12)
+    where = _relation(golden, live, rtol, atol, real, nbad, gg, lg, ll, ddsum, dsum, int(flips), perm_candidate,
                       any_bad, golden.numel())
     where.dims = dims
     if nd == 4 and hb is not None:  # (N, C, H, W) feature maps
-        where.border = _border(hb > 0)
+        where.border = _border(hb)
     if heat and hd is not None:
         lead = golden.numel() // (rows_cols[0] * rows_cols[1])
         assert hg is not None and hl is not None and hb is not None
@@ -146,12 +141,12 @@ def _dim_where(k: int, flags: torch.Tensor) -> DimWhere:
 
 
 def _relation(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float, real: bool, nbad: float, gg: float,
-              lg: float, ll: float, dd: float, dsum: float, flips: int, sig_g: list[torch.Tensor],
-              sig_l: list[torch.Tensor], any_bad: list[torch.Tensor], numel: int) -> Where:
+              lg: float, ll: float, dd: float, dsum: float, flips: int, perm_candidate: bool,
+              any_bad: list[torch.Tensor], numel: int) -> Where:
     at = "every element" if nbad == numel else f"every mismatched element ({int(nbad)} of {numel})"
     if not real:
         return Where("broad", "complex values: no scale, offset or permutation is looked for")
-    perm = _permutation(golden, live, rtol, atol, sig_g, sig_l, any_bad)
+    perm = _permutation(golden, live, rtol, atol, any_bad) if perm_candidate else None
     if perm is not None:
         k, moved, pairs = perm
         return Where("permutation", f"permutation along dim {k}: the golden's values moved between {moved} "
@@ -177,14 +172,16 @@ def _relation(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float
                  sign_flips=flips)
 
 
-def _permutation(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float, sig_g: list[torch.Tensor],
-                 sig_l: list[torch.Tensor], any_bad: list[torch.Tensor]) -> tuple[int, int, str] | None:
+def _permutation(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
+                 any_bad: list[torch.Tensor]) -> tuple[int, int, str] | None:
     """A dimension along which live holds the golden's slices in another order: the slices' sums
     agree as multisets (a candidate), then the reordered golden is compared in full (the proof)."""
     for k in range(golden.ndim):
-        sg, sl = sig_g[k], sig_l[k]
-        if sg.numel() < 2 or int(any_bad[k].sum()) < 2:
+        if golden.shape[k] < 2 or int(any_bad[k].sum()) < 2:
             continue
+        other = [j for j in range(golden.ndim) if j != k]
+        sg = golden.to(torch.float64).sum(dim=other) if other else golden.to(torch.float64)
+        sl = live.to(torch.float64).sum(dim=other) if other else live.to(torch.float64)
         og, ol = torch.sort(sg), torch.sort(sl)
         scale = float(sg.abs().max()) or 1.0
         if not torch.allclose(og.values, ol.values, rtol=max(rtol, 1e-6), atol=max(atol, 1e-6 * scale)):
@@ -230,6 +227,7 @@ def _pool(x: torch.Tensor, rows: int, cols: int, how: str) -> torch.Tensor:
 def _heat(hd: torch.Tensor, hg: torch.Tensor, hl: torch.Tensor, hb: torch.Tensor, nd: int, real: bool) -> Heat:
     if nd < 2:
         hd, hg, hl, hb = (x.reshape(1, -1) for x in (hd, hg, hl, hb))
+    hb = hb.to(torch.float32)
     r0, c0 = hd.shape
     rows, cols = min(r0, MAX_CELLS), min(c0, MAX_CELLS)
     names = {2: ("dim 0", "dim 1"), 3: ("dim 1 (tokens)", "dim 2 (channels)"),
@@ -246,6 +244,6 @@ def _heat(hd: torch.Tensor, hg: torch.Tensor, hl: torch.Tensor, hb: torch.Tensor
         p = _pool(x, rows, cols, mode).cpu().tolist()
         return [[float(f"{v:.{digits}g}") for v in row] for row in p]
 
-    bad = [[int(v > 0) for v in row] for row in _pool((hb > 0).to(torch.float32), rows, cols, "max").cpu().tolist()]
+    bad = [[int(v > 0) for v in row] for row in _pool(hb, rows, cols, "max").cpu().tolist()]
     return Heat(f"rows: {names[0]}", f"columns: {names[1]}", how, grid(hd, "max"), grid(hg, "mean"),
                 grid(hl, "mean"), bad)

@@ -92,13 +92,13 @@ def heat_png(label: str, leaf: LeafResult, *, golden_only: bool = False) -> byte
     if leaf.where is None or leaf.where.heat is None:
         return None
     name = label + (f" output {leaf.path}" if leaf.path else "")
-    return render_heat_png(leaf.where.heat, _matplotlib(), title=name, rtol=leaf.rtol, atol=leaf.atol,
+    return render_heat_png(leaf.where.heat, _matplotlib(), title=_lit(name), rtol=leaf.rtol, atol=leaf.atol,
                            golden_only=golden_only)
 
 
 def golden_png(label: str, heat: Heat) -> bytes:
     """A golden's values alone, as ``inspect --plot`` draws them."""
-    return render_heat_png(heat, _matplotlib(), title=f"golden {label}", golden_only=True)
+    return render_heat_png(heat, _matplotlib(), title=_lit(f"golden {label}"), golden_only=True)
 
 
 def _heat_figures(report: ReportLike, i: int) -> tuple[list[str], dict[int, str]]:
@@ -121,7 +121,7 @@ def _heat_figures(report: ReportLike, i: int) -> tuple[list[str], dict[int, str]
         b64 = base64.b64encode(png).decode("ascii")
         hidden = "" if layer is fd else " hidden"
         words = "; ".join(leaf.where.lines()) if leaf.where is not None else ""
-        out.append(f'<figure class="heat" id="{fid}"{hidden}><img alt="heatmap of {_e(layer.label)}" '
+        out.append(f'<figure class="heat" data-fig="{fid}"{hidden}><img class="heat" alt="heatmap of {_e(layer.label)}" '
                    f'src="data:image/png;base64,{b64}"><figcaption>{_e(layer.label)}: {_e(words)}</figcaption>'
                    f"</figure>")
     return out, ids

@@ -1,0 +1,59 @@
+"""What the shape of a divergence costs a failing compare, on the ``wide`` workload of run.py.
+
+A/B in one process: the same failing compare (the first Linear's bias changed, so every layer
+diverges) with the usual described calls (the first ``DESCRIBED`` diverged ones, words and
+heatmap grids) and with none, alternated, medians compared. Replay is off so the ratio is over
+the compare itself (the smaller denominator: the conservative figure).
+
+    python benchmarks/where_cost.py [--quick] [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import activation_guard as ag  # noqa: E402
+from activation_guard.comparison import comparator  # noqa: E402
+from run import wide  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeat", type=int, default=5)
+    a = ap.parse_args()
+    w = wide(a.quick)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "wide.h5"
+        with torch.no_grad():
+            ag.record(w.model, w.args, path=path)
+            w.model[0].bias += 1e-2  # every layer after it diverges
+        times: dict[str, list[float]] = {"with": [], "without": []}
+        described = comparator.DESCRIBED
+        for _ in range(a.repeat):
+            for mode in ("with", "without"):
+                comparator.DESCRIBED = described if mode == "with" else 0
+                t0 = time.perf_counter()
+                r = ag.compare(w.model, w.args, path=path, replay="off")
+                times[mode].append(time.perf_counter() - t0)
+                assert not r.ok
+                assert (len(r.described()) > 0) == (mode == "with")
+        comparator.DESCRIBED = described
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"wide ({w.note}), failing compare, replay off, median of {a.repeat}:")
+    print(f"  without the shape of divergence: {med['without'] * 1e3:.1f} ms")
+    print(f"  with it ({described} described calls): {med['with'] * 1e3:.1f} ms")
+    print(f"  ratio: {med['with'] / med['without']:.3f} (target <= 1.05)")
+
+
+if __name__ == "__main__":
+    main()
