@@ -21,9 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import activation_guard as ag  # noqa: E402
-from activation_guard.comparison import comparator  # noqa: E402
-from run import wide  # noqa: E402
+from run import wide
+
+import activation_guard as ag
+from activation_guard.comparison import comparator
 
 
 def main() -> None:

@@ -70,10 +70,10 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
                 bad = bad & fin
             bg, bl = gc * bad, lc * bad
             bd = bl - bg
-            flips = ((bl + bg).abs() <= atol + rtol * ga) & bad
+            flip = ((bl + bg).abs() <= atol + rtol * ga) & bad
             sums += torch.stack([bad.sum(dtype=f64), (bg * bg).sum(dtype=f64), (bl * bg).sum(dtype=f64),
                                  (bl * bl).sum(dtype=f64), (bd * bd).sum(dtype=f64), bd.sum(dtype=f64),
-                                 flips.sum(dtype=f64), gc.sum(dtype=f64), lc.sum(dtype=f64),
+                                 flip.sum(dtype=f64), gc.sum(dtype=f64), lc.sum(dtype=f64),
                                  (gc * gc).sum(dtype=f64), (lc * lc).sum(dtype=f64)])
         if heat:
             dd = torch.nan_to_num(d, nan=math.inf)

@@ -121,9 +121,9 @@ def _heat_figures(report: ReportLike, i: int) -> tuple[list[str], dict[int, str]
         b64 = base64.b64encode(png).decode("ascii")
         hidden = "" if layer is fd else " hidden"
         words = "; ".join(leaf.where.lines()) if leaf.where is not None else ""
-        out.append(f'<figure class="heat" data-fig="{fid}"{hidden}><img class="heat" alt="heatmap of {_e(layer.label)}" '
-                   f'src="data:image/png;base64,{b64}"><figcaption>{_e(layer.label)}: {_e(words)}</figcaption>'
-                   f"</figure>")
+        out.append(f'<figure class="heat" data-fig="{fid}"{hidden}><img class="heat" '
+                   f'alt="heatmap of {_e(layer.label)}" src="data:image/png;base64,{b64}">'
+                   f"<figcaption>{_e(layer.label)}: {_e(words)}</figcaption></figure>")
     return out, ids
 
 
