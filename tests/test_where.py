@@ -187,3 +187,38 @@ def test_fingerprint_says_only_what_samples_prove() -> None:
     leaf = LeafResult("", "diverged", sampled=64, mismatched=3, index=(1, 2), estimate="l2")
     (line,) = sampled_where(leaf)
     assert "not located" in line and "64 exact samples" in line and "3 lie outside" in line
+
+
+PLUGIN_TEST = '''
+import os
+import pytest
+import torch
+
+
+def model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    if os.environ.get("BUG"):
+        with torch.no_grad():
+            m[2].weight.mul_(-1.0)
+            m[2].bias.mul_(-1.0)
+    return m
+
+
+@pytest.mark.activation_guard(where=["2"], replay="off")
+def test_m(activation_guard):
+    torch.manual_seed(1)
+    activation_guard.check(model(), torch.randn(3, 6, 8))
+'''
+
+
+def test_plugin_failure_says_where(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makepyfile(test_m=PLUGIN_TEST)
+    lean = ("-p", "no:cacheprovider", "-p", "no:randomly")
+    pytester.runpytest("--ag-update", *lean).assert_outcomes(passed=1)
+    monkeypatch.setenv("BUG", "1")
+    r = pytester.runpytest(*lean)
+    r.assert_outcomes(failed=1)
+    out = r.stdout.str()
+    assert "where         : dim 0 (3): all positions" in out
+    assert "sign flips: live = -golden at every element" in out
