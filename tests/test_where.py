@@ -222,3 +222,56 @@ def test_plugin_failure_says_where(pytester: pytest.Pytester, monkeypatch: pytes
     out = r.stdout.str()
     assert "where         : dim 0 (3): all positions" in out
     assert "sign flips: live = -golden at every element" in out
+
+
+def _recordings(tmp_path: Path) -> tuple[Path, Path]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    x = torch.randn(2, 10, 16)
+    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
+    with torch.no_grad():
+        ag.record(m, (x,), path=a)
+        m[2].bias[3] += 0.5  # channel 3 of layer 2, by a constant
+        ag.record(m, (x,), path=b)
+    return a, b
+
+
+def test_cli_heatmap_and_inspect_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    from activation_guard.cli import main
+
+    a, b = _recordings(tmp_path)
+    out = tmp_path / "h.png"
+    assert main(["diff", str(a), str(b), "--heatmap", "2", str(out)]) == 1
+    text = capsys.readouterr()
+    assert "dim 2 (8): index 3 only" in text.out and "constant offset: live = golden + 0.5" in text.out
+    assert out.read_bytes().startswith(b"\x89PNG") and f"heatmap of 2[0] written to {out}" in text.err
+    assert main(["diff", str(a), str(b), "--heatmap", "0", str(tmp_path / "n.png")]) == 2  # layer 0 matches
+    assert "--heatmap 0: no heatmap to draw: it matches the recordings there" in capsys.readouterr().err
+    assert not (tmp_path / "n.png").exists()
+    g = tmp_path / "g.png"
+    assert main(["inspect", str(a), "--plot", "0", str(g)]) == 0
+    assert g.read_bytes().startswith(b"\x89PNG")
+    assert main(["inspect", str(a), "--plot", "nope", str(tmp_path / "x.png")]) == 2
+    assert "--plot nope: layer 'nope' is not in the golden" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_gpt2_small_page_stays_small(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    transformers = pytest.importorskip("transformers")
+    from activation_guard.report.visual import write_html
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=128, vocab_size=1000)
+    m = transformers.GPT2Model(cfg).eval()
+    ids = torch.randint(0, 1000, (1, 64))
+    p = tmp_path / "g.h5"
+    with torch.no_grad():
+        ag.record(m, (ids,), path=p)
+        m.h[1].ln_1.weight.mul_(1.01)
+        r = ag.compare(m, (ids,), path=p, replay="off")
+    assert r.first_divergence is not None and r.first_divergence.name == "h.1.ln_1"
+    assert len(r.described()) == 12
+    page = Path(write_html(r, tmp_path / "r.html"))
+    assert page.stat().st_size < 2_000_000
