@@ -97,7 +97,8 @@ class Where:
 
     ``relation``: ``scale`` (live = ``factor`` x golden), ``offset`` (live = golden + ``offset``),
     ``permutation`` (the golden's values moved along ``perm_dim``), ``sign`` (live = -golden),
-    ``broad`` (none of these), or ``sampled`` (a fingerprinted output: only its exact samples were
+    ``broad`` (none of these), ``unknown`` (the description failed: ``text`` says why; the verdict
+    stands), or ``sampled`` (a fingerprinted output: only its exact samples were
     seen, and nothing is claimed beyond them). ``border``: the mismatches lie within this many
     positions of the edges of the last two dimensions (a padding change), else None."""
 

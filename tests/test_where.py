@@ -275,3 +275,23 @@ def test_gpt2_small_page_stays_small(tmp_path: Path) -> None:
     assert len(r.described()) == 12
     page = Path(write_html(r, tmp_path / "r.html"))
     assert page.stat().st_size < 2_000_000
+
+
+def test_new_nans_and_single_elements_claim_no_relation() -> None:
+    g = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    w = describe(g, torch.tensor([1.0, float("nan"), 3.0, 8.0]), 1e-5, 1e-6)
+    assert w.relation == "broad" and "too few" in w.text and "1 mismatched element(s) are NaN/Inf" in w.text
+    assert w.dims[0].text == "only at 1, 3 (2 of 4)"
+    w = describe(torch.zeros(3, 0), torch.zeros(3, 0), 1e-5, 1e-6)
+    assert w.text == "no elements"
+
+
+def test_a_description_that_fails_leaves_the_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from activation_guard.comparison import comparator
+
+    def broken(*a: object, **k: object) -> None:
+        raise RuntimeError("boom")
+    monkeypatch.setattr(comparator, "describe", broken)
+    r, w = _where(tmp_path, _lin(), torch.randn(2, 4, 32), lambda y: y * 2)
+    assert r.first_divergence.status == "diverged"  # type: ignore[union-attr]
+    assert w.relation == "unknown" and "RuntimeError: boom" in w.text

@@ -40,7 +40,7 @@ from ..replay.args import root_inputs_match
 from ..replay.callstart import remember_start
 from ..replay.hints import string_hint
 from ..replay.replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
-from ..results import IdenticalCall, LayerResult, LeafResult, Origin
+from ..results import IdenticalCall, LayerResult, LeafResult, Origin, Where
 from ..store import CallEntry, GoldenReader, LeafEntry
 from ..values.calls import LiveSource
 from ..values.leaves import WALKED_SINCE, Leaf, LeafTransform, UnsupportedTensorError, flatten, value_at
@@ -434,7 +434,10 @@ class Comparator:
         if describe_it and res.status in ("diverged", "nonfinite"):
             asked = self._wants_where(name)
             if asked is not None:  # both tensors are in memory only here: the shape is taken now
-                res.where = describe(golden, t, res.rtol or 0.0, res.atol or 0.0)
+                try:
+                    res.where = describe(golden, t, res.rtol or 0.0, res.atol or 0.0)
+                except (RuntimeError, ValueError, TypeError) as e:  # the verdict stands without its description
+                    res.where = Where("unknown", f"not described ({type(e).__name__}: {e})")
                 res.where.requested = asked
         return res
 

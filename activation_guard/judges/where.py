@@ -24,6 +24,7 @@ RUNS_SHOWN = 4
 # a relation (scale, offset) explains the difference when what is left over is this small a
 # fraction of it (sums of squares: 1e-4 is a residual of 1% of the difference's RMS)
 EXPLAINED = 1e-4
+FEWEST = 3  # mismatched elements a relation is named from, at least
 
 
 def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float, *, heat: bool = True) -> Where:
@@ -37,7 +38,8 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
     cdt = pair_dtype(golden.dtype, live.dtype)
     if not (cdt.is_floating_point or cdt.is_complex):
         cdt = torch.float64
-    if live.ndim == 0:
+    scalar = live.ndim == 0
+    if scalar:
         golden, live = golden.reshape(1), live.reshape(1)
     nd = golden.ndim
     if golden.numel() == 0:
@@ -49,6 +51,7 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
     any_bad = [torch.zeros(s, dtype=torch.bool, device=live.device) for s in golden.shape]
     # nbad, gg, lg, ll, dd, d (over mismatched elements), flips; then sums of g, l, g^2, l^2 over all
     sums = torch.zeros(11, dtype=torch.float64, device=live.device)
+    nonfinite = 0  # mismatched elements where either side is NaN/Inf: outside the relations
     rows_cols = golden.shape[-2:] if nd >= 2 else (1, golden.shape[0])
     hd = hg = hl = hb = None
     f64 = torch.float64
@@ -66,6 +69,7 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
         if real:
             if not bool(torch.isfinite(d).all()):  # (rare) NaN/Inf take no part in the relations
                 fin = torch.isfinite(gc) & torch.isfinite(lc)
+                nonfinite += int((bad & ~fin).sum())
                 gc, lc = torch.where(fin, gc, 0), torch.where(fin, lc, 0)
                 bad = bad & fin
             bg, bl = gc * bad, lc * bad
@@ -95,7 +99,7 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
         elif nd >= 3:  # the border test reads the mismatches of the last two dimensions
             sb = bad.reshape(-1, *rows_cols).any(0)
             hb = sb if hb is None else hb | sb
-    dims = [_dim_where(k, any_bad[k]) for k in range(nd)] if live.ndim else []
+    dims = [] if scalar else [_dim_where(k, any_bad[k]) for k in range(nd)]
     nbad, gg, lg, ll, ddsum, dsum, flips, gs, ls, gss, lss = (float(x) for x in sums.tolist())
     # a permutation keeps the sum and the sum of squares (the slices' own sums are looked at only then)
     perm_candidate = math.isclose(gs, ls, rel_tol=1e-4, abs_tol=1e-6 * math.sqrt(gss * golden.numel()) + atol) \
@@ -103,6 +107,9 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
     where = _relation(golden, live, rtol, atol, real, nbad, gg, lg, ll, ddsum, dsum, int(flips), perm_candidate,
                       any_bad, golden.numel())
     where.dims = dims
+    if nonfinite:
+        where.text = where.text.replace("every mismatched element", "every finite mismatched element")
+        where.text += f"; {nonfinite} mismatched element(s) are NaN/Inf on one side, outside this"
     if nd == 4 and hb is not None:  # (N, C, H, W) feature maps
         where.border = _border(hb)
     if heat and hd is not None:
@@ -146,6 +153,8 @@ def _relation(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float
     at = "every element" if nbad == numel else f"every mismatched element ({int(nbad)} of {numel})"
     if not real:
         return Where("broad", "complex values: no scale, offset or permutation is looked for")
+    if nbad < FEWEST:  # one or two values fit any factor or offset: naming one would claim too much
+        return Where("broad", f"{int(nbad)} mismatched finite element(s): too few to name a relation", sign_flips=flips)
     perm = _permutation(golden, live, rtol, atol, any_bad) if perm_candidate else None
     if perm is not None:
         k, moved, pairs = perm
