@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from run import wide
 
 import activation_guard as ag
+from activation_guard._core.kernel import compare_tensors
 from activation_guard.comparison import comparator
+from activation_guard.judges.where import describe
 
 
 def main() -> None:
@@ -54,6 +56,20 @@ def main() -> None:
     print(f"  without the shape of divergence: {med['without'] * 1e3:.1f} ms")
     print(f"  with it ({described} described calls): {med['with'] * 1e3:.1f} ms")
     print(f"  ratio: {med['with'] / med['without']:.3f} (target <= 1.05)")
+    # the description alone, against the kernel's comparison of the same pair (less exposed to a busy machine)
+    g = torch.randn(w.args[0].shape[0], w.model[0].out_features)
+    lv = g + 1e-2
+    one: dict[str, list[float]] = {"describe": [], "compare": []}
+    for _ in range(9):
+        t0 = time.perf_counter()
+        describe(g, lv, 1.3e-6, 1e-5)
+        one["describe"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        compare_tensors(g, lv, 1.3e-6, 1e-5)
+        one["compare"].append(time.perf_counter() - t0)
+    d, c = statistics.median(one["describe"]), statistics.median(one["compare"])
+    print(f"  one output {list(g.shape)}: describe {d * 1e3:.1f} ms, the kernel's compare {c * 1e3:.1f} ms; "
+          f"{described} described calls = {described * d / med['without']:.1%} of the compare without them")
 
 
 if __name__ == "__main__":

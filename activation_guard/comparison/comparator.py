@@ -49,9 +49,10 @@ from .fingerprints import FingerprintJudge
 from .golden_selection import Selection, recorded_selection, refuse_strays
 
 # diverged calls (in execution order) whose shape of divergence is described and kept for a
-# heatmap: the first is the report's subject; a few more let a page show a picture per click,
-# while the page stays small and a failing compare stays near its cost without them
-DESCRIBED = 12
+# heatmap without being asked (the `where` option asks for more): the first is the report's
+# subject, the next shows whether it propagates; each costs about two of the kernel's comparisons
+# of that output, so more would take a failing compare past 5% more time (docs/performance.md)
+DESCRIBED = 2
 
 
 class StopForward(Exception):

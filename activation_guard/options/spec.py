@@ -101,7 +101,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "fingerprint size and false-alarm bound: dict(samples=, rows=, buckets=, false_alarm=, seed=)"),
     Option("where", _patterns, False, True,
            "layer globs whose diverged calls also get the shape of their divergence (per-dimension words, heatmap); "
-           "the first diverged calls always do"),
+           "the first two diverged calls always do"),
     Option("backward", _backward, True, True,  # gradients
            "also record (compare) gradients: True (loss = outputs x seeded random cotangents), a callable(output) "
            "-> scalar loss, or False"),

@@ -101,14 +101,22 @@ def golden_png(label: str, heat: Heat) -> bytes:
     return render_heat_png(heat, _matplotlib(), title=_lit(f"golden {label}"), golden_only=True)
 
 
+MAX_HEATMAPS = 24  # pictures in one check's section: a page of a GPT-2-small compare stays under 2 MB
+
+
 def _heat_figures(report: ReportLike, i: int) -> tuple[list[str], dict[int, str]]:
     """Heatmaps of the diverged calls whose shape was taken: the first divergence's shown, the
-    others hidden until their row is clicked. Returns the figures and each row's figure id."""
+    others hidden until their row is clicked (the first ``MAX_HEATMAPS``; a note counts the rest).
+    Returns the figures and each row's figure id."""
     fd = report.first_divergence
     out: list[str] = []
     ids: dict[int, str] = {}
+    left = 0
     for k, layer in enumerate(report.layers):
         if layer.ok or (isinstance(layer, IdenticalCall) and not layer.built):
+            continue
+        if len(ids) >= MAX_HEATMAPS and layer is not fd:
+            left += any(x.where is not None and x.where.heat is not None for x in layer.leaves)
             continue
         leaf = next((x for x in layer.leaves if x.where is not None and x.where.heat is not None), None)
         if leaf is None:
@@ -124,6 +132,9 @@ def _heat_figures(report: ReportLike, i: int) -> tuple[list[str], dict[int, str]
         out.append(f'<figure class="heat" data-fig="{fid}"{hidden}><img class="heat" '
                    f'alt="heatmap of {_e(layer.label)}" src="data:image/png;base64,{b64}">'
                    f"<figcaption>{_e(layer.label)}: {_e(words)}</figcaption></figure>")
+    if left:
+        out.append(f'<p class="note">{left} more described calls have no picture on this page (it stays small): '
+                   f"<code>activation-guard diff --heatmap LAYER FILE.png</code> draws one</p>")
     return out, ids
 
 
@@ -449,8 +460,8 @@ def _section(i: int, label: str, report: ReportLike, with_plot: bool, fd_id: str
         figures, heats = _heat_figures(report, i)
         if figures:
             out += ['<div class="heats"><p class="note">where the first divergence differs; click a diverged row '
-                    "marked &#9638; for its heatmap (the first diverged calls and the layers the <code>where</code> "
-                    "option names have one)</p>", *figures, "</div>"]
+                    "marked &#9638; for its heatmap (the first two diverged calls and the layers the "
+                    "<code>where</code> option names have one)</p>", *figures, "</div>"]
     calibrated = any(x.error_multiple is not None for x in report.layers)
     columns = COLUMN_KINDS + ((ALLOWED_COLUMN,) if calibrated else ())
     n = len(report.layers)
