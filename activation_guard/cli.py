@@ -3,9 +3,10 @@
 Commands::
 
     activation-guard demo [--out DIR] [--bug NAME]      record, break, compare: see it work
-    activation-guard inspect GOLDEN.h5 [--layer GLOB] [--json]
+    activation-guard inspect GOLDEN.h5 [--layer GLOB] [--json] [--plot LAYER FILE.png]
     activation-guard diff A.h5 B.h5 [--rtol R] [--atol A] [--tolerances FILE.json]
                                     [--json] [--plot FILE.png] [--html FILE.html]
+                                    [--heatmap LAYER FILE.png]
     activation-guard textconv GOLDEN.h5                 for git's diff driver
     activation-guard verify GOLDEN.h5...                every stored value against its checksum
 
@@ -17,6 +18,7 @@ line on stderr, never a traceback: the golden errors already name the file and t
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import shutil
@@ -151,6 +153,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .report.inspection import inspect_golden
 
     layer = args.layer or None
+    if args.plot:
+        _inspect_plot(args.golden, *args.plot)
     gi = inspect_golden(args.golden, layer)
     if args.json:
         _dump_json(gi.to_dict())
@@ -185,6 +189,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
         else:
             _out(f"{path}: OK, {n} stored values and the index pass their checks")
     return 2 if bad else 0
+def _inspect_plot(golden: str, layer: str, path: str) -> None:
+    """``inspect --plot LAYER FILE.png``: the golden's values of LAYER as a heatmap."""
+    from .report.heatmap import write_heat
+    from .report.inspection import golden_heat
+    from .report.visual import _matplotlib, golden_png
+
+    _check_writable(path, "--plot", (golden,))
+    _matplotlib()  # fail before the work, with the install hint
+    try:
+        label, heat = golden_heat(golden, layer)
+    except ValueError as e:
+        raise CliError(f"--plot {layer}: {e}") from None
+    try:
+        write_heat(golden_png(label, heat), path)
+    except OSError as e:
+        raise CliError(f"cannot write --plot {path}: {e.strerror or e}") from None
+    print(f"heatmap of the golden's {label} written to {path}", file=sys.stderr)
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -192,17 +213,21 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from .options.spec import CompareSpec
 
     tolerances = load_tolerances(args.tolerances) if args.tolerances else None
+    heat_layer, heat_file = args.heatmap or (None, None)
     spec = CompareSpec.build(
         dict(rtol=args.rtol, atol=args.atol, tolerances=tolerances, include=args.include or None,
-             exclude=args.exclude or None, allow_dtype_change=args.allow_dtype_change or None),
+             exclude=args.exclude or None, allow_dtype_change=args.allow_dtype_change or None,
+             where=None if heat_layer is None else [heat_layer]),
         {"rtol": "--rtol", "atol": "--atol", "tolerances": f"--tolerances {args.tolerances}",
-         "include": "--include", "exclude": "--exclude", "allow_dtype_change": "--allow-dtype-change"})
+         "include": "--include", "exclude": "--exclude", "allow_dtype_change": "--allow-dtype-change",
+         "where": "--heatmap"})
     if not os.path.exists(args.b):  # not "golden ...: re-record the golden": B is the recording being checked
         raise CliError(f"recording {args.b}: file does not exist (the recording to check against the golden "
                        f"{args.a}; write it with activation_guard.record)")
     _check_writable(args.plot, "--plot", (args.a, args.b))
     _check_writable(args.html, "--html", (args.a, args.b, *((args.plot,) if args.plot else ())))
-    if args.plot:
+    _check_writable(heat_file, "--heatmap", (args.a, args.b, *(x for x in (args.plot, args.html) if x)))
+    if args.plot or heat_file:
         from .report.visual import _matplotlib
 
         _matplotlib()  # fail before the work, with the install hint
@@ -243,7 +268,32 @@ def cmd_diff(args: argparse.Namespace) -> int:
             raise CliError(f"cannot write {writing}: {e.strerror or e}") from None
         for m in msgs:
             print(m, file=sys.stderr)
+    if heat_file:
+        _write_heatmap(report, str(heat_layer), heat_file)
     return 0 if report.ok else 1
+
+
+def _write_heatmap(report: Any, layer: str, path: str) -> None:
+    """``diff --heatmap LAYER FILE.png``: the named layer's first described diverged output."""
+    from .options.selection import display_name
+    from .report.heatmap import write_heat
+    from .report.visual import heat_png
+
+    found = [(x, leaf) for x, leaf in report.described() if leaf.where is not None and leaf.where.requested]
+    if not found:
+        named = [x for x in report.layers if fnmatch.fnmatchcase(x.name, layer) or display_name(x.name) == layer]
+        why = ("no layer matches it" if not named else
+               "it matches the recordings there" if all(x.ok for x in named) else
+               "its diverged outputs hold no values compared in full (fingerprints or non-tensor outputs)")
+        raise CliError(f"--heatmap {layer}: no heatmap to draw: {why}")
+    x, leaf = found[0]
+    png = heat_png(x.label, leaf)
+    assert png is not None
+    try:
+        write_heat(png, path)
+    except OSError as e:
+        raise CliError(f"cannot write --heatmap {path}: {e.strerror or e}") from None
+    print(f"heatmap of {x.label} written to {path}", file=sys.stderr)
 
 
 def cmd_textconv(args: argparse.Namespace) -> int:
@@ -285,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("golden", metavar="GOLDEN.h5")
     i.add_argument("--layer", metavar="GLOB", action="append", help="only layers whose name matches (repeatable)")
     i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("--plot", nargs=2, metavar=("LAYER", "FILE.png"),
+                   help="write a heatmap of LAYER's stored values, reduced to 2-D as diff --heatmap does "
+                        "(needs matplotlib)")
     i.set_defaults(func=cmd_inspect)
 
     f = sub.add_parser("diff", help="compare two recordings with the compare engine (exit 1 if they diverge)",
@@ -302,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--json", action="store_true", help="machine-readable report")
     f.add_argument("--plot", metavar="FILE.png", help="write the error-by-layer plot (needs matplotlib)")
     f.add_argument("--html", metavar="FILE.html", help="write a self-contained HTML report")
+    f.add_argument("--heatmap", nargs=2, metavar=("LAYER", "FILE.png"),
+                   help="write the heatmap of |B - A|, A and B for LAYER's first diverged call, and describe where "
+                        "it differs in the report (needs matplotlib)")
     f.set_defaults(func=cmd_diff)
 
     t = sub.add_parser("textconv", help="stable line-per-output text of a golden, for git diff",

@@ -63,7 +63,95 @@ def _fields_from_dict(cls: Any, d: Any) -> dict[str, Any]:
     for k in ("shape", "live_shape", "index"):
         if isinstance(out.get(k), list):
             out[k] = tuple(out[k])
+    if out.get("where") is not None:
+        out["where"] = Where.from_dict(out["where"])
     return out
+
+
+@dataclass
+class DimWhere:
+    """Where along one dimension of an output the mismatched elements lie."""
+
+    dim: int
+    size: int
+    count: int  # positions along this dimension holding at least one mismatched element
+    ranges: list[list[int]]  # those positions as inclusive [first, last] runs (the first few)
+    text: str  # "only at 64-127", "all positions", "index 2 only"
+
+
+@dataclass
+class Heat:
+    """A diverged output reduced to a small 2-D grid for a heatmap (at most ``MAX_CELLS`` a side):
+    ``diff`` the largest |live - golden| in each cell, ``golden``/``live`` their means, ``bad`` 1 where a
+    cell holds a mismatched element. ``rows``/``cols`` say which dimensions the axes are and how
+    the others were reduced."""
+
+    rows: str
+    cols: str
+    reduced: str
+    diff: list[list[float]]
+    golden: list[list[float]]
+    live: list[list[float]]
+    bad: list[list[int]]
+
+
+@dataclass
+class Where:
+    """The shape of a divergence (:mod:`activation_guard.judges.where`): per dimension where the
+    mismatches lie, and the relation between live and golden values at them, if there is one.
+
+    ``relation``: ``scale`` (live = ``factor`` x golden), ``offset`` (live = golden + ``offset``),
+    ``permutation`` (the golden's values moved along ``perm_dim``), ``sign`` (live = -golden),
+    ``broad`` (none of these), ``unknown`` (the description failed: ``text`` says why; the verdict
+    stands), or ``sampled`` (a fingerprinted output: only its exact samples were
+    seen, and nothing is claimed beyond them). ``border``: the mismatches lie within this many
+    positions of the edges of the last two dimensions (a padding change), else None."""
+
+    relation: str
+    text: str  # the relation in words
+    dims: list[DimWhere] = field(default_factory=list)
+    factor: float | None = None
+    offset: float | None = None
+    perm_dim: int | None = None
+    moved: int = 0  # permutation: positions along perm_dim holding another position's values
+    sign_flips: int = 0  # mismatched elements equal to -golden within tolerance
+    border: int | None = None
+    heat: Heat | None = None
+    requested: bool = False  # described because the `where` option named its layer
+
+    def lines(self) -> list[str]:
+        """The words, one line per dimension then the relation (border, when found, first)."""
+        out = [f"dim {d.dim} ({d.size}): {d.text}" for d in self.dims]
+        if self.border is not None:
+            out.append(f"border: every mismatch lies within {self.border} position(s) of the edges of the last two "
+                       f"dimensions (padding?)")
+        return [*out, self.text]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("factor", "offset"):
+            d[k] = json_number(d[k])
+        if d["heat"] is not None:  # an inf |d| (a new Inf) is written as JSON allows
+            for k in ("diff", "golden", "live"):
+                d["heat"][k] = [[json_number(v) for v in row] for row in d["heat"][k]]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Where:
+        if not isinstance(d, dict):
+            raise TypeError(f"expected a dict for Where, got {type(d).__name__}")
+        kw = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        for k in ("factor", "offset"):
+            if k in kw:
+                kw[k] = from_json_number(kw[k])
+        kw["dims"] = [DimWhere(**{k: v for k, v in x.items() if k in DimWhere.__dataclass_fields__})
+                      for x in kw.get("dims") or []]
+        if isinstance(kw.get("heat"), dict):
+            h = {k: v for k, v in kw["heat"].items() if k in Heat.__dataclass_fields__}
+            for k in ("diff", "golden", "live"):
+                h[k] = [[from_json_number(v) for v in row] for row in h.get(k) or []]
+            kw["heat"] = Heat(**h)
+        return cls(**kw)
 
 
 @dataclass(**SLOTS)
@@ -103,9 +191,11 @@ class LeafResult:
     sketch_rows: int = 0
     sampled: int = 0  # elements checked exactly (bit-exact samples); ``mismatched`` counts those outside
     false_alarm: float | None = None  # bound on P(a within-tolerance run fails the sketch check)
+    where: Where | None = None  # the shape of the divergence, for the first diverged call and requested layers
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["where"] = None if self.where is None else self.where.to_dict()
         for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple", *ESTIMATE_NUMBERS):
             d[k] = json_number(d[k])
         for k in ("shape", "live_shape", "index"):

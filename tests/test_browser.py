@@ -121,7 +121,7 @@ def test_page_loads_clean_and_self_contained(browser: Browser, pages: dict[str, 
     assert browser.eval("document.querySelectorAll('script[src], link, iframe, object, embed').length") == 0
     assert browser.eval("Array.from(document.images).every(i => i.complete && i.naturalWidth > 400 "
                         "&& i.src.startsWith('data:image/png;base64,'))")
-    assert browser.eval("document.images.length") == 1
+    assert browser.eval("document.querySelectorAll('img.plot').length") == 1  # (and the divergence's heatmaps)
     assert browser.eval("!document.querySelector('.tools').hidden")  # the script ran and showed its controls
 
 
@@ -268,3 +268,40 @@ def test_a_report_rebuilt_from_json_renders_the_same_table(browser: Browser, dem
     open_page(browser, Path(p))
     assert browser.eval("document.getElementById('first-divergence').dataset.name") == "blocks.1.norm2"
     assert len(visible_names(browser)) == 37
+
+
+# --------------------------------------------------------------------------- heatmaps of a divergence
+
+
+@pytest.fixture(scope="module")
+def heat_page(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Token positions from 6 on changed in a small transformer-like stack: several diverged calls
+    with heatmaps."""
+    root = tmp_path_factory.mktemp("heat")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 16), torch.nn.Tanh())
+    x = torch.randn(2, 12, 16)
+    ag.record(m, (x,), path=root / "g.h5")
+    x2 = x.clone()
+    x2[:, 6:] += 0.05
+    r = ag.compare(m, (x2,), path=root / "g.h5", replay="off", where=["2"])
+    return Path(visual.write_html(r, root / "heat.html"))
+
+
+def test_heatmap_renders_and_a_click_shows_another_layers(browser: Browser, heat_page: Path) -> None:
+    open_page(browser, heat_page)
+    figs = "Array.from(document.querySelectorAll('figure.heat'))"
+    assert browser.eval(f"{figs}.length") == 3  # the first two diverged calls, and layer 2 (asked for by `where`)
+    shown = f"{figs}.filter(f => !f.hidden && f.getClientRects().length).map(f => f.dataset.fig)"
+    first = browser.eval(shown)
+    assert len(first) == 1
+    fig_id = browser.eval("document.getElementById('first-divergence').dataset.heat")
+    assert first[0] == fig_id
+    assert browser.eval(f"{figs}.every(f => f.querySelector('img').complete "
+                        f"&& f.querySelector('img').naturalWidth > 300)")  # decoded, not a broken image
+    caption = browser.eval(f"document.querySelector('figure.heat[data-fig={json.dumps(fig_id)}]').innerText")
+    assert "only at 6-11" in caption
+    target = browser.eval("document.querySelector('tr[data-name=\"2\"]').dataset.heat")
+    click(browser, 'tr[data-name="2"] td.name')
+    assert browser.eval(shown) == [target]
+    assert browser.problems() == []

@@ -252,8 +252,13 @@ def compare(
     placements: Mapping[str, Any] | None = None,
     replay: str = "first",
     backward: Any = None,
+    where: str | Sequence[str] | None = None,
 ) -> Report:
     """Run the model with hooks and compare every layer call against the golden at ``path``.
+
+    The first diverged calls get the shape of their divergence (``LeafResult.where``: per
+    dimension where the mismatches lie, a common factor, offset, permutation or sign flips, and a
+    heatmap grid); ``where`` (layer globs) asks for it on those layers' diverged calls too.
 
     ``tolerance="calibrated"`` judges each float output against both runs' noise floors
     (measured with float64 shadow forwards) instead of fixed rtol/atol; the golden must have
@@ -286,7 +291,7 @@ def compare(
     spec = CompareSpec.build(dict(
         rtol=rtol, atol=atol, tolerances=tolerances, include=include, exclude=exclude, fail_fast=fail_fast,
         rename=rename, allow_dtype_change=allow_dtype_change, tolerance=tolerance, grad=grad, replay=replay,
-        placements=placements, backward=backward))
+        placements=placements, backward=backward, where=where))
     return compare_spec(model, args, kwargs, path=path, spec=spec)
 
 

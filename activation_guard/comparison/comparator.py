@@ -34,6 +34,7 @@ from .._core.tensors import is_plain_tensor
 from ..capture.hooks import Frame
 from ..distributed.transform import attribute
 from ..judges.strict import Judge, LeafContext, identical_leaf
+from ..judges.where import describe
 from ..options.rename import apply_rename, renamed_patterns
 from ..options.selection import Selector, selected
 from ..options.spec import CompareSpec
@@ -42,7 +43,7 @@ from ..replay.args import root_inputs_match
 from ..replay.callstart import remember_start
 from ..replay.hints import string_hint
 from ..replay.replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, keep_own
-from ..results import IdenticalCall, LayerResult, LeafResult, Origin
+from ..results import IdenticalCall, LayerResult, LeafResult, Origin, Where
 from ..store import CallEntry, GoldenReader, LeafEntry
 from ..values.calls import LiveSource
 from ..values.leaves import WALKED_SINCE, Leaf, LeafTransform, UnsupportedTensorError, flatten, value_at
@@ -50,6 +51,12 @@ from ..values.paths import EMPTY_KEY, first_duplicate, is_fields, match_old_empt
 from .fingerprints import FingerprintJudge
 from .golden_selection import Selection, recorded_selection, refuse_strays
 from .pairs import PAIRS, kind_name, out_name, tensor_pair
+
+# diverged calls (in execution order) whose shape of divergence is described and kept for a
+# heatmap without being asked (the `where` option asks for more): the first is the report's
+# subject, the next shows whether it propagates; each costs about two of the kernel's comparisons
+# of that output, so more would take a failing compare past 5% more time (docs/performance.md)
+DESCRIBED = 2
 
 
 class StopForward(Exception):
@@ -133,6 +140,9 @@ class Comparator:
         self.unreplayed: dict[tuple[str, int], str] = {}  # replay="all": calls not replayed, and why
         self.parents: dict[tuple[str, int], tuple[int, str | None]] = {}  # replay="all": call -> children, last
         self.hints: dict[tuple[str, int], str] = {}  # replay="all": a failing own error's string-argument hint
+        self.described = 0  # diverged calls described so far (DESCRIBED)
+        self.describe_first = DESCRIBED  # how many diverged calls get described without being asked
+        self._where = None if spec.where is None else Selector(spec.where, None, self.live_to_golden)
 
     @staticmethod
     def default_filter(meta: Mapping[str, Any], spec: CompareSpec) -> Selection | None:
@@ -264,7 +274,7 @@ class Comparator:
                         self.results.append(res)
                         return res, entry
                     quick = _identical_now(self.judge, name, entry, g, single, same)
-            leaves = [quick] if quick is not None else self.compare_leaves(entry, get_leaves(), name)
+            leaves = [quick] if quick is not None else self.compare_leaves(entry, get_leaves(), name, describe=True)
             res = LayerResult.from_leaves(name, call, tname, leaves, position=pos, golden_position=entry.position,
                                           golden_name=gname)
             if type_changed:
@@ -305,9 +315,25 @@ class Comparator:
         return None
 
     def compare_leaves(self, entry: CallEntry, leaves: list[Leaf], name: str,
-                       judge: Judge | None = None) -> list[LeafResult]:
+                       judge: Judge | None = None, *, describe: bool = False) -> list[LeafResult]:
         """One call's live leaves against its golden entry, by ``judge`` (default: this run's); what
-        replay calls for a replayed output (:class:`~activation_guard.replay.replay.CompareLeaves`)."""
+        replay calls for a replayed output (:class:`~activation_guard.replay.replay.CompareLeaves`).
+        ``describe``: a call of the run itself (not a replay's): a diverged output may get its shape
+        of divergence."""
+        out = self._compare_leaves(entry, leaves, name, judge, describe)
+        if describe and any(r.where is not None for r in out):
+            self.described += 1
+        return out
+
+    def _wants_where(self, name: str) -> bool | None:
+        """Whether a diverged call of ``name`` is described: True when asked for (``where``),
+        False among the first ``describe_first`` diverged calls, None for neither."""
+        if self._where is not None and self._where(name):
+            return True
+        return False if self.described < self.describe_first else None
+
+    def _compare_leaves(self, entry: CallEntry, leaves: list[Leaf], name: str, judge: Judge | None,
+                        describe: bool) -> list[LeafResult]:
         if self.reader.version < 2:  # a format-1 golden names leaves by its own (non-injective) paths
             for leaf in leaves:
                 if leaf.legacy_path is not None:
@@ -319,7 +345,7 @@ class Comparator:
         judge = judge or self.judge
         if len(leaves) == 1 and len(entry.leaves) == 1 and leaves[0].path == entry.leaves[0].path:
             only = leaves[0]  # one output, where the golden has it: no path matching to do
-            res = self._compare_leaf(entry.leaves[0], only, name, entry, judge)
+            res = self._compare_leaf(entry.leaves[0], only, name, entry, judge, describe)
             if only.dist is not None:  # distributed: name the rank holding the worst element
                 attribute(res, only.dist)
             return [res]
@@ -345,7 +371,7 @@ class Comparator:
                     results.append(LeafResult(g.path, "structure",
                                               f"{out_name(g.path)} ({kind_name(g)}) is missing from the live output"))
                 continue
-            res = self._compare_leaf(g, lv, name, entry, judge)
+            res = self._compare_leaf(g, lv, name, entry, judge, describe)
             if lv.dist is not None:  # distributed: name the rank holding the worst element
                 attribute(res, lv.dist)
             results.append(res)
@@ -381,7 +407,8 @@ class Comparator:
         same = self._same_bytes(g, t, type_name, name, entry)
         return None if same is None else _identical_now(judge, name, entry, g, t, same)
 
-    def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
+    def _compare_leaf(self, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge,
+                      describe_it: bool = False) -> LeafResult:
         """One golden leaf against the live leaf at its path: the cases every kind shares here, then
         the comparer of the golden leaf's kind (:data:`PAIRS`)."""
         t = lv.tensor
@@ -401,7 +428,7 @@ class Comparator:
                                           "its value)", type_name=lv.type_name, type_only=True)
         if g.kind != lv.kind:
             return LeafResult(p, "structure", f"{out_name(p)} was {kind_name(g)}, is now {lv.type_name}")
-        return PAIRS.get(g.kind, tensor_pair)(self, g, lv, name, entry, judge)
+        return PAIRS.get(g.kind, tensor_pair)(self, g, lv, name, entry, judge, describe_it)
 
     def golden_tensor(self, g: LeafEntry, label: str, live: torch.Tensor) -> torch.Tensor:
         """A stored tensor leaf's values, read the cheapest way for this run."""
@@ -412,6 +439,22 @@ class Comparator:
         # replay="all" reads a stored output again for replays: through their cache (children.py)
         return (self.replayer.cache if self.replayer is not None and self.spec.replay == "all"
                 else self.reader).load(g, label)
+
+    def judge_tensor(self, ctx: LeafContext, g: LeafEntry, live: torch.Tensor, judge: Judge,
+                     describe_it: bool) -> LeafResult:
+        """A stored tensor judged; a diverged one of a call that is described gets its shape of
+        divergence here, where both tensors are in memory."""
+        golden = self.golden_tensor(g, ctx.label, live)
+        res = judge.judge(ctx, golden, live)
+        if describe_it and res.status in ("diverged", "nonfinite"):
+            asked = self._wants_where(ctx.name)
+            if asked is not None:
+                try:
+                    res.where = describe(golden, live, res.rtol or 0.0, res.atol or 0.0)
+                except (RuntimeError, ValueError, TypeError) as e:  # the verdict stands without its description
+                    res.where = Where("unknown", f"not described ({type(e).__name__}: {e})")
+                res.where.requested = asked
+        return res
 
     # ------------------------------------------------------------------ end of run
     def notes(self) -> list[str]:

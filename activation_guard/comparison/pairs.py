@@ -18,11 +18,12 @@ from ..values.leaves import Leaf
 
 
 class PairHost(Protocol):
-    """What a comparer needs of the comparator: the spec, and a stored tensor's values."""
+    """What a comparer needs of the comparator: the spec, and a stored tensor judged."""
 
     spec: CompareSpec
 
-    def golden_tensor(self, g: LeafEntry, label: str, live: torch.Tensor) -> torch.Tensor: ...
+    def judge_tensor(self, ctx: LeafContext, g: LeafEntry, live: torch.Tensor, judge: Judge,
+                     describe_it: bool) -> LeafResult: ...
 
 
 def out_name(path: str) -> str:
@@ -41,14 +42,16 @@ def kind_name(g: LeafEntry) -> str:
 
 # One function per kind of golden leaf, like torch.testing's pairs: the golden and live leaves
 # already have the same kind (the comparator settled fingerprints, legacy objects and kind changes).
-PairFn = Callable[["PairHost", LeafEntry, Leaf, str, CallEntry, Judge], LeafResult]
+PairFn = Callable[["PairHost", LeafEntry, Leaf, str, CallEntry, Judge, bool], LeafResult]
 
 
-def none_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
+def none_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge,
+              describe: bool = False) -> LeafResult:
     return LeafResult(g.path, "match")
 
 
-def object_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
+def object_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge,
+                describe: bool = False) -> LeafResult:
     """An object held by type name only (a KV cache, a generator): its type, or nothing at all."""
     p = g.path
     if g.type_name != lv.type_name:
@@ -59,7 +62,8 @@ def object_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry
                       type_only=True)
 
 
-def ref_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
+def ref_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge,
+             describe: bool = False) -> LeafResult:
     """A repeated or cyclic container: the same output it referred to."""
     p = g.path
     if g.value != lv.value:
@@ -68,7 +72,8 @@ def ref_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, j
     return LeafResult(p, "match", type_name=lv.type_name)
 
 
-def str_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
+def str_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge,
+             describe: bool = False) -> LeafResult:
     """Text (and values written as text: dtypes, devices, enum members): equal or diverged."""
     p = g.path
     if g.type_name != lv.type_name:
@@ -79,7 +84,8 @@ def str_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, j
     return LeafResult(p, "match")
 
 
-def tensor_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge) -> LeafResult:
+def tensor_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge,
+                describe: bool = False) -> LeafResult:
     """A stored tensor: its type, shape (or a rank's local shard of it) and dtype, then the judge."""
     p = g.path
     if g.type_name != lv.type_name:
@@ -98,7 +104,7 @@ def tensor_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry
         return LeafResult(p, "dtype", f"{out_name(p)} dtype {g.dtype} -> {ldt}",
                           dtype=g.dtype, live_dtype=ldt, shape=g.shape, live_shape=lshape, numel=g.numel)
     ctx = LeafContext(name, entry.name, entry.call, p, g.dtype, ldt)
-    return judge.judge(ctx, c.golden_tensor(g, ctx.label, t), t)
+    return c.judge_tensor(ctx, g, t, judge, describe)
 
 
 PAIRS: dict[str, PairFn] = {"none": none_pair, "object": object_pair, "ref": ref_pair, "str": str_pair,

@@ -110,6 +110,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "--ag-fingerprint", "ag_fingerprint"),
     Option("fingerprint_params", _fingerprint_params, True, False,
            "fingerprint size and false-alarm bound: dict(samples=, rows=, buckets=, false_alarm=, seed=)"),
+    Option("where", _patterns, False, True,
+           "layer globs whose diverged calls also get the shape of their divergence (per-dimension words, heatmap); "
+           "the first two diverged calls always do"),
     Option("backward", _backward, True, True,  # gradients
            "also record (compare) gradients: True (loss = outputs x seeded random cotangents), a callable(output) "
            "-> scalar loss, or False"),
@@ -230,6 +233,7 @@ class CompareSpec(_SpecBase):
     grad: bool = False
     placements: PlacementTable = field(default_factory=PlacementTable)  # distributed: docs/distributed.md
     replay: str = "first"
+    where: tuple[str, ...] | None = None  # layers described beyond the first diverged calls
     # gradients: None checks them when the golden has them; False never; True or a loss function
     backward: bool | Callable[[Any], Any] | None = None
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)

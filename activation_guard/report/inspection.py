@@ -27,8 +27,9 @@ from .._core import dtypes
 from .._core.errors import GoldenError
 from ..fingerprints.fingerprint import Fingerprint
 from ..fingerprints.soundness import gamma
+from ..judges.where import describe
 from ..options.selection import display_name, match_any
-from ..results import json_number
+from ..results import Heat, json_number
 from ..store import CallEntry, GoldenReader, LeafEntry
 from ..store.fingerprints import encode as fingerprint_bytes
 
@@ -262,6 +263,25 @@ def verify_values(reader: GoldenReader, *, outputs: bool = True) -> tuple[int, l
                 except GoldenError as e:
                     damaged.append(str(e))
     return checked, damaged
+def golden_heat(path: str | os.PathLike[str], layer: str) -> tuple[str, Heat]:
+    """The heatmap grid of the first stored tensor of the first call of ``layer`` (a name or a
+    glob), reduced to 2-D as a divergence's is: what ``inspect --plot`` draws. A ValueError says
+    why there is none (no such layer, or it holds no values: a fingerprint, a non-tensor output)."""
+    with GoldenReader(path) as reader:
+        calls = [c for c in reader.calls if c.name == layer or match_any(c.name, [layer])]
+        if not calls:
+            raise ValueError(f"layer {layer!r} is not in the golden")
+        for c in calls:
+            for leaf in c.leaves:
+                if leaf.kind == "tensor":
+                    label = f"layer {c.name!r} call {c.call} output {leaf.path!r}"
+                    t = reader.load(leaf, label)
+                    heat = describe(t, t, 0.0, 0.0).heat
+                    if heat is not None:
+                        return f"{c.name or '<root>'}[{c.call}]" + (f" output {leaf.path}" if leaf.path else ""), heat
+        kinds = sorted({leaf.kind for c in calls for leaf in c.leaves})
+        raise ValueError(f"layer {layer!r} holds no stored tensor values to draw (its outputs: {', '.join(kinds)}; "
+                         f"a fingerprint keeps no values)")
 
 
 def path_str(path: str) -> str:

@@ -14,7 +14,16 @@ from typing import Any
 
 from ..capture.env import recorded_device
 from ..options.selection import display_name
-from ..results import STATUS_ORDER, IdenticalCall, LayerResult, LeafResult, Origin, from_json_number, json_number
+from ..results import (
+    STATUS_ORDER,
+    IdenticalCall,
+    LayerResult,
+    LeafResult,
+    Origin,
+    Where,
+    from_json_number,
+    json_number,
+)
 from .textfmt import (  # re-exported: the HTML page and the Markdown summary read values the same way
     GRAD_WHY,
     WHY,
@@ -32,6 +41,29 @@ from .textfmt import (  # re-exported: the HTML page and the Markdown summary re
 )
 
 __all__ = ["GRAD_WHY", "WHY", "Report", "abs_diff", "fmt", "fmt_diff", "fmt_pair", "gradient_text", "row_name", "why"]
+
+def where_lines(w: Where) -> list[str]:
+    """The shape of a divergence, as the text report prints it under the worst element."""
+    lines = w.lines()
+    return [f"  where         : {lines[0]}", *(f"                  {x}" for x in lines[1:])]
+
+
+def sampled_where(leaf: LeafResult) -> list[str]:
+    """What a fingerprinted output's samples prove about where it differs: only them."""
+    if not leaf.sampled:
+        return ["  where         : not located: a fingerprint holds no values to compare element by element"]
+    at = "" if not leaf.mismatched or leaf.index is None else f", one at index {tuple(leaf.index)}"
+    return [f"  where         : not located: checked by fingerprint; of its {leaf.sampled} exact samples, "
+            f"{leaf.mismatched} lie outside tolerance{at}; no per-dimension pattern is claimed beyond them"]
+
+
+def _where_summary(fd: LayerResult) -> dict[str, Any] | None:
+    """The first divergence's shape for CI tools (its heatmap grid stays on the leaf)."""
+    leaf = next((x for x in fd.leaves if x.path == fd.path and x.where is not None), None)
+    if leaf is None or leaf.where is None:
+        return None
+    return {k: v for k, v in leaf.where.to_dict().items() if k != "heat"}
+
 
 CONTEXT_BEFORE = 3
 CONTEXT_AFTER = 4
@@ -191,6 +223,7 @@ class Report:
                 "name": fd.name, "call": fd.call, "status": fd.status, "position": fd.position,
                 **self._printed_number(fd),
                 **({} if fd.phase == "forward" else {"phase": fd.phase, "wrt": fd.wrt})},  # gradients
+            "where": None if fd is None else _where_summary(fd),  # the first divergence's shape, for CI tools
             "counts": self.counts(),
             "stopped_early": self.stopped_early,
             "input_changes": list(self.input_changes),
@@ -342,6 +375,7 @@ class Report:
         if fd is None:
             return "\n".join(map(safe_line, lines))
         lines += self._detail(fd)
+        lines += self._requested_where(fd)
         lines += self._context(fd)
         lines += ["", self._totals()]
         if self.stopped_early:
@@ -377,6 +411,7 @@ class Report:
         src: LayerResult | LeafResult = focus if focus is not None and len(fd.leaves) > 1 else fd
         if focus is not None and focus.estimate:
             out += estimate_lines(focus)
+            out += sampled_where(focus)
         elif not (focus is not None and focus.dtype is None and not focus.numel) and (
                 fd.status in ("diverged", "nonfinite", "match") or src.mismatched):
             # (a string, dtype, enum or bytes value that changed has no numbers: its "what" line says it)
@@ -398,6 +433,8 @@ class Report:
                 out.append(f"  tolerance     : rtol={src.rtol:g}, atol={src.atol:g} ({src.tolerance_source})")
             if src.error_multiple is not None:
                 out.append(f"  error / noise : {src.error_multiple:.3g}x the calibrated noise floor (fails above 1)")
+            if focus is not None and focus.where is not None:
+                out += where_lines(focus.where)
         if fd.inherited_status is not None:
             out.append(f"  judged by     : its own error (replayed on the golden's inputs); its output, with what it "
                        f"inherited: {fd.inherited_status}, max abs diff {fmt_diff(fd.inherited_max_abs_diff)}")
@@ -408,6 +445,21 @@ class Report:
                 + (f" (max abs diff {fmt_diff(leaf.max_abs_diff)}, {leaf.mismatched} / {leaf.numel} mismatched)"
                    if leaf.max_abs_diff is not None and leaf.status in ("diverged", "nonfinite") else "")
                 for leaf in others[:5]) + (f", and {len(others) - 5} more" if len(others) > 5 else ""))
+        return out
+
+    def described(self) -> list[tuple[LayerResult, LeafResult]]:
+        """Diverged outputs whose shape of divergence was taken (``LeafResult.where``), in order."""
+        return [(layer, leaf) for layer in self.divergences if not isinstance(layer, IdenticalCall)
+                for leaf in layer.leaves if leaf.where is not None]
+
+    def _requested_where(self, fd: LayerResult) -> list[str]:
+        """Layers the ``where`` option named: their shape of divergence too."""
+        out = []
+        for layer, leaf in self.described():
+            if layer is fd or leaf.where is None or not leaf.where.requested:
+                continue
+            out.append(f"  where in {layer.label}" + (f" output {leaf.path}" if leaf.path else "") + ":")
+            out += [f"    {x}" for x in leaf.where.lines()]
         return out
 
     def _context(self, fd: LayerResult) -> list[str]:

@@ -32,7 +32,8 @@ from importlib import resources
 from typing import Any, NamedTuple, Protocol, Union, runtime_checkable
 
 from .._core.errors import ActivationGuardError
-from ..results import LayerResult, Origin
+from ..results import Heat, IdenticalCall, LayerResult, LeafResult, Origin
+from .heatmap import render_heat_png
 from .textfmt import fmt_diff, fmt_pair, why
 
 
@@ -84,6 +85,57 @@ def plot_available() -> bool:
     except PlotUnavailableError:
         return False
     return True
+
+
+def heat_png(label: str, leaf: LeafResult, *, golden_only: bool = False) -> bytes | None:
+    """The heatmap of a described output (``leaf.where.heat``), or None when it has no grid."""
+    if leaf.where is None or leaf.where.heat is None:
+        return None
+    name = label + (f" output {leaf.path}" if leaf.path else "")
+    return render_heat_png(leaf.where.heat, _matplotlib(), title=_lit(name), rtol=leaf.rtol, atol=leaf.atol,
+                           golden_only=golden_only)
+
+
+def golden_png(label: str, heat: Heat) -> bytes:
+    """A golden's values alone, as ``inspect --plot`` draws them."""
+    return render_heat_png(heat, _matplotlib(), title=_lit(f"golden {label}"), golden_only=True)
+
+
+MAX_HEATMAPS = 24  # pictures in one check's section: a page of a GPT-2-small compare stays under 2 MB
+
+
+def _heat_figures(report: ReportLike, i: int) -> tuple[list[str], dict[int, str]]:
+    """Heatmaps of the diverged calls whose shape was taken: the first divergence's shown, the
+    others hidden until their row is clicked (the first ``MAX_HEATMAPS``; a note counts the rest).
+    Returns the figures and each row's figure id."""
+    fd = report.first_divergence
+    out: list[str] = []
+    ids: dict[int, str] = {}
+    left = 0
+    for k, layer in enumerate(report.layers):
+        if layer.ok or (isinstance(layer, IdenticalCall) and not layer.built):
+            continue
+        if len(ids) >= MAX_HEATMAPS and layer is not fd:
+            left += any(x.where is not None and x.where.heat is not None for x in layer.leaves)
+            continue
+        leaf = next((x for x in layer.leaves if x.where is not None and x.where.heat is not None), None)
+        if leaf is None:
+            continue
+        png = heat_png(layer.label, leaf)
+        if png is None:
+            continue
+        fid = f"heat-{i}-{k}"
+        ids[id(layer)] = fid
+        b64 = base64.b64encode(png).decode("ascii")
+        hidden = "" if layer is fd else " hidden"
+        words = "; ".join(leaf.where.lines()) if leaf.where is not None else ""
+        out.append(f'<figure class="heat" data-fig="{fid}"{hidden}><img class="heat" '
+                   f'alt="heatmap of {_e(layer.label)}" src="data:image/png;base64,{b64}">'
+                   f"<figcaption>{_e(layer.label)}: {_e(words)}</figcaption></figure>")
+    if left:
+        out.append(f'<p class="note">{left} more described calls have no picture on this page (it stays small): '
+                   f"<code>activation-guard diff --heatmap LAYER FILE.png</code> draws one</p>")
+    return out, ids
 
 
 # --------------------------------------------------------------------------- plot
@@ -323,7 +375,8 @@ def _head(columns: Sequence[tuple[str, str]], *, plain: Sequence[str] = ()) -> s
     return "<thead><tr>" + "".join(cells) + "</tr></thead>"
 
 
-def _layer_rows(report: ReportLike, fd_id: str, calibrated: bool) -> list[str]:
+def _layer_rows(report: ReportLike, fd_id: str, calibrated: bool, heats: Mapping[int, str] | None = None
+                ) -> list[str]:
     fd = report.first_divergence
     ordered = _live_layers(report) + [x for x in report.layers if x.position is None]
     n_live = report.live_count
@@ -358,6 +411,8 @@ def _layer_rows(report: ReportLike, fd_id: str, calibrated: bool) -> list[str]:
         attrs = f' class="{cls}"' if cls else ""
         attrs += f' id="{fd_id}"' if x is fd else ""
         attrs += f' data-name="{_e(name)}" data-bad="{0 if x.ok else 1}"'
+        if heats and id(x) in heats:  # a click shows its heatmap
+            attrs += f' data-heat="{heats[id(x)]}" title="click: heatmap of this output"'
         rows.append(f"<tr{attrs}>{''.join(cells)}</tr>")
     return rows
 
@@ -400,12 +455,19 @@ def _section(i: int, label: str, report: ReportLike, with_plot: bool, fd_id: str
             out.append(f'<img class="plot" alt="error by layer for {_e(label)}" src="data:image/png;base64,{b64}">')
         except PlotUnavailableError:
             out.append(f'<p class="note">(no plot: matplotlib is not installed; {_e(INSTALL_HINT)})</p>')
+    heats: dict[int, str] = {}
+    if with_plot and not report.ok and plot_available():
+        figures, heats = _heat_figures(report, i)
+        if figures:
+            out += ['<div class="heats"><p class="note">where the first divergence differs; click a diverged row '
+                    "marked &#9638; for its heatmap (the first two diverged calls and the layers the "
+                    "<code>where</code> option names have one)</p>", *figures, "</div>"]
     calibrated = any(x.error_multiple is not None for x in report.layers)
     columns = COLUMN_KINDS + ((ALLOWED_COLUMN,) if calibrated else ())
     n = len(report.layers)
     box = ['<div class="table-box">', _tools("layers", only_bad=not report.ok and n > BIG_TABLE),
            f'<div class="scroll"><table class="ag layers" data-noun="layer calls">{_head(columns)}<tbody>',
-           *_layer_rows(report, fd_id, calibrated), "</tbody></table></div></div>"]
+           *_layer_rows(report, fd_id, calibrated, heats), "</tbody></table></div></div>"]
     if report.ok:  # a passing check's table is rarely read: fold it
         out += [f"<details><summary>{n} layer calls</summary>", *box, "</details>"]
     else:

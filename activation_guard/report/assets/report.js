@@ -123,6 +123,15 @@
   }
 
   document.addEventListener("click", function (e) {
+    var row = e.target.closest ? e.target.closest("tr[data-heat]") : null;
+    if (row) {  // a diverged row with a heatmap: show it, hide the section's others
+      var fig = document.querySelector('figure.heat[data-fig="' + row.getAttribute("data-heat") + '"]');
+      if (fig) {
+        var box = fig.parentElement;
+        Array.prototype.forEach.call(box.querySelectorAll("figure.heat"), function (f) { f.hidden = f !== fig; });
+        fig.scrollIntoView({block: "nearest"});
+      }
+    }
     var a = e.target.closest ? e.target.closest("a[href^='#']") : null;
     if (a) reveal(decodeURIComponent(a.getAttribute("href").slice(1)));
   });
