@@ -3,6 +3,9 @@
 Plain dataclasses with every number a report shows as a field of its own (text, JSON, HTML and
 Markdown reports read fields, never each other's strings), and exact ``to_dict``/``from_dict``
 round trips so a report written by another process (an xdist worker, a CI job) renders the same.
+
+Over the ~400 lines we aim for: every verdict type, with its exact ``to_dict``/``from_dict`` round
+trip, sits in one module, so no renderer parses another's strings.
 """
 
 from __future__ import annotations

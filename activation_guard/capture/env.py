@@ -3,6 +3,10 @@
 Stored with every golden and diffed against the live run, because "every layer diverged" is
 usually an input or TF32 change, not a model bug, and the report should say so first.
 Nothing time- or process-dependent is recorded: goldens must be byte-reproducible.
+
+Over the ~400 lines we aim for: every fact a golden records about its run (versions, device,
+numerics switches, the precision each op family really runs in, inputs, modes) is recorded and
+described as a change in one place, so a report's description reads the fields it was recorded from.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ All state lives on one :class:`GuardSession` per pytest ``Config`` (never in mod
 nested pytest runs (``pytester``) and xdist workers each have their own, and workers ship theirs
 to the controller as JSON. Plain objects, no pytest or torch imports: unit tests drive them
 directly, and the report writers (HTML, Markdown) are imported only when a report is written.
+
+A little over the ~400 lines we aim for: the per-check records, xdist merging and the search for
+unused goldens (renamed test modules included) share the session's bookkeeping.
 """
 
 from __future__ import annotations
