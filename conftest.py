@@ -22,6 +22,8 @@ from activation_guard.report import visual
 with deterministic(0):  # imports torch._dynamo & co. (via the determinism switches)
     pass
 visual.plot_available()  # imports matplotlib when installed
+with contextlib.suppress(ImportError):  # the heatmap's contour lines load it lazily, once per process
+    import contourpy  # noqa: F401
 with contextlib.suppress(ImportError):  # inner runs build these; their first import registers torch ops once
     from transformers import BertModel, GPT2Model  # noqa: F401
 
