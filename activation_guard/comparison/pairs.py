@@ -72,13 +72,18 @@ def ref_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, j
     return LeafResult(p, "match", type_name=lv.type_name)
 
 
+def type_changed(g: LeafEntry, lv: Leaf) -> LeafResult:
+    """A value of another Python type at the same path (a tensor subclass, ``str`` for an enum)."""
+    return LeafResult(g.path, "structure", f"{out_name(g.path)} type changed {g.type_name} -> {lv.type_name}",
+                      type_name=lv.type_name)
+
+
 def str_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry, judge: Judge,
              describe: bool = False) -> LeafResult:
     """Text (and values written as text: dtypes, devices, enum members): equal or diverged."""
     p = g.path
     if g.type_name != lv.type_name:
-        return LeafResult(p, "structure", f"{out_name(p)} type changed {g.type_name} -> {lv.type_name}",
-                          type_name=lv.type_name)
+        return type_changed(g, lv)
     if g.value != lv.value:
         return LeafResult(p, "diverged", f"{out_name(p)} {g.value!r} -> {lv.value!r}")
     return LeafResult(p, "match")
@@ -89,8 +94,7 @@ def tensor_pair(c: PairHost, g: LeafEntry, lv: Leaf, name: str, entry: CallEntry
     """A stored tensor: its type, shape (or a rank's local shard of it) and dtype, then the judge."""
     p = g.path
     if g.type_name != lv.type_name:
-        return LeafResult(p, "structure", f"{out_name(p)} type changed {g.type_name} -> {lv.type_name}",
-                          type_name=lv.type_name)
+        return type_changed(g, lv)
     t = lv.tensor
     assert t is not None and g.dtype is not None
     ldt = dtype_name(t)
