@@ -49,7 +49,7 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
     step = max(1, SLAB // rest)
     real = not cdt.is_complex
     any_bad = [torch.zeros(s, dtype=torch.bool, device=live.device) for s in golden.shape]
-    # nbad, gg, lg, ll, dd, d (over mismatched elements), flips; then sums of g, l, g^2, l^2 over all
+    # nbad, gg, dg, ll, dd, d (over mismatched elements), flips; then sums of g, l, g^2, l^2 over all
     sums = torch.zeros(11, dtype=torch.float64, device=live.device)
     nonfinite = 0  # mismatched elements where either side is NaN/Inf: outside the relations
     rows_cols = golden.shape[-2:] if nd >= 2 else (1, golden.shape[0])
@@ -72,12 +72,12 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
                 nonfinite += int((bad & ~fin).sum())
                 gc, lc = torch.where(fin, gc, 0), torch.where(fin, lc, 0)
                 bad = bad & fin
-            # float64 products: the scale fit's residual (ll - lg^2 / gg) cancels by 1 / (factor - 1)^2,
-            # which float32 products' rounding swamps for a factor near 1 (1.008 read as "broad")
-            bg, bl = (gc * bad).to(f64), (lc * bad).to(f64)
+            bg, bl = gc * bad, lc * bad
             bd = bl - bg
             flip = ((bl + bg).abs() <= atol + rtol * ga) & bad
-            sums += torch.stack([bad.sum(dtype=f64), (bg * bg).sum(dtype=f64), (bl * bg).sum(dtype=f64),
+            # the scale fit is made on the difference (d = (c - 1) g): fitted on the values (l = c g),
+            # its residual ll - lg^2 / gg cancels by 1 / (c - 1)^2, and a factor of 1.008 read as "broad"
+            sums += torch.stack([bad.sum(dtype=f64), (bg * bg).sum(dtype=f64), (bd * bg).sum(dtype=f64),
                                  (bl * bl).sum(dtype=f64), (bd * bd).sum(dtype=f64), bd.sum(dtype=f64),
                                  flip.sum(dtype=f64), gc.sum(dtype=f64), lc.sum(dtype=f64),
                                  (gc * gc).sum(dtype=f64), (lc * lc).sum(dtype=f64)])
@@ -102,11 +102,11 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
             sb = bad.reshape(-1, *rows_cols).any(0)
             hb = sb if hb is None else hb | sb
     dims = [] if scalar else [_dim_where(k, any_bad[k]) for k in range(nd)]
-    nbad, gg, lg, ll, ddsum, dsum, flips, gs, ls, gss, lss = (float(x) for x in sums.tolist())
+    nbad, gg, dg, ll, ddsum, dsum, flips, gs, ls, gss, lss = (float(x) for x in sums.tolist())
     # a permutation keeps the sum and the sum of squares (the slices' own sums are looked at only then)
     perm_candidate = math.isclose(gs, ls, rel_tol=1e-4, abs_tol=1e-6 * math.sqrt(gss * golden.numel()) + atol) \
         and math.isclose(gss, lss, rel_tol=1e-4, abs_tol=1e-12)
-    where = _relation(golden, live, rtol, atol, real, nbad, gg, lg, ll, ddsum, dsum, int(flips), perm_candidate,
+    where = _relation(golden, live, rtol, atol, real, nbad, gg, dg, ll, ddsum, dsum, int(flips), perm_candidate,
                       any_bad, golden.numel())
     where.dims = dims
     if nonfinite:
@@ -150,7 +150,7 @@ def _dim_where(k: int, flags: torch.Tensor) -> DimWhere:
 
 
 def _relation(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float, real: bool, nbad: float, gg: float,
-              lg: float, ll: float, dd: float, dsum: float, flips: int, perm_candidate: bool,
+              dg: float, ll: float, dd: float, dsum: float, flips: int, perm_candidate: bool,
               any_bad: list[torch.Tensor], numel: int) -> Where:
     at = "every element" if nbad == numel else f"every mismatched element ({int(nbad)} of {numel})"
     if not real:
@@ -163,8 +163,8 @@ def _relation(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float
         return Where("permutation", f"permutation along dim {k}: the golden's values moved between {moved} "
                                     f"positions ({pairs})", perm_dim=k, moved=moved)
     if nbad and gg > 0 and ll > 0 and dd > 0:
-        c = lg / gg
-        resid = max(ll - lg * lg / gg, 0.0)
+        c = 1.0 + dg / gg
+        resid = max(dd - dg * dg / gg, 0.0)
         if resid <= EXPLAINED * dd and abs(c - 1.0) > 0:
             if math.isclose(c, -1.0, rel_tol=1e-3) and flips == int(nbad):
                 return Where("sign", f"sign flips: live = -golden at {at}", factor=c, sign_flips=flips)
