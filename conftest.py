@@ -24,8 +24,6 @@ with deterministic(0):  # imports torch._dynamo & co. (via the determinism switc
 visual.plot_available()  # imports matplotlib when installed
 with contextlib.suppress(ImportError):  # the heatmap's contour lines load it lazily, once per process
     import contourpy  # noqa: F401
-with contextlib.suppress(ImportError):  # inner runs build these; their first import registers torch ops once
-    from transformers import BertModel, GPT2Model  # noqa: F401
 
 # The suite runs under `pytest -n 2` on 2-core machines: two workers each spinning two OpenMP
 # threads turn a 0.2 ms tiny forward into 0.2 s. One intra-op thread per worker.

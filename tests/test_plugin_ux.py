@@ -12,6 +12,10 @@ from html.parser import HTMLParser
 
 import pytest
 
+# inner runs here build these models; their first import registers torch ops (with torchao
+# installed, quantized ones), which cannot happen twice, so it must not first happen inside a run
+from transformers import BertModel, GPT2Model  # noqa: F401
+
 from activation_guard.report import visual
 from activation_guard.testing import golden_files
 
@@ -594,7 +598,6 @@ def test_gpt2(activation_guard):
 
 def test_a_lower_precision_run_is_not_blamed_on_code_and_points_to_calibrated(
         ag: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    from transformers import GPT2Model  # noqa: F401  (imported once here: inner runs drop what they import)
 
     ag.makepyfile(test_bf=BF16)
     ag.runpytest("--ag-update", "test_bf.py", *LEAN).assert_outcomes(passed=1)
