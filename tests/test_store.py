@@ -362,6 +362,7 @@ def test_store_imports_only_core_and_the_fingerprint_type():
     assert {m for m in added if not m.startswith("activation_guard.store")} == {
         "activation_guard.fingerprints",
         "activation_guard._core.dtypes",
+        "activation_guard._core.kinds",  # the leaf-kind vocabulary (typing only)
         "activation_guard._core.errors",
         "activation_guard._core.gcpause",
         "activation_guard._core.slots",
@@ -425,9 +426,11 @@ def test_store_errors_do_not_name_pytest(tmp_path):
 
 
 def test_the_store_keeps_the_leaf_kinds_the_walker_makes():
-    """The index encodes a leaf's kind by its position in the store's LEAF_KINDS: the same
-    vocabulary, in the same order, as the walker's LeafKind (a new kind must be added to both)."""
+    """The index encodes a leaf's kind by its position in LEAF_KINDS: the store and the walker
+    use the one vocabulary (_core/kinds.py), not copies that could drift apart."""
+    from activation_guard._core.kinds import LEAF_KINDS
     from activation_guard.store.format import LEAF_KINDS as STORED
-    from activation_guard.values.leaves import LEAF_KINDS as WALKED
 
-    assert STORED == WALKED
+    assert STORED is LEAF_KINDS
+    # positions are the golden format: a new kind is appended, never inserted
+    assert LEAF_KINDS == ("tensor", "none", "str", "object", "ref", "alias", "fingerprint")

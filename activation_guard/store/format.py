@@ -27,14 +27,12 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._core import dtypes
 from .._core.errors import GoldenFormatError
+from .._core.kinds import LEAF_KINDS, LeafKind
 from .._core.slots import SLOTS
-
-if TYPE_CHECKING:  # the type only: the store does not load the value walker
-    from ..values.leaves import LeafKind
 
 FORMAT_NAME = "activation_guard.golden"
 FORMAT_VERSION = 3
@@ -53,7 +51,6 @@ LFS_SIGNATURE = b"version https://git-lfs"
 ALLOWED_FILTERS = {1, 2, 3, 32000}
 COMPRESSIONS = {None, "gzip", "lzf"}
 ROOT_MEMBERS = ("index", "meta", "packs", "data")  # formats 1 and 2; format 3 adds ROW_TABLES
-LEAF_KINDS = ("tensor", "none", "str", "object", "ref", "alias", "fingerprint")
 SECTIONS = ("out", "in")  # a call's outputs ("leaves") and its inputs ("inputs")
 # --- gradients: the index's optional "backward" list, in backward execution order; each
 # entry is a call entry with "grad": "output" | "input" (a module call's gradient w.r.t. its

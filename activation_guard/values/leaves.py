@@ -39,12 +39,13 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Callable, Literal, get_args
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
 from .._core.errors import ActivationGuardError
+from .._core.kinds import LeafKind
 from .._core.tensors import is_plain_tensor, wrapped
 from .paths import (
     FIELDS,
@@ -110,9 +111,6 @@ class NamespaceView(Mapping[str, Any]):
         return len(vars(self.ns))
 
 
-# what a leaf holds; a golden stores the same kinds (store/format.py's LEAF_KINDS, in this order)
-LeafKind = Literal["tensor", "none", "str", "object", "ref", "alias", "fingerprint"]
-LEAF_KINDS: tuple[LeafKind, ...] = get_args(LeafKind)
 
 
 @dataclass
