@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
 
 from ._core.kernel import TensorStats, unravel
+from ._core.metrics import Energy, total
 from ._core.slots import SLOTS
 
 # what a leaf or a layer call compared to; "local_shard" (distributed): a rank's piece of a value whose
@@ -68,7 +69,23 @@ def _fields_from_dict(cls: Any, d: Any) -> dict[str, Any]:
             out[k] = tuple(out[k])
     if out.get("where") is not None:
         out["where"] = Where.from_dict(out["where"])
+    for k in ENERGY_FIELDS:
+        if k in out:
+            out[k] = Energy.from_dict(out[k])
+    if "min_sqnr_db" in out:
+        out["min_sqnr_db"] = from_json_number(out["min_sqnr_db"])
     return out
+
+
+# error energies (:mod:`._core.metrics`): the metrics a ``metric``/``min_sqnr_db`` compare shows follow from them
+ENERGY_FIELDS = ("energy", "own_energy", "inherited_energy")
+
+
+def _energies_to_json(d: dict[str, Any], obj: Any) -> None:
+    for k in ENERGY_FIELDS:
+        if k in d:
+            e = getattr(obj, k)
+            d[k] = None if e is None else e.to_dict()
 
 
 @dataclass
@@ -195,10 +212,14 @@ class LeafResult:
     sampled: int = 0  # elements checked exactly (bit-exact samples); ``mismatched`` counts those outside
     false_alarm: float | None = None  # bound on P(a within-tolerance run fails the sketch check)
     where: Where | None = None  # the shape of the divergence, for the first diverged call and requested layers
+    # error energy against the golden (a ``metric`` or ``min_sqnr_db`` compare: every metric follows from it)
+    energy: Energy | None = None
+    min_sqnr_db: float | None = None  # the SQNR threshold that judged it (a tolerances pattern's min_sqnr_db)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["where"] = None if self.where is None else self.where.to_dict()
+        _energies_to_json(d, self)
         for k in ("max_abs_diff", "max_rel_diff", "golden_value", "live_value", "error_multiple", *ESTIMATE_NUMBERS):
             d[k] = json_number(d[k])
         for k in ("shape", "live_shape", "index"):
@@ -258,6 +279,12 @@ class LayerResult:
     own_max_rel_diff: float | None = None
     inherited_status: Status | None = None  # replay="all": the output verdict, before own errors judged it
     inherited_max_abs_diff: float | None = None
+    # error energies (pooled over the call's outputs): as judged, its replay's own, and the output's
+    # before its own error judged it (replay="all"); and the SQNR threshold that judged it
+    energy: Energy | None = None
+    own_energy: Energy | None = None
+    inherited_energy: Energy | None = None
+    min_sqnr_db: float | None = None
     leaves: list[LeafResult] = field(default_factory=list)
 
     @property
@@ -279,6 +306,8 @@ class LayerResult:
             d[k] = json_number(d[k])
         if d["index"] is not None:
             d["index"] = list(d["index"])
+        _energies_to_json(d, self)
+        d["min_sqnr_db"] = json_number(d["min_sqnr_db"])
         d["leaves"] = [leaf.to_dict() for leaf in self.leaves]
         return d
 
@@ -305,6 +334,10 @@ class LayerResult:
         multiples = [leaf.error_multiple for leaf in leaves if leaf.error_multiple is not None]
         if multiples:
             lr.error_multiple = max(multiples)
+        lr.energy = total(leaf.energy for leaf in leaves)
+        thresholds = [leaf.min_sqnr_db for leaf in leaves if leaf.min_sqnr_db is not None]
+        if thresholds:
+            lr.min_sqnr_db = max(thresholds)
         # the leaf to show: first leaf with the worst status, largest excess within it
         focus = [leaf for leaf in leaves if leaf.status == status] or leaves
         if focus:
@@ -328,8 +361,8 @@ class LayerResult:
                    nonfinite_new=leaf.nonfinite_new, max_abs_diff=m,
                    max_rel_diff=None if m is None else (leaf.max_rel_diff or 0.0), error_multiple=leaf.error_multiple,
                    path=leaf.path, index=leaf.index, golden_value=leaf.golden_value, live_value=leaf.live_value,
-                   rtol=leaf.rtol, atol=leaf.atol, tolerance_source=leaf.tolerance_source,
-                   detail=kw.pop("detail", "") or leaf.detail, **kw)
+                   rtol=leaf.rtol, atol=leaf.atol, tolerance_source=leaf.tolerance_source, energy=leaf.energy,
+                   min_sqnr_db=leaf.min_sqnr_db, detail=kw.pop("detail", "") or leaf.detail, **kw)
 
 
 # fields an IdenticalCall sets when it is made; every other field is built from its facts on first read

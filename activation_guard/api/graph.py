@@ -25,7 +25,7 @@ from ..comparison.golden_selection import recorded_selection, selective_note
 from ..gradients.loss import META_KEY as BACKWARD_KEY
 from ..graphs.replay import replay_scope
 from ..graphs.source import GUARDS, STACK, GraphSource, Scope, has_module_stack, type_name
-from ..judges.strict import StrictJudge
+from ..judges.metrics import judge_for
 from ..options.selection import Selector, nothing_selected
 from ..options.spec import CompareSpec, RecordSpec
 from ..options.tolerances import ToleranceResolver
@@ -203,7 +203,7 @@ def compare_graph(gm: fx.GraphModule, label: str, a: tuple[Any, ...], kw: dict[s
                 spec = spec.with_selection(*recorded_selection(gmeta))
         gdev = envmod.recorded_device(gmeta)
         resolver = ToleranceResolver(spec, golden_device=gdev, live_device=str(dev))
-        comp = Comparator(reader, spec, StrictJudge(resolver), golden_filter=golden_filter)
+        comp = Comparator(reader, spec, judge_for(spec, resolver), golden_filter=golden_filter)
         inputs_raw = gmeta.get("inputs")
         input_changes = envmod.describe_input_change(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs)
         comp.inputs_changed = bool(input_changes)
@@ -232,7 +232,8 @@ def compare_graph(gm: fx.GraphModule, label: str, a: tuple[Any, ...], kw: dict[s
     env_changes += envmod.describe_version_change(gmeta.get("versions"), envmod.versions())
     report = Report(path=path, layers=layers, golden_meta=report_meta(gmeta), live_device=str(dev),
                     input_changes=input_changes, env_changes=env_changes, stopped_early=stopped,
-                    output=source.output, _order=order, mode=spec.tolerance, replay=spec.replay)
+                    output=source.output, _order=order, mode=spec.tolerance, replay=spec.replay,
+                    metric=spec.measured)
     report.origin = replays.origin(report.first_divergence)
     report.notes += notes
     report.notes += selective_note(gmeta)

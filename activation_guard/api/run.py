@@ -31,6 +31,7 @@ from ..comparison.comparator import Comparator, LiveInputs, StopForward
 from ..comparison.golden_selection import recorded_selection, selective_note
 from ..distributed import transform as distcap  # distributed
 from ..fingerprints.fingerprint import FingerprintParams
+from ..judges.metrics import judge_for
 from ..judges.strict import Judge, StrictJudge
 from ..options.selection import Selector, nothing_selected, parent_hint, selected, unmatched
 from ..options.spec import ARGUMENT, CompareSpec, RecordSpec
@@ -253,8 +254,13 @@ def compare(
     replay: str = "first",
     backward: Any = None,
     where: str | Sequence[str] | None = None,
+    metric: str | None = None,
 ) -> Report:
     """Run the model with hooks and compare every layer call against the golden at ``path``.
+
+    ``metric`` (``"sqnr"``, ``"cosine"``, ``"mse"``, ``"rel_l2"``) also measures every float output's
+    error by that metric (shown per layer); a ``tolerances`` pattern with ``min_sqnr_db`` judges its
+    layers by SQNR instead of element-wise (an SQNR gate for quantized models: docs/quantization.md).
 
     The first diverged calls get the shape of their divergence (``LeafResult.where``: per
     dimension where the mismatches lie, a common factor, offset, permutation or sign flips, and a
@@ -291,14 +297,14 @@ def compare(
     spec = CompareSpec.build(dict(
         rtol=rtol, atol=atol, tolerances=tolerances, include=include, exclude=exclude, fail_fast=fail_fast,
         rename=rename, allow_dtype_change=allow_dtype_change, tolerance=tolerance, grad=grad, replay=replay,
-        placements=placements, backward=backward, where=where))
+        placements=placements, backward=backward, where=where, metric=metric))
     return compare_spec(model, args, kwargs, path=path, spec=spec)
 
 
 def _judge(spec: CompareSpec, resolver: ToleranceResolver, gmeta: Mapping[str, Any], path: Any,
            model: torch.nn.Module, a: tuple[Any, ...], kw: dict[str, Any], dev: torch.device,
            backward: Any = None) -> Judge:
-    strict = StrictJudge(resolver)
+    strict = judge_for(spec, resolver)
     if not spec.calibrated:
         return strict
     floors = calmod.FloorTable.from_meta(gmeta, path)
@@ -417,7 +423,7 @@ def compare_spec(model: Model, args: Any = (), kwargs: Mapping[str, Any] | None 
     report = Report(
         path=path, layers=layers, golden_meta=report_meta(gmeta), live_device=str(dev), input_changes=input_changes,
         env_changes=env_changes, stopped_early=stopped, output=out, _order=order, mode=spec.tolerance,
-        origin=origin, replay=spec.replay,
+        origin=origin, replay=spec.replay, metric=spec.measured,
     )
     report.mode_changes = envmod.describe_training_change(gmeta, live_modes, modules=target.modules)
     if grads is not None and report.origin is None:  # gradients: where the backward changed

@@ -126,7 +126,7 @@ class StrictJudge:
             first = live.detach().reshape(-1)[0].item() if live.numel() else None
         return identical_leaf(ctx, shape, first, self.tolerance(ctx))
 
-    def identical_tolerance(self, name: str, dtype: str) -> Tolerance:
+    def identical_tolerance(self, name: str, dtype: str) -> Tolerance | None:
         return self._same_dtype(name, dtype)
 
     def notes(self) -> list[str]:

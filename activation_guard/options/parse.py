@@ -109,11 +109,13 @@ def _backward(v: Any) -> bool | Callable[[Any], Any]:
 
 @dataclass(frozen=True)
 class ToleranceRule:
-    """One ``tolerances`` entry: a layer glob and the rtol and/or atol it sets."""
+    """One ``tolerances`` entry: a layer glob and the rtol and/or atol it sets, or the SQNR (dB) its
+    float outputs must reach at least (``min_sqnr_db``: the layer is judged by SQNR instead)."""
 
     pattern: str
     rtol: float | None
     atol: float | None
+    min_sqnr_db: float | None = None
 
     @property
     def label(self) -> str:
@@ -130,26 +132,44 @@ def _tolerances(v: Any) -> tuple[ToleranceRule, ...]:
     if v is None:
         return ()
     if not isinstance(v, Mapping):
-        raise Bad(f"must be a dict of layer glob -> dict(rtol=..., atol=...), got {type(v).__name__}")
+        raise Bad(f"must be a dict of layer glob -> dict(rtol=..., atol=...) or dict(min_sqnr_db=...), "
+                  f"got {type(v).__name__}")
     rules = []
     for pat, rule in v.items():
         if not isinstance(pat, str):
             raise Bad(f"keys must be glob strings, got {pat!r}")
         where = f"tolerances[{pat!r}]"
         if isinstance(rule, Mapping):
-            unknown = set(rule) - {"rtol", "atol"}
+            unknown = set(rule) - {"rtol", "atol", "min_sqnr_db"}
             if unknown:
-                raise Bad(f"{where}: unknown keys {sorted(map(str, unknown))}; use rtol and atol")
+                raise Bad(f"{where}: unknown keys {sorted(map(str, unknown))}; use rtol and atol, or min_sqnr_db")
             r, a = rule.get("rtol"), rule.get("atol")
+            if "min_sqnr_db" in rule:
+                if r is not None or a is not None:
+                    raise Bad(f"{where} sets min_sqnr_db and rtol/atol: a layer is judged by one rule, its SQNR "
+                              f"or its elements; give them to separate patterns")
+                rules.append(ToleranceRule(pat, None, None, _sqnr(rule["min_sqnr_db"], where)))
+                continue
         elif isinstance(rule, (tuple, list)) and len(rule) == 2:
             r, a = rule
         else:
             raise Bad(f"{where} must be a dict(rtol=..., atol=...) or an (rtol, atol) pair, got {rule!r}")
         if r is None and a is None:
-            raise Bad(f"{where} sets neither rtol nor atol")
+            raise Bad(f"{where} sets neither rtol nor atol (nor min_sqnr_db)")
         rules.append(ToleranceRule(pat, _rule_number(r, where, "rtol"), _rule_number(a, where, "atol")))
     # most specific first; stable for ties (dict order)
     return tuple(sorted(rules, key=lambda r: specificity(r.pattern), reverse=True))
+
+
+def _sqnr(v: Any, where: str) -> float:
+    """A ``min_sqnr_db`` threshold: a finite number of dB >= 0 (an SQNR below 0 dB is an error larger
+    than the signal: no threshold there means anything)."""
+    if v is None:
+        raise Bad(f"{where}: min_sqnr_db must be a number of dB, got None")
+    try:
+        return _number(v)
+    except Bad as e:
+        raise Bad(f"{where}: min_sqnr_db {e}") from None
 
 
 def _rule_number(v: Any, where: str, what: str) -> float | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .._core.errors import OptionError
+from .._core.metrics import METRICS, Metric
 from ..fingerprints.params import FingerprintParams
 from .parse import (
     COMPRESSIONS,
@@ -87,7 +88,9 @@ class Option:
 OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("rtol", _optional_number, False, True, "relative tolerance for every float output", "--ag-rtol", "ag_rtol"),
     Option("atol", _optional_number, False, True, "absolute tolerance for every float output", "--ag-atol", "ag_atol"),
-    Option("tolerances", _tolerances, False, True, "per-layer {glob: dict(rtol=, atol=)}; most specific wins"),
+    Option("tolerances", _tolerances, False, True,
+           "per-layer {glob: dict(rtol=, atol=)} or {glob: dict(min_sqnr_db=)} (judged by SQNR, dB); most specific "
+           "wins"),
     Option("include", _patterns, True, True, "only layers matching these globs"),
     Option("exclude", _patterns, True, True, "skip layers matching these globs"),
     Option("rename", _rename, False, True, "{golden name or glob: live name}: compare renamed layers"),
@@ -113,6 +116,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
     Option("where", _patterns, False, True,
            "layer globs whose diverged calls also get the shape of their divergence (per-dimension words, heatmap); "
            "the first two diverged calls always do"),
+    Option("metric", _choice((None, *METRICS)), False, True,
+           "also measure each float output's error as 'sqnr' (dB), 'cosine', 'mse' or 'rel_l2' "
+           "(docs/quantization.md; min_sqnr_db patterns measure SQNR)"),
     Option("backward", _backward, True, True,  # gradients
            "also record (compare) gradients: True (loss = outputs x seeded random cotangents), a callable(output) "
            "-> scalar loss, or False"),
@@ -234,6 +240,7 @@ class CompareSpec(_SpecBase):
     placements: PlacementTable = field(default_factory=PlacementTable)  # distributed: docs/distributed.md
     replay: str = "first"
     where: tuple[str, ...] | None = None  # layers described beyond the first diverged calls
+    metric: Metric | None = None  # an error metric every float output is measured by (_core/metrics.py)
     # gradients: None checks them when the golden has them; False never; True or a loss function
     backward: bool | Callable[[Any], Any] | None = None
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -242,6 +249,22 @@ class CompareSpec(_SpecBase):
     @property
     def calibrated(self) -> bool:
         return self.tolerance == "calibrated"
+
+    @property
+    def sqnr_gate(self) -> bool:
+        """Whether a ``tolerances`` pattern judges its layers by SQNR (``min_sqnr_db``)."""
+        return any(r.min_sqnr_db is not None for r in self.tolerances)
+
+    @property
+    def measured(self) -> Metric | None:
+        """The metric outputs are measured by: the one asked for, else SQNR under an SQNR gate."""
+        return self.metric or ("sqnr" if self.sqnr_gate else None)
+
+    def __post_init__(self) -> None:
+        if self.sqnr_gate and self.calibrated:
+            raise OptionError("tolerances", self.given.get("tolerances"), self.sources.get("tolerances", ARGUMENT),
+                              "min_sqnr_db judges a layer by SQNR, tolerance='calibrated' by noise floors: choose "
+                              "one")
 
     def with_selection(self, include: Iterable[str] | None, exclude: Iterable[str] | None) -> CompareSpec:
         """A copy selecting these layers (the golden's recorded selection, applied by default)."""

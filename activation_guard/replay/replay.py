@@ -512,6 +512,7 @@ def keep_own(res: LayerResult, own: LayerResult) -> None:
     res.own_status = own.status
     res.own_max_abs_diff = own.max_abs_diff
     res.own_max_rel_diff = own.max_rel_diff
+    res.own_energy = own.energy
 
 
 def judge_by_own(res: LayerResult, own: LayerResult) -> LayerResult:
@@ -522,6 +523,7 @@ def judge_by_own(res: LayerResult, own: LayerResult) -> LayerResult:
     keep_own(new, own)
     new.inherited_status = res.status
     new.inherited_max_abs_diff = res.max_abs_diff
+    new.inherited_energy = res.energy
     return new
 
 

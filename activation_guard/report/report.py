@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._core.metrics import METRICS, Metric, fmt_value
 from ..capture.env import recorded_device
 from ..options.selection import display_name
 from ..results import (
@@ -101,6 +102,7 @@ class Report:
     world_size: int | None = None
     origin: Origin | None = None  # where the difference was made (replay), None when OK or not replayed
     replay: str = "off"
+    metric: Metric | None = None  # the error metric each float output was measured by (metric=, min_sqnr_db)
     output: Any = field(default=None, repr=False, compare=False)
     _order: dict[int, tuple[float, int]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -238,6 +240,7 @@ class Report:
             "golden_meta": self.golden_meta,
             "origin": None if self.origin is None else self.origin.to_dict(),
             "replay": self.replay,
+            "metric": self.metric,
             "type_only": dict(self.type_only()),
             "layers": [layer.to_dict() for layer in self.layers],
             # where golden-only (missing) calls sit in execution order: layer index -> [at, golden pos]
@@ -272,6 +275,7 @@ class Report:
             mode_changes=list(d.get("mode_changes") or []),
             origin=Origin.from_dict(d["origin"]) if isinstance(d.get("origin"), dict) else None,
             replay=str(d.get("replay", "off")),
+            metric=d["metric"] if d.get("metric") in METRICS else None,
             stopped_early=bool(d.get("stopped_early")),
             mode=str(d.get("mode", "strict")),
             notes=list(d.get("notes") or []),
@@ -438,6 +442,7 @@ class Report:
                 out.append(f"  error / noise : {src.error_multiple:.3g}x the calibrated noise floor (fails above 1)")
             if focus is not None and focus.where is not None:
                 out += where_lines(focus.where)
+        out += self._metric_lines(fd)
         if fd.inherited_status is not None:
             out.append(f"  judged by     : its own error (replayed on the golden's inputs); its output, with what it "
                        f"inherited: {fd.inherited_status}, max abs diff {fmt_diff(fd.inherited_max_abs_diff)}")
@@ -448,6 +453,31 @@ class Report:
                 + (f" (max abs diff {fmt_diff(leaf.max_abs_diff)}, {leaf.mismatched} / {leaf.numel} mismatched)"
                    if leaf.max_abs_diff is not None and leaf.status in ("diverged", "nonfinite") else "")
                 for leaf in others[:5]) + (f", and {len(others) - 5} more" if len(others) > 5 else ""))
+        return out
+
+    def _metric_lines(self, fd: LayerResult) -> list[str]:
+        """The first divergence's error by the report's metric: what its output accumulated, and its
+        own error (re-run on the golden's inputs), which tells a layer that loses signal itself from
+        one that inherits the loss."""
+        m = self.metric
+        if m is None or fd.energy is None:
+            return []
+        acc = fd.inherited_energy if fd.inherited_energy is not None else fd.energy
+        own = fd.own_energy
+        line = f"  {m:<14}: {fmt_value(m, acc.value(m))} accumulated (its output against the golden)"
+        if fd.min_sqnr_db is not None and m != "sqnr":
+            line += f", SQNR {fmt_value('sqnr', acc.sqnr_db())}"
+        out = [line]
+        if own is not None:
+            if fd.min_sqnr_db is not None:
+                mine = own.sqnr_db() < fd.min_sqnr_db
+                why = ("its own error is under the threshold: the layer loses the signal itself" if mine else
+                       "its own error is within the threshold: the loss is inherited from the layers before it")
+            else:
+                why = "re-run on the golden's inputs"
+            out.append(f"  own {m:<10}: {fmt_value(m, own.value(m))} ({why})")
+        if fd.min_sqnr_db is not None:
+            out.append(f"  threshold     : min_sqnr_db {fd.min_sqnr_db:g} dB ({fd.tolerance_source})")
         return out
 
     def described(self) -> list[tuple[LayerResult, LeafResult]]:
@@ -483,7 +513,9 @@ class Report:
         width = min(width, 60)
         calibrated = any(layer.error_multiple is not None for layer in live[lo:hi])
         estimated = any(estimate_ratio(layer) is not None for layer in live[lo:hi])
+        metric = self.metric if any(layer.energy is not None for layer in live[lo:hi]) else None
         head = f"    {'#':>5}  {'layer':<{width}} {'call':>4}  {'status':<10} {'max abs':>9} {'max rel':>9}"
+        head += f" {metric:>10}" if metric else ""
         head += f" {'x allowed':>10}" if calibrated else ""
         head += f" {'est/limit':>10}" if estimated else ""
         order = "execution order" if fd.phase == "forward" else "backward order"
@@ -498,6 +530,8 @@ class Report:
             nm = row_name(layer)[-width:]
             row = (f"  {mark} {self.number(layer, n_live):>5}  {nm:<{width}} {layer.call:>4}  {layer.status:<10} "
                    f"{fmt_diff(layer.max_abs_diff):>9} {fmt_diff(layer.max_rel_diff):>9}")
+            if metric:  # the metric of what it was judged on (its own error under replay="all")
+                row += f" {fmt_value(metric, None if layer.energy is None else layer.energy.value(metric)):>10}"
             if calibrated:  # error as a multiple of the calibrated noise allowance (fails above 1)
                 row += f" {'-' if layer.error_multiple is None else f'{layer.error_multiple:.3g}':>10}"
             if estimated:  # fingerprinted outputs: the sketch's estimate over its threshold (fails above 1)

@@ -1,0 +1,134 @@
+"""The SQNR gate and error metrics as a judge: each float output's error energy, and a verdict by SQNR.
+
+:class:`MetricJudge` is the strict rule plus two things. Every float output it judges gets its error
+energy (:class:`~activation_guard._core.metrics.Energy`: the sums SQNR, cosine similarity, MSE and
+relative L2 follow from), so reports show the chosen ``metric`` per layer and a sensitivity
+analysis ranks layers by it. A layer whose most specific ``tolerances`` pattern sets
+``min_sqnr_db`` is judged by SQNR instead of element-wise: it passes when its SQNR against the
+golden is at least that many dB (and it made no new NaN/Inf). Integer and bool outputs stay exact.
+
+Under ``replay="first"`` the gate judges what each layer's output accumulated; under
+``replay="all"`` each layer's own error (the layer re-run on the golden's inputs), and the report
+keeps both energies either way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .._core.metrics import Energy, Metric, fmt_value
+from ..options.spec import CompareSpec
+from ..options.tolerances import Tolerance, ToleranceResolver
+from ..results import LeafResult
+from .strict import LeafContext, StrictJudge, identical_leaf
+
+_REAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def measurable(t: torch.Tensor) -> bool:
+    """Real floating tensors (float8 and complex are judged but not measured)."""
+    return t.dtype in _REAL
+
+
+def energy_of(golden: torch.Tensor, live: torch.Tensor) -> Energy:
+    """The sums of :mod:`activation_guard._core.metrics` for two tensors of one shape, in float64
+    on the live tensor's device (the golden is moved there)."""
+    dev = live.device if live.device.type not in ("mps", "meta") else torch.device("cpu")
+    g = golden.detach().to(device=dev, dtype=torch.float64)
+    lv = live.detach().to(device=dev, dtype=torch.float64)
+    d = lv - g
+    same = (g == lv) | (torch.isnan(g) & torch.isnan(lv))  # the same Inf, NaN in both: no error
+    d = torch.where(same, torch.zeros((), dtype=d.dtype, device=dev), d)
+    dd = float((d * d).sum()) if bool(torch.isfinite(d).all()) else float("inf")
+    gf = torch.where(torch.isfinite(g), g, torch.zeros((), dtype=g.dtype, device=dev))
+    lf = torch.where(torch.isfinite(lv), lv, torch.zeros((), dtype=lv.dtype, device=dev))
+    return Energy(int(g.numel()), float((gf * gf).sum()), dd, float((gf * lf).sum()), float((lf * lf).sum()))
+
+
+def _zero(t: torch.Tensor) -> Energy:
+    """A bit-identical value's energy: no error (``dd`` = 0), the rest from the value."""
+    v = t.detach().to(torch.float64)
+    v = torch.where(torch.isfinite(v), v, torch.zeros((), dtype=v.dtype, device=v.device))
+    e = float((v * v).sum())
+    return Energy(int(v.numel()), e, 0.0, e, e)
+
+
+class MetricJudge(StrictJudge):
+    """The strict rule, each float output's error energy, and the SQNR gate (module docstring)."""
+
+    def __init__(self, resolver: ToleranceResolver, metric: Metric | None = None):
+        super().__init__(resolver)
+        self.metric: Metric = metric or "sqnr"
+        self.gated = 0  # outputs judged by SQNR
+        self.failed_gate = 0
+
+    def threshold(self, ctx: LeafContext) -> tuple[float, str] | None:
+        rule = self.resolver.rule_for(ctx.name)
+        if rule is None or rule.min_sqnr_db is None:
+            return None
+        return rule.min_sqnr_db, f"{rule.label}: min_sqnr_db {rule.min_sqnr_db:g}"
+
+    def judge(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
+        gate = self.threshold(ctx)
+        if not (measurable(golden) and measurable(live)):
+            return super().judge(ctx, golden, live) if gate is None else self._exact(ctx, golden, live)
+        energy = energy_of(golden, live)
+        if gate is None:
+            res = super().judge(ctx, golden, live)
+            res.energy = energy
+            return res
+        thr, source = gate
+        # element numbers (worst element, counts) as an exact compare reports them; the verdict is the SQNR's
+        res = self.judge_with(ctx, golden, live, Tolerance(0.0, 0.0, source))
+        res.energy = energy
+        res.min_sqnr_db = thr
+        res.rtol = res.atol = None
+        sqnr = energy.sqnr_db()
+        self.gated += 1
+        if res.nonfinite_new:
+            res.status = "nonfinite"
+        elif sqnr >= thr:
+            res.status = "match"
+        else:
+            res.status = "diverged"
+        if res.status != "match":
+            self.failed_gate += 1
+            res.detail = f"SQNR {fmt_value('sqnr', sqnr)} < min_sqnr_db {thr:g} dB"
+        res.mismatched = 0 if res.status == "match" else res.mismatched
+        return res
+
+    def _exact(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
+        """An integer, bool or complex output of a layer the gate names: compared exactly (it has no
+        SQNR that would mean what the threshold means)."""
+        return self.judge_with(ctx, golden, live, Tolerance(0.0, 0.0, f"{ctx.golden_dtype}: exact"))
+
+    def identical(self, ctx: LeafContext, live: torch.Tensor, view: np.ndarray | None = None) -> LeafResult:
+        gate = self.threshold(ctx)
+        tol = self.tolerance(ctx) if gate is None else Tolerance(0.0, 0.0, gate[1])
+        shape = tuple(live.shape)
+        first = live.detach().reshape(-1)[0].item() if live.numel() else None
+        res = identical_leaf(ctx, shape, first, tol)
+        if measurable(live):
+            res.energy = _zero(live)
+            if gate is not None:
+                res.min_sqnr_db, res.rtol, res.atol = gate[0], None, None
+                self.gated += 1
+        return res
+
+    def identical_tolerance(self, name: str, dtype: str) -> None:
+        return None  # every output is measured as it comes
+
+    def notes(self) -> list[str]:
+        if not self.gated:
+            return []
+        return [f"{self.gated} output(s) judged by SQNR (min_sqnr_db), {self.failed_gate} below their threshold; "
+                f"SQNR = 10 log10(sum(golden^2) / sum((live - golden)^2)), pooled over each output"]
+
+
+def judge_for(spec: CompareSpec, resolver: ToleranceResolver) -> StrictJudge:
+    """The strict rule, or the metric judge when the spec asks for a metric or an SQNR gate."""
+    if spec.metric is None and not spec.sqnr_gate:
+        return StrictJudge(resolver)
+    return MetricJudge(resolver, spec.measured)
+
