@@ -46,6 +46,8 @@ _LAZY: dict[str, str] = {
     "DTYPE_DEFAULTS": "options.tolerances",
     "Tolerance": "options.tolerances",
     "diff_recordings": "api.diff",
+    "sensitivity": "api.sensitivity",
+    "SensitivityReport": "report.sensitivity",
 }
 
 __all__ = [
@@ -66,6 +68,7 @@ __all__ = [
     "RecordSpec",
     "RecordSummary",
     "Report",
+    "SensitivityReport",
     "SelectionError",
     "Tolerance",
     "UncalibratedGoldenError",
@@ -79,6 +82,7 @@ __all__ = [
     "emulate_tf32",
     "read_golden",
     "record",
+    "sensitivity",
 ]
 
 if TYPE_CHECKING:
@@ -99,9 +103,11 @@ if TYPE_CHECKING:
     from .api.determinism import check_determinism, deterministic
     from .api.diff import diff_recordings
     from .api.run import RecordSummary, compare, compare_models, read_golden, record
+    from .api.sensitivity import sensitivity
     from .options.spec import CompareSpec, RecordSpec
     from .options.tolerances import CROSS_DEVICE_DEFAULTS, DTYPE_DEFAULTS, Tolerance
     from .report.report import Report
+    from .report.sensitivity import SensitivityReport
     from .results import LayerResult, LeafResult
 
 

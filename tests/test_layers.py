@@ -30,7 +30,7 @@ LAYERS: list[set[str]] = [
     {"judges"},
     {"calibration"},
     {"replay"},
-    {"comparison"},
+    {"comparison", "sensitivity"},
     {"report"},
     {"api"},
     {"plugin", "cli"},

@@ -1,0 +1,167 @@
+"""``sensitivity()``: which layers of a quantized model lose the most signal, which to keep in float.
+
+One compare with ``replay="all"`` and the metric judge measures every module call's accumulated
+and own error against the float golden (:mod:`activation_guard.sensitivity.analysis` ranks them
+and advises); with a ``quantize(model, skip)`` callable and the float ``reference`` model the
+advice is checked in closed loop: the model is quantized again without the advised modules,
+without as many random ones and without the last ones, and each end-to-end SQNR is measured.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .._core.errors import OptionError
+from .._core.metrics import METRICS, Energy, Metric, total
+from ..capture.hooks import normalize_inputs
+from ..judges.metrics import energy_of, measurable
+from ..options.spec import ARGUMENT, CompareSpec
+from ..report.sensitivity import SensitivityReport
+from ..sensitivity import analysis as an
+from ..store import GoldenReader
+from ..values.leaves import flatten
+from ..values.rebuild import clone_inputs
+from . import graph as graph_api
+from .run import Model, compare_spec, golden_path
+
+Quantize = Callable[[torch.nn.Module, set[str]], torch.nn.Module]
+
+
+def sensitivity(
+    model: Model,
+    args: Any = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    path: str | os.PathLike[str],
+    metric: str = "sqnr",
+    explain: float = 0.8,
+    keep: int | None = None,
+    quantize: Quantize | None = None,
+    reference: torch.nn.Module | None = None,
+    draws: int = 10,
+    seed: int = 0,
+    include: str | Sequence[str] | None = None,
+    exclude: str | Sequence[str] | None = None,
+) -> SensitivityReport:
+    """Rank the module calls of a quantized (or cast, or otherwise compressed) ``model`` by their
+    own error against the float golden at ``path`` (recorded from the float model with inputs,
+    the default), and advise which modules to keep in float.
+
+    Each row has ``sqnr_db`` (its output against the golden, accumulated), ``own_sqnr_db`` (the
+    module re-run on the golden's float inputs: its own error) and ``error_share``; ``metric``
+    (``"sqnr"``, ``"cosine"``, ``"mse"``, ``"rel_l2"``) chooses what the rows are ranked by.
+    ``keep_in_float`` names the fewest compressed modules whose own errors explain ``explain``
+    of the total (or the ``keep`` largest). With ``quantize(model, skip) -> model`` and the float
+    ``reference``, the advice is checked: quantized again without the advised modules, without
+    ``keep`` random ones (median of ``draws``, seeded) and without the last ones in execution
+    order (``report.closed_loop``). ``model`` may also be an exported or PT2E graph.
+    """
+    if metric not in METRICS:
+        raise OptionError("metric", metric, ARGUMENT, f"must be one of {', '.join(map(repr, METRICS))}")
+    if isinstance(explain, bool) or not isinstance(explain, (int, float)) or not 0 < explain <= 1:
+        raise OptionError("explain", explain, ARGUMENT, "must be a number in (0, 1]: the share of the summed own "
+                                                        "errors the advised modules must explain")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
+        raise OptionError("keep", keep, ARGUMENT, "must be a whole number >= 0 of modules to advise, or None")
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+        raise OptionError("draws", draws, ARGUMENT, "must be a whole number >= 1")
+    if quantize is not None and not callable(quantize):
+        raise OptionError("quantize", quantize, ARGUMENT, "must be a callable quantize(model, skip: set[str]) -> model")
+    if quantize is not None and not isinstance(reference, torch.nn.Module):
+        raise OptionError("reference", reference, ARGUMENT, "the closed loop (quantize=) quantizes the float model "
+                                                            "again: pass it as reference=")
+    m: Metric = metric  # type: ignore[assignment]
+    p = golden_path(path)
+    spec = CompareSpec.build(dict(replay="all", metric=m, allow_dtype_change=True, include=include,
+                                  exclude=exclude))
+    a, kw = normalize_inputs(args, kwargs)
+    report = compare_spec(model, clone_inputs(a), clone_inputs(kw), path=p, spec=spec)
+    graph = graph_api.as_graph(model)
+    if graph is None and isinstance(model, torch.nn.Module):
+        quantized, left = an.compressed_modules(model)
+        compressed: set[str] | None = set(quantized)
+        names = [n for n, _ in model.named_modules()]
+    else:  # a graph's modules are gone: every measured call is a candidate
+        quantized, left, compressed, names = {}, [], None, []
+    rows = an.rows_of(report.layers, m, compressed)
+    advice = an.advise(rows, explain=float(explain), keep=keep)
+    root = next((r for r in report.layers if r.name == "" and r.call == 0), None)
+    out_energy = None if root is None else an.accumulated(root)
+    notes = [n for n in report.notes if "replay" in n or "not replayed" in n]
+    unreplayed = [r for r in rows if r.own_sqnr_db is None]
+    if unreplayed:
+        notes.append(f"{len(unreplayed)} module call(s) have no own error (not replayed: see the notes above); "
+                     f"they are ranked last and never advised")
+    if compressed is not None and not compressed:
+        notes.append("no module of the model has a compressed parameter (a tensor subclass, or a reduced dtype): "
+                     "nothing to advise; is this the quantized model?")
+    if compressed is None:
+        notes.append("the model is a graph: which modules were quantized is not known, so every measured module "
+                     "call is a candidate for the advice")
+    result = SensitivityReport(
+        path=p, rows=rows, keep_in_float=advice, keep_in_float_globs=an.keep_globs(advice, names) if names else advice,
+        metric=m, explain=float(explain), output_sqnr_db=None if out_energy is None else out_energy.sqnr_db(),
+        not_quantized=left if compressed else [], quantized=quantized, notes=notes)
+    if quantize is not None and reference is not None:
+        result.closed_loop = closed_loop(quantize, reference, a, kw, p, rows, advice, compressed, draws, seed)
+    return result
+
+
+def closed_loop(quantize: Quantize, reference: torch.nn.Module, a: tuple[Any, ...], kw: dict[str, Any], path: str,
+                rows: Sequence[an.SensitivityRow], advice: Sequence[str], compressed: set[str] | None, draws: int,
+                seed: int) -> an.ClosedLoop:
+    """The advice checked end to end (:class:`~activation_guard.sensitivity.analysis.ClosedLoop`)."""
+    golden = golden_output(path)
+    order = sorted({r.name: r.position or 0 for r in sorted(rows, key=lambda r: -(r.position or 0))}.items(),
+                   key=lambda kv: kv[1])
+    candidates = [n for n, _ in order if (n in compressed if compressed is not None else n != "")]
+    k = len(advice)
+
+    def sqnr(skip: Sequence[str]) -> float:
+        model = quantize(copy.deepcopy(reference), set(skip))
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"quantize(model, skip) must return the quantized model, got {type(model).__name__}")
+        with torch.no_grad():
+            out = model(*clone_inputs(a), **clone_inputs(kw))
+        e = output_energy(golden, out)
+        return e.sqnr_db()
+
+    baseline = sqnr(())
+    advised = sqnr(advice)
+    random_draws = [sqnr(s) for s in an.draw_random(candidates, k, draws, seed)]
+    last = candidates[len(candidates) - k:] if k else []
+    return an.ClosedLoop(k=k, advised=list(advice), baseline_sqnr_db=baseline, advised_sqnr_db=advised,
+                         random_sqnr_db=an.median(random_draws), last=last, last_sqnr_db=sqnr(last),
+                         random_draws=random_draws)
+
+
+def golden_output(path: str) -> dict[str, torch.Tensor]:
+    """The golden's model output (its root call's float tensors, by output path)."""
+    with GoldenReader(path) as reader:
+        entry = reader.by_key.get(("", 0))
+        if entry is None:
+            raise ValueError(f"golden {path}: it has no call of the model itself (recorded with include/exclude?): "
+                             f"the closed loop measures the model's output against it")
+        out = {}
+        for g in entry.leaves:
+            g = reader.resolve(g)
+            if g.kind == "tensor":
+                out[g.path] = reader.load(g, f"the model's output {g.path!r}")
+        return out
+
+
+def output_energy(golden: Mapping[str, torch.Tensor], out: Any) -> Energy:
+    """The pooled error energy of a model output against the golden's output tensors."""
+    live = {leaf.path: leaf.tensor for leaf in flatten(out, fields=True) if leaf.kind == "tensor"}
+    found = [energy_of(g, live[p]) for p, g in golden.items()
+             if p in live and live[p] is not None and tuple(live[p].shape) == tuple(g.shape)  # type: ignore[union-attr]
+             and measurable(g) and measurable(live[p])]  # type: ignore[arg-type]
+    e = total(found)
+    if e is None:
+        raise ValueError("the quantized model's output has no float tensor at the paths of the golden's output")
+    return e
