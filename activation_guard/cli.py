@@ -217,8 +217,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
     spec = CompareSpec.build(
         dict(rtol=args.rtol, atol=args.atol, tolerances=tolerances, include=args.include or None,
              exclude=args.exclude or None, allow_dtype_change=args.allow_dtype_change or None,
-             where=None if heat_layer is None else [heat_layer]),
-        {"rtol": "--rtol", "atol": "--atol", "tolerances": f"--tolerances {args.tolerances}",
+             where=None if heat_layer is None else [heat_layer], metric=args.metric),
+        {"rtol": "--rtol", "atol": "--atol", "metric": "--metric", "tolerances": f"--tolerances {args.tolerances}",
          "include": "--include", "exclude": "--exclude", "allow_dtype_change": "--allow-dtype-change",
          "where": "--heatmap"})
     if not os.path.exists(args.b):  # not "golden ...: re-record the golden": B is the recording being checked
@@ -296,6 +296,25 @@ def _write_heatmap(report: Any, layer: str, path: str) -> None:
     print(f"heatmap of {x.label} written to {path}", file=sys.stderr)
 
 
+def cmd_sensitivity(args: argparse.Namespace) -> int:
+    from .report.sensitivity import SensitivityReport
+
+    try:
+        with open(args.report, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise CliError(f"sensitivity report {args.report}: cannot be read as JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise CliError(f"sensitivity report {args.report}: not a sensitivity report (no 'rows' list); write one "
+                       f"with SensitivityReport.to_json()")
+    report = SensitivityReport.from_dict(data)
+    if args.html:
+        _check_writable(args.html, "--html", (args.report,))
+        report.write_html(args.html)
+    _out(str(report))
+    return 1 if report.closed_loop is not None and not report.closed_loop.worth_it else 0
+
+
 def cmd_textconv(args: argparse.Namespace) -> int:
     from .report.inspect_text import textconv_lines
 
@@ -312,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Layer-by-layer activation goldens for PyTorch models: demo, inspect, diff, textconv, verify.",
+        description="Layer-by-layer activation goldens for PyTorch models: demo, inspect, diff, textconv, sensitivity, "
+                    "verify.",
         epilog="Exit status: 0 ok, 1 diff found a divergence, 2 usage error or unusable file.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -352,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--include", metavar="GLOB", action="append", help="compare only these layers (repeatable)")
     f.add_argument("--exclude", metavar="GLOB", action="append", help="skip these layers (repeatable)")
     f.add_argument("--allow-dtype-change", action="store_true", help="compare float dtypes that differ, in float32")
+    f.add_argument("--metric", help="also measure each float output's error: sqnr, cosine, mse or rel_l2 "
+                                    '(a --tolerances pattern {"glob": {"min_sqnr_db": 30}} judges by SQNR)')
     f.add_argument("--json", action="store_true", help="machine-readable report")
     f.add_argument("--plot", metavar="FILE.png", help="write the error-by-layer plot (needs matplotlib)")
     f.add_argument("--html", metavar="FILE.html", help="write a self-contained HTML report")
@@ -365,6 +387,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "min/max/mean/std, non-finite count. Use as git's textconv diff driver.")
     t.add_argument("golden", metavar="GOLDEN.h5")
     t.set_defaults(func=cmd_textconv)
+
+    s = sub.add_parser("sensitivity", help="show a saved sensitivity report (text, HTML); exit 1 if its advice failed",
+                       description="Render a sensitivity report saved as JSON (SensitivityReport.to_json(), from "
+                                   "activation_guard.sensitivity): the layers ranked by own error, the keep-in-float "
+                                   "advice and its closed-loop check. Exit 1 when the closed loop found the advice "
+                                   "worth no more than keeping random or the last modules.")
+    s.add_argument("report", metavar="REPORT.json")
+    s.add_argument("--html", metavar="FILE.html", help="write the self-contained HTML page (table and SQNR plot)")
+    s.set_defaults(func=cmd_sensitivity)
 
     v = sub.add_parser("verify", help="check every stored value and index rule of goldens (exit 2 if damaged)",
                        description="Read every stored value of each golden (outputs, the calls' inputs, gradients, "

@@ -30,7 +30,7 @@ LAYERS: list[set[str]] = [
     {"judges"},
     {"calibration"},
     {"replay"},
-    {"comparison", "sensitivity"},
+    {"comparison", "quantization"},
     {"report"},
     {"api"},
     {"plugin", "cli"},

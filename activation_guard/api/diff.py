@@ -18,7 +18,7 @@ from .._core.gcpause import with_frozen_gc
 from ..capture import env as envmod
 from ..comparison.comparator import Comparator
 from ..comparison.golden_selection import selective_note
-from ..judges.strict import StrictJudge
+from ..judges.metrics import judge_for
 from ..options.selection import Selector, nothing_selected
 from ..options.spec import ARGUMENT, CompareSpec
 from ..options.tolerances import ToleranceResolver
@@ -104,7 +104,7 @@ def diff_recordings(
                                      reduced=None if reduced is None else reduced[0])
         # as compare: default to the layers the golden recorded
         golden_filter = Comparator.default_filter(gmeta, spec) if inc is None and exc is None else None
-        comp = Comparator(ga, spec, StrictJudge(resolver), golden_filter=golden_filter)
+        comp = Comparator(ga, spec, judge_for(spec, resolver), golden_filter=golden_filter)
         source = RecordingSource(gb, Selector(inc, exc, [c.name for c in gb.calls]))
         comp.consume(source)
         layers, order = comp.finish()
@@ -125,7 +125,7 @@ def diff_recordings(
     input_changes = envmod.describe_input_change(gin if isinstance(gin, list) else None, bin_)
     report = Report(
         path=os.fspath(golden), layers=layers, golden_meta=report_meta(gmeta), live_device=bdev or "?",
-        input_changes=input_changes, env_changes=env_changes, _order=order,
+        input_changes=input_changes, env_changes=env_changes, _order=order, metric=spec.measured,
     )
     b_modes = {"training": bmeta.get("training"), "training_differs": bmeta.get("training_differs")}
     if isinstance(b_modes["training"], bool) and isinstance(b_modes["training_differs"], list):

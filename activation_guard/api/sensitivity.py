@@ -1,7 +1,7 @@
 """``sensitivity()``: which layers of a quantized model lose the most signal, which to keep in float.
 
 One compare with ``replay="all"`` and the metric judge measures every module call's accumulated
-and own error against the float golden (:mod:`activation_guard.sensitivity.analysis` ranks them
+and own error against the float golden (:mod:`activation_guard.quantization.analysis` ranks them
 and advises); with a ``quantize(model, skip)`` callable and the float ``reference`` model the
 advice is checked in closed loop: the model is quantized again without the advised modules,
 without as many random ones and without the last ones, and each end-to-end SQNR is measured.
@@ -21,8 +21,8 @@ from .._core.metrics import METRICS, Energy, Metric, total
 from ..capture.hooks import normalize_inputs
 from ..judges.metrics import energy_of, measurable
 from ..options.spec import ARGUMENT, CompareSpec
+from ..quantization import analysis as an
 from ..report.sensitivity import SensitivityReport
-from ..sensitivity import analysis as an
 from ..store import GoldenReader
 from ..values.leaves import flatten
 from ..values.rebuild import clone_inputs
@@ -115,7 +115,7 @@ def sensitivity(
 def closed_loop(quantize: Quantize, reference: torch.nn.Module, a: tuple[Any, ...], kw: dict[str, Any], path: str,
                 rows: Sequence[an.SensitivityRow], advice: Sequence[str], compressed: set[str] | None, draws: int,
                 seed: int) -> an.ClosedLoop:
-    """The advice checked end to end (:class:`~activation_guard.sensitivity.analysis.ClosedLoop`)."""
+    """The advice checked end to end (:class:`~activation_guard.quantization.analysis.ClosedLoop`)."""
     golden = golden_output(path)
     order = sorted({r.name: r.position or 0 for r in sorted(rows, key=lambda r: -(r.position or 0))}.items(),
                    key=lambda kv: kv[1])
@@ -157,10 +157,13 @@ def golden_output(path: str) -> dict[str, torch.Tensor]:
 
 def output_energy(golden: Mapping[str, torch.Tensor], out: Any) -> Energy:
     """The pooled error energy of a model output against the golden's output tensors."""
-    live = {leaf.path: leaf.tensor for leaf in flatten(out, fields=True) if leaf.kind == "tensor"}
-    found = [energy_of(g, live[p]) for p, g in golden.items()
-             if p in live and live[p] is not None and tuple(live[p].shape) == tuple(g.shape)  # type: ignore[union-attr]
-             and measurable(g) and measurable(live[p])]  # type: ignore[arg-type]
+    live = {leaf.path: leaf.tensor for leaf in flatten(out, fields=True)
+            if leaf.kind == "tensor" and leaf.tensor is not None}
+    found = []
+    for p, g in golden.items():
+        t = live.get(p)
+        if t is not None and tuple(t.shape) == tuple(g.shape) and measurable(g) and measurable(t):
+            found.append(energy_of(g, t))
     e = total(found)
     if e is None:
         raise ValueError("the quantized model's output has no float tensor at the paths of the golden's output")

@@ -4,7 +4,7 @@
 ``name``, ``call``, ``sqnr_db``, ``own_sqnr_db``, ``error_share``), ``keep_in_float`` (module
 names) and ``keep_in_float_globs`` (the same as globs for a quantizer's filter), the modules that
 were not compressed, and, when a ``quantize`` callable was given, the closed-loop check of the
-advice (:class:`~activation_guard.sensitivity.analysis.ClosedLoop`). The HTML page follows
+advice (:class:`~activation_guard.quantization.analysis.ClosedLoop`). The HTML page follows
 :mod:`.visual`: one self-contained file, a sortable table, and an SQNR-by-layer plot (accumulated
 and own SQNR per call in execution order, advised modules marked).
 """
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from .._core.metrics import METRICS, Metric, fmt_value
 from ..options.selection import display_name, match_any
-from ..sensitivity.analysis import ClosedLoop, SensitivityRow
+from ..quantization.analysis import ClosedLoop, SensitivityRow
 from .visual import INSTALL_HINT, PlotUnavailableError, _asset, _e, _head, _matplotlib, _td, _tools
 
 SHOWN = 25  # rows the text report lists (the JSON and HTML have all)
