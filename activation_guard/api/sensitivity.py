@@ -39,7 +39,7 @@ def sensitivity(
     *,
     path: str | os.PathLike[str],
     metric: str = "sqnr",
-    explain: float = 0.8,
+    explain: float = 0.9,
     keep: int | None = None,
     quantize: Quantize | None = None,
     reference: torch.nn.Module | None = None,
@@ -106,7 +106,7 @@ def sensitivity(
     result = SensitivityReport(
         path=p, rows=rows, keep_in_float=advice, keep_in_float_globs=an.keep_globs(advice, names) if names else advice,
         metric=m, explain=float(explain), output_sqnr_db=None if out_energy is None else out_energy.sqnr_db(),
-        not_quantized=left if compressed else [], quantized=quantized, notes=notes)
+        not_quantized=left, quantized=quantized, notes=notes)
     if quantize is not None and reference is not None:
         result.closed_loop = closed_loop(quantize, reference, a, kw, p, rows, advice, compressed, draws, seed)
     return result

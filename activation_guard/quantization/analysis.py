@@ -6,17 +6,22 @@ float inputs, its children returning the golden's outputs: only what this module
 computation loses). After quantization every layer differs, so the first divergence says
 nothing; the own error says which layers lose signal themselves, and which only inherit it.
 
-The ranking is by own error (the chosen metric; SQNR by default). ``error_share`` is each call's
-own noise ratio ``dd / gg`` (:mod:`activation_guard._core.metrics`; ``10^(-own SQNR / 10)``) over
-the sum of all calls' own noise ratios: the share of the output's error it explains under the
-model that relative errors made along the way add up at the output (independent errors, unit
-gain). That model is an approximation (normalization and residual streams damp an error, some
-layers amplify one), which is why the advice can be checked in closed loop
-(:class:`ClosedLoop`): quantize again without the advised modules and measure the end-to-end
-SQNR gained, beside keeping as many random ones and the last ones.
+The ranking is by own error (the chosen metric; SQNR by default). ``error_share`` estimates the
+share of the model output's error each call's own error explains, from numbers the compare
+measured, under a first-order model: a relative error ``r = dd / gg`` made by a call (its own
+noise ratio, ``10^(-own SQNR / 10)``: :mod:`activation_guard._core.metrics`) reaches its parent's
+output scaled by the call's share of that output's signal, ``min(1, gg_call / gg_parent)`` (a
+branch added to a residual stream much larger than itself is damped by that ratio; a call that
+makes its parent's output passes its error on whole), and so on up to the model's output
+(``reach``, the product over the call's ancestors). The share is ``r x reach`` over the sum of
+that over every call. Relative errors are taken to add up at the output (independent errors), and
+gains of the computation between a call and its parent are ignored: an approximation, which is
+why the advice can be checked in closed loop (:class:`ClosedLoop`): quantize again without the
+advised modules and measure the end-to-end SQNR gained, beside keeping as many random ones and
+the last ones.
 
 Keep-in-float advice: the fewest modules, by largest summed share first, whose shares add up to
-at least ``explain`` (0.8 by default) of the total; only modules that were compressed (a
+at least ``explain`` (0.9 by default) of the total; only modules that were compressed (a
 parameter that is a tensor subclass, such as torchao's ``Int8Tensor``, or of a reduced floating
 or integer dtype) are advised, and modules with float parameters that were left alone are named
 as such rather than judged as quantized.
@@ -55,6 +60,7 @@ class SensitivityRow:
     value: float | None = None  # the chosen metric, accumulated
     own_value: float | None = None  # the chosen metric, own
     own_noise_ratio: float | None = None  # dd / gg of its own error
+    reach: float = 1.0  # how much of its relative error reaches the model's output (module docstring)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: _json(v) for k, v in self.__dict__.items()}
@@ -119,28 +125,53 @@ def accumulated(layer: LayerResult) -> Energy | None:
 
 def rows_of(layers: Iterable[LayerResult], metric: Metric, compressed: set[str] | None) -> list[SensitivityRow]:
     """One row per forward module call that was measured, ranked by own error (largest first;
-    calls that could not be replayed last), with error shares."""
+    calls that could not be replayed last), with error shares (module docstring)."""
     rows = []
+    signal: dict[str, list[float]] = {}  # module -> its calls' output energies in the golden
     for layer in layers:
         if layer.phase != "forward" or layer.position is None:
             continue
         acc, own = accumulated(layer), layer.own_energy
         if acc is None and own is None:
             continue
+        gg = (acc if acc is not None else own).gg  # type: ignore[union-attr]
+        signal.setdefault(layer.name, []).append(gg)
         rows.append(SensitivityRow(
             layer.name, layer.call, layer.type_name, None if acc is None else acc.sqnr_db(),
             None if own is None else own.sqnr_db(), quantized=None if compressed is None else layer.name in compressed,
             position=layer.position, value=None if acc is None else acc.value(metric),
             own_value=None if own is None else own.value(metric), own_noise_ratio=None if own is None
             else own.noise_ratio()))
-    finite = [r.own_noise_ratio for r in rows if r.own_noise_ratio is not None and math.isfinite(r.own_noise_ratio)]
-    total = sum(finite)
+    mean = {n: sum(v) / len(v) for n, v in signal.items()}
+    weights = []
     for r in rows:
+        r.reach = reach(r.name, mean)
         nr = r.own_noise_ratio
-        if nr is None:
-            continue
-        r.error_share = 1.0 if not math.isfinite(nr) else (nr / total if total > 0 else 0.0)
+        weights.append(None if nr is None else (math.inf if not math.isfinite(nr) else nr * r.reach))
+    finite = [w for w in weights if w is not None and math.isfinite(w)]
+    total = sum(finite)
+    for r, w in zip(rows, weights):
+        if w is not None:
+            r.error_share = 1.0 if not math.isfinite(w) else (w / total if total > 0 else 0.0)
     return sorted(rows, key=lambda r: _rank_key(r, metric))
+
+
+def reach(name: str, signal: dict[str, float]) -> float:
+    """The product over a module's ancestors of its (and then each ancestor's) share of the signal
+    of the ancestor above, at most 1 each: how much of its relative error reaches the model's
+    output under the first-order model of the module docstring. ``signal``: module -> the golden
+    energy of its output (mean over calls)."""
+    out = 1.0
+    child = name
+    while child:
+        parent = child.rpartition(".")[0]
+        while parent and parent not in signal:  # a container that was not measured: the one above it
+            parent = parent.rpartition(".")[0]
+        c, p = signal.get(child), signal.get(parent)
+        if c is not None and p is not None and p > 0:
+            out *= min(1.0, c / p)
+        child = parent
+    return out
 
 
 def _rank_key(r: SensitivityRow, metric: Metric) -> tuple[int, float, int]:
@@ -158,7 +189,7 @@ def shares_by_module(rows: Sequence[SensitivityRow]) -> dict[str, float]:
     return out
 
 
-def advise(rows: Sequence[SensitivityRow], *, explain: float = 0.8, keep: int | None = None) -> list[str]:
+def advise(rows: Sequence[SensitivityRow], *, explain: float = 0.9, keep: int | None = None) -> list[str]:
     """The modules to keep in float: among compressed ones (all measured ones when that is not
     known), largest summed share first, the fewest whose shares reach ``explain`` of the total
     share of those candidates, or the first ``keep`` of them."""

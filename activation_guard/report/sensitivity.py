@@ -36,7 +36,7 @@ class SensitivityReport:
     keep_in_float: list[str]
     keep_in_float_globs: list[str] = field(default_factory=list)
     metric: Metric = "sqnr"
-    explain: float = 0.8
+    explain: float = 0.9
     output_sqnr_db: float | None = None  # the model's output against the golden's
     not_quantized: list[str] = field(default_factory=list)  # modules with float parameters left as they were
     quantized: dict[str, str] = field(default_factory=dict)  # compressed module -> how (a tensor subclass, a dtype)
@@ -80,7 +80,7 @@ class SensitivityReport:
                    keep_in_float=list(d.get("keep_in_float") or []),
                    keep_in_float_globs=list(d.get("keep_in_float_globs") or []),
                    metric=d["metric"] if d.get("metric") in METRICS else "sqnr",
-                   explain=float(d.get("explain", 0.8)), output_sqnr_db=None if out is None else float(out),
+                   explain=float(d.get("explain", 0.9)), output_sqnr_db=None if out is None else float(out),
                    not_quantized=list(d.get("not_quantized") or []), quantized=dict(d.get("quantized") or {}),
                    closed_loop=ClosedLoop.from_dict(cl) if isinstance(cl, dict) else None,
                    notes=list(d.get("notes") or []))
