@@ -11,9 +11,13 @@ with several outputs is measured pooled, as one value. The formulas:
 * ``mse``: ``dd / n`` (0 for an empty value);
 * ``rel_l2``: ``sqrt(dd / gg)``; 0 at zero error, ``inf`` for an error on an all-zero reference.
 
-Non-finite values: an element equal in both (the same Inf, NaN in both) is no error; any other
-element that is non-finite on either side makes ``dd`` infinite (SQNR ``-inf``, relative L2
-``inf``); ``gg``, ``gl`` and ``ll`` sum finite elements only.
+Non-finite values and sentinels: an element equal in both (the same Inf, NaN in both) is no error,
+and so is an element at its dtype's extreme on both sides with one sign (``finfo.max`` in
+magnitude or infinite: the "minus infinity" of an attention mask in float32 against float16);
+any other element that is non-finite or extreme on either side makes ``dd`` infinite (SQNR
+``-inf``, relative L2 ``inf``); ``gg``, ``gl`` and ``ll`` sum finite, non-extreme elements only
+(a mask's 3e38 would drown any error). :func:`activation_guard.judges.metrics.energy_of`
+computes the sums.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ energy (:class:`~activation_guard._core.metrics.Energy`: the sums SQNR, cosine s
 relative L2 follow from), so reports show the chosen ``metric`` per layer and a sensitivity
 analysis ranks layers by it. A layer whose most specific ``tolerances`` pattern sets
 ``min_sqnr_db`` is judged by SQNR instead of element-wise: it passes when its SQNR against the
-golden is at least that many dB (and it made no new NaN/Inf). Integer and bool outputs stay exact.
+golden is at least that many dB (a new NaN or Inf is an error without bound, SQNR ``-inf``, unless
+both sides hold their dtype's sentinel there: ``energy_of``). Integer and bool outputs stay exact.
 
 Under ``replay="first"`` the gate judges what each layer's output accumulated; under
 ``replay="all"`` each layer's own error (the layer re-run on the golden's inputs), and the report
@@ -33,23 +34,37 @@ def measurable(t: torch.Tensor) -> bool:
 
 def energy_of(golden: torch.Tensor, live: torch.Tensor) -> Energy:
     """The sums of :mod:`activation_guard._core.metrics` for two tensors of one shape, in float64
-    on the live tensor's device (the golden is moved there)."""
+    on the live tensor's device (the golden is moved there).
+
+    An element at its dtype's extreme (``finfo.max`` in magnitude, or infinite: an attention mask's
+    "minus infinity" in float32, float16 or bfloat16) is a sentinel, not a number: sentinels of one
+    sign on both sides are the same value (no error), a sentinel on one side only is an error
+    without bound, and sentinels add nothing to the signal sums (a mask's 3e38 would drown any
+    error in ``gg``). NaN in both is no error; NaN on one side is an error without bound."""
     dev = live.device if live.device.type not in ("mps", "meta") else torch.device("cpu")
     g = golden.detach().to(device=dev, dtype=torch.float64)
     lv = live.detach().to(device=dev, dtype=torch.float64)
-    d = lv - g
-    same = (g == lv) | (torch.isnan(g) & torch.isnan(lv))  # the same Inf, NaN in both: no error
-    d = torch.where(same, torch.zeros((), dtype=d.dtype, device=dev), d)
+    gx, lx = _extreme(g, golden.dtype), _extreme(lv, live.dtype)
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    same = (g == lv) | (torch.isnan(g) & torch.isnan(lv)) | (gx & lx & (torch.sign(g) == torch.sign(lv)))
+    d = torch.where(same, zero, lv - g)
+    d = torch.where(~same & (gx | lx), torch.full((), float("inf"), dtype=torch.float64, device=dev), d)
     dd = float((d * d).sum()) if bool(torch.isfinite(d).all()) else float("inf")
-    gf = torch.where(torch.isfinite(g), g, torch.zeros((), dtype=g.dtype, device=dev))
-    lf = torch.where(torch.isfinite(lv), lv, torch.zeros((), dtype=lv.dtype, device=dev))
+    gf = torch.where(torch.isfinite(g) & ~gx, g, zero)
+    lf = torch.where(torch.isfinite(lv) & ~lx, lv, zero)
     return Energy(int(g.numel()), float((gf * gf).sum()), dd, float((gf * lf).sum()), float((lf * lf).sum()))
+
+
+def _extreme(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Elements at the extreme of ``dtype`` (``t`` holds them in float64): infinite, or as large
+    in magnitude as the dtype's largest finite value."""
+    return torch.isinf(t) | (t.abs() >= torch.finfo(dtype).max)
 
 
 def _zero(t: torch.Tensor) -> Energy:
     """A bit-identical value's energy: no error (``dd`` = 0), the rest from the value."""
     v = t.detach().to(torch.float64)
-    v = torch.where(torch.isfinite(v), v, torch.zeros((), dtype=v.dtype, device=v.device))
+    v = torch.where(torch.isfinite(v) & ~_extreme(v, t.dtype), v, torch.zeros((), dtype=v.dtype, device=v.device))
     e = float((v * v).sum())
     return Energy(int(v.numel()), e, 0.0, e, e)
 
@@ -86,16 +101,16 @@ class MetricJudge(StrictJudge):
         res.rtol = res.atol = None
         sqnr = energy.sqnr_db()
         self.gated += 1
-        if res.nonfinite_new:
-            res.status = "nonfinite"
-        elif sqnr >= thr:
+        # a new NaN/Inf is an unbounded error (SQNR -inf), unless both sides hold their dtype's sentinel there
+        if sqnr >= thr:
             res.status = "match"
         else:
-            res.status = "diverged"
+            res.status = "nonfinite" if res.nonfinite_new else "diverged"
         if res.status != "match":
             self.failed_gate += 1
             res.detail = f"SQNR {fmt_value('sqnr', sqnr)} < min_sqnr_db {thr:g} dB"
-        res.mismatched = 0 if res.status == "match" else res.mismatched
+        if res.status == "match":
+            res.mismatched = res.nonfinite_new = 0
         return res
 
     def _exact(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:

@@ -44,9 +44,11 @@ def unjudged_source(frame: Frame, found: Origin, earlier: Sequence[LayerResult])
                 # a parent whose own replay (its children returning the golden's values) differs
                 # by far more than the child passed on changed its own code
                 and not (found.own_error is not None and found.own_error > 10 * r.max_abs_diff)):
+            rule = (f"rtol={r.rtol:g}, atol={r.atol:g}" if r.rtol is not None and r.atol is not None
+                    else f"SQNR {r.energy.sqnr_db():.1f} dB" if r.energy is not None else "no element tolerance")
             return Origin(r.name, r.call, "unknown", r.max_abs_diff, type_name=tname, detail=(
                 f"its output differs from the golden's (max abs diff {r.max_abs_diff:.3g}) but passed under "
-                f"{r.tolerance_source} (rtol={r.rtol:g}, atol={r.atol:g}); {display_name(frame.name)!r} goes on to use "
+                f"{r.tolerance_source} ({rule}); {display_name(frame.name)!r} goes on to use "
                 f"it and fails its own tolerance: the difference may come from here"))
     return None
 
