@@ -434,6 +434,28 @@ def test_sensitivity_refuses_bad_arguments_by_name(chain_golden: tuple[Path, tup
         ag.sensitivity(Chain(), x, path=path, draws=0)
 
 
+def test_goldens_that_cannot_be_measured_are_refused_and_other_inputs_are_said(
+        chain_golden: tuple[Path, tuple[torch.Tensor]], tmp_path: Path) -> None:
+    path, x = chain_golden
+    ag.record(Chain(), x, path=tmp_path / "no-inputs.h5", inputs=False)
+    with pytest.raises(ag.GoldenError, match="recorded without each layer call's inputs"):
+        ag.sensitivity(Chain(), x, path=tmp_path / "no-inputs.h5")
+    torch.manual_seed(0)
+    wide = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
+    xw = (torch.randn(64, 256, generator=torch.Generator().manual_seed(1)),)
+    ag.record(wide, xw, path=tmp_path / "fp.h5", fingerprint=True)
+    with pytest.raises(ag.GoldenError, match="stores some outputs as fingerprints"):
+        ag.sensitivity(wide, xw, path=tmp_path / "fp.h5")
+    # a gate over fingerprinted outputs would be judged by another rule: refused, naming pattern and layer
+    with pytest.raises(ag.OptionError, match=r"tolerances\['\*'\] sets min_sqnr_db for layer '0', whose outputs"):
+        ag.compare(wide, xw, path=tmp_path / "fp.h5", tolerances={"*": {"min_sqnr_db": 30}})
+    pr = Chain()
+    fake_quant(pr.b, 0.2)
+    other = ag.sensitivity(pr, (x[0] * 2,), path=path)
+    assert other.notes[0].startswith("the model's inputs differ from the recording's")
+    assert other.rows[0].name == "b"  # own errors are re-runs on the golden's inputs: still ranked right
+
+
 def test_report_renders_as_text_json_html_and_through_the_cli(chain_golden: tuple[Path, tuple[torch.Tensor]],
                                                                tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                                                ) -> None:

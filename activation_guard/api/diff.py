@@ -18,7 +18,7 @@ from .._core.gcpause import with_frozen_gc
 from ..capture import env as envmod
 from ..comparison.comparator import Comparator
 from ..comparison.golden_selection import selective_note
-from ..judges.metrics import judge_for
+from ..judges.metrics import judge_for, refuse_fingerprinted_gate
 from ..options.selection import Selector, nothing_selected
 from ..options.spec import ARGUMENT, CompareSpec
 from ..options.tolerances import ToleranceResolver
@@ -104,6 +104,7 @@ def diff_recordings(
                                      reduced=None if reduced is None else reduced[0])
         # as compare: default to the layers the golden recorded
         golden_filter = Comparator.default_filter(gmeta, spec) if inc is None and exc is None else None
+        refuse_fingerprinted_gate(spec, resolver, [*ga.calls, *gb.calls], os.fspath(golden))
         comp = Comparator(ga, spec, judge_for(spec, resolver), golden_filter=golden_filter)
         source = RecordingSource(gb, Selector(inc, exc, [c.name for c in gb.calls]))
         comp.consume(source)

@@ -25,7 +25,7 @@ from ..comparison.golden_selection import recorded_selection, selective_note
 from ..gradients.loss import META_KEY as BACKWARD_KEY
 from ..graphs.replay import replay_scope
 from ..graphs.source import GUARDS, STACK, GraphSource, Scope, has_module_stack, type_name
-from ..judges.metrics import judge_for
+from ..judges.metrics import judge_for, refuse_fingerprinted_gate
 from ..options.selection import Selector, nothing_selected
 from ..options.spec import CompareSpec, RecordSpec
 from ..options.tolerances import ToleranceResolver
@@ -203,6 +203,7 @@ def compare_graph(gm: fx.GraphModule, label: str, a: tuple[Any, ...], kw: dict[s
                 spec = spec.with_selection(*recorded_selection(gmeta))
         gdev = envmod.recorded_device(gmeta)
         resolver = ToleranceResolver(spec, golden_device=gdev, live_device=str(dev))
+        refuse_fingerprinted_gate(spec, resolver, reader.calls, path)
         comp = Comparator(reader, spec, judge_for(spec, resolver), golden_filter=golden_filter)
         inputs_raw = gmeta.get("inputs")
         input_changes = envmod.describe_input_change(inputs_raw if isinstance(inputs_raw, list) else None, live_inputs)

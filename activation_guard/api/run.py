@@ -31,7 +31,7 @@ from ..comparison.comparator import Comparator, LiveInputs, StopForward
 from ..comparison.golden_selection import recorded_selection, selective_note
 from ..distributed import transform as distcap  # distributed
 from ..fingerprints.fingerprint import FingerprintParams
-from ..judges.metrics import judge_for
+from ..judges.metrics import judge_for, refuse_fingerprinted_gate
 from ..judges.strict import Judge, StrictJudge
 from ..options.selection import Selector, nothing_selected, parent_hint, selected, unmatched
 from ..options.spec import ARGUMENT, CompareSpec, RecordSpec
@@ -360,6 +360,7 @@ def compare_spec(model: Model, args: Any = (), kwargs: Mapping[str, Any] | None 
         resolver = ToleranceResolver(spec, golden_device=gdev, live_device=str(dev),
                                      other_model=envmod.other_model(gmeta.get("device"), live_info),
                                      reduced=None if reduced is None else reduced[0])
+        refuse_fingerprinted_gate(spec, resolver, reader.calls, path)
         rule = grad_api.compare_rule(spec, gmeta, path, target)  # gradients: the golden's loss, or None
         if dcap is not None:
             distcap.refuse_sharded_backward(model, rule is not None)

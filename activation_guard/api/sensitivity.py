@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .._core.errors import OptionError
+from .._core.errors import GoldenError, OptionError
 from .._core.metrics import METRICS, Energy, Metric, total
 from ..capture.hooks import normalize_inputs
 from ..judges.metrics import energy_of, measurable
@@ -77,6 +77,14 @@ def sensitivity(
                                                             "again: pass it as reference=")
     m: Metric = metric  # type: ignore[assignment]
     p = golden_path(path)
+    with GoldenReader(p) as reader:
+        if reader.meta.get("layer_inputs") is False:
+            raise GoldenError(p, "it was recorded without each layer call's inputs (inputs=False): sensitivity re-runs "
+                                 "every module on the golden's inputs to measure its own error",
+                              "re-record it from the float model with inputs=True (the default)")
+        if reader.fingerprinted:
+            raise GoldenError(p, "it stores some outputs as fingerprints: an SQNR, and a replay on the golden's "
+                                 "inputs, need the values", "re-record it from the float model without fingerprint=")
     spec = CompareSpec.build(dict(replay="all", metric=m, allow_dtype_change=True, include=include,
                                   exclude=exclude))
     a, kw = normalize_inputs(args, kwargs)
@@ -93,6 +101,10 @@ def sensitivity(
     root = next((r for r in report.layers if r.name == "" and r.call == 0), None)
     out_energy = None if root is None else an.accumulated(root)
     notes = [n for n in report.notes if "replay" in n or "not replayed" in n]
+    if report.input_changes:  # own errors are still measured on the golden's inputs; accumulated ones are not
+        notes.insert(0, "the model's inputs differ from the recording's (" + "; ".join(report.input_changes[:2]) +
+                     "): each accumulated SQNR compares outputs of other inputs and means nothing; own SQNRs are "
+                     "re-runs on the golden's inputs and stand")
     unreplayed = [r for r in rows if r.own_sqnr_db is None]
     if unreplayed:
         notes.append(f"{len(unreplayed)} module call(s) have no own error (not replayed: see the notes above); "

@@ -15,13 +15,18 @@ keeps both energies either way.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
+from .._core.errors import OptionError
 from .._core.metrics import Energy, Metric, fmt_value
+from ..options.selection import display_name
 from ..options.spec import CompareSpec
 from ..options.tolerances import Tolerance, ToleranceResolver
 from ..results import LeafResult
+from ..store import CallEntry
 from .strict import LeafContext, StrictJudge, identical_leaf
 
 _REAL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -139,6 +144,22 @@ class MetricJudge(StrictJudge):
             return []
         return [f"{self.gated} output(s) judged by SQNR (min_sqnr_db), {self.failed_gate} below their threshold; "
                 f"SQNR = 10 log10(sum(golden^2) / sum((live - golden)^2)), pooled over each output"]
+
+
+def refuse_fingerprinted_gate(spec: CompareSpec, resolver: ToleranceResolver, calls: Iterable[CallEntry],
+                              path: str) -> None:
+    """An SQNR gate needs the golden's values: a layer it names whose golden outputs are
+    fingerprints (their SQNR cannot be measured from a sketch) is an option error naming both,
+    rather than a layer silently judged by another rule."""
+    if not spec.sqnr_gate:
+        return
+    for c in calls:
+        rule = resolver.rule_for(c.name)
+        if rule is not None and rule.min_sqnr_db is not None and any(g.kind == "fingerprint" for g in c.leaves):
+            raise OptionError("tolerances", spec.given.get("tolerances"), spec.source("tolerances"),
+                              f"{rule.label} sets min_sqnr_db for layer {display_name(c.name)!r}, whose outputs the "
+                              f"golden {path} stores as fingerprints: an SQNR needs the values (re-record without "
+                              f"fingerprint= for the layers the gate names, or exclude them from the pattern)")
 
 
 def judge_for(spec: CompareSpec, resolver: ToleranceResolver) -> StrictJudge:
