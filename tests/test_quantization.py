@@ -173,6 +173,8 @@ def test_bad_thresholds_are_option_errors_naming_pattern_and_value(
         assert words in str(ei.value)
     with pytest.raises(ag.OptionError, match="choose one"):
         ag.compare(Chain(), x, path=path, tolerances={"*": {"min_sqnr_db": 30}}, tolerance="calibrated")
+    with pytest.raises(ag.OptionError, match="option metric='mse'.*choose one"):
+        ag.compare(Chain(), x, path=path, metric="mse", tolerance="calibrated")
 
 
 GATE_MODELS = '''

@@ -80,8 +80,7 @@ class MetricJudge(StrictJudge):
     def __init__(self, resolver: ToleranceResolver, metric: Metric | None = None):
         super().__init__(resolver)
         self.metric: Metric = metric or "sqnr"
-        self.gated = 0  # outputs judged by SQNR
-        self.failed_gate = 0
+        self.gated = 0  # outputs judged by SQNR (replays' own outputs included)
 
     def threshold(self, ctx: LeafContext) -> tuple[float, str] | None:
         rule = self.resolver.rule_for(ctx.name)
@@ -112,7 +111,6 @@ class MetricJudge(StrictJudge):
         else:
             res.status = "nonfinite" if res.nonfinite_new else "diverged"
         if res.status != "match":
-            self.failed_gate += 1
             res.detail = f"SQNR {fmt_value('sqnr', sqnr)} < min_sqnr_db {thr:g} dB"
         if res.status == "match":
             res.mismatched = res.nonfinite_new = 0
@@ -142,8 +140,9 @@ class MetricJudge(StrictJudge):
     def notes(self) -> list[str]:
         if not self.gated:
             return []
-        return [f"{self.gated} output(s) judged by SQNR (min_sqnr_db), {self.failed_gate} below their threshold; "
-                f"SQNR = 10 log10(sum(golden^2) / sum((live - golden)^2)), pooled over each output"]
+        return ["layers a min_sqnr_db pattern names are judged by SQNR = 10 log10(sum(golden^2) / "
+                "sum((live - golden)^2)) over all elements of each output: their output's (accumulated), or under "
+                "replay=\"all\" their own (re-run on the golden's inputs)"]
 
 
 def refuse_fingerprinted_gate(spec: CompareSpec, resolver: ToleranceResolver, calls: Iterable[CallEntry],

@@ -265,6 +265,10 @@ class CompareSpec(_SpecBase):
             raise OptionError("tolerances", self.given.get("tolerances"), self.sources.get("tolerances", ARGUMENT),
                               "min_sqnr_db judges a layer by SQNR, tolerance='calibrated' by noise floors: choose "
                               "one")
+        if self.metric is not None and self.calibrated:
+            raise OptionError("metric", self.metric, self.sources.get("metric", ARGUMENT),
+                              "is measured by the strict rule's judge; tolerance='calibrated' judges by noise floors "
+                              "(its report gives each output's error as a multiple of its floor): choose one")
 
     def with_selection(self, include: Iterable[str] | None, exclude: Iterable[str] | None) -> CompareSpec:
         """A copy selecting these layers (the golden's recorded selection, applied by default)."""
