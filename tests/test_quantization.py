@@ -173,7 +173,7 @@ def test_bad_thresholds_are_option_errors_naming_pattern_and_value(
         assert words in str(ei.value)
     with pytest.raises(ag.OptionError, match="choose one"):
         ag.compare(Chain(), x, path=path, tolerances={"*": {"min_sqnr_db": 30}}, tolerance="calibrated")
-    with pytest.raises(ag.OptionError, match="option metric='mse'.*choose one"):
+    with pytest.raises(ag.OptionError, match=r"option metric='mse'.*choose one"):
         ag.compare(Chain(), x, path=path, metric="mse", tolerance="calibrated")
 
 
@@ -212,9 +212,14 @@ def test_the_marker_gates_a_quantized_model_by_sqnr(pytester: pytest.Pytester, m
     monkeypatch.setenv("AG_STEP", "0.002")
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
     monkeypatch.setenv("AG_STEP", "0.05")
-    res = pytester.runpytest("-p", "no:cacheprovider")
+    res = pytester.runpytest("-p", "no:cacheprovider", "--ag-report", "summary.md")
     res.assert_outcomes(failed=1)
     res.stdout.fnmatch_lines(["*first divergence at layer '0'*", "*SQNR * < min_sqnr_db 35 dB*"])
+    summary = (pytester.path / "summary.md").read_text()
+    assert "min_sqnr_db 35" in summary and "SQNR " in summary  # the CI page names the rule that judged
+    res = pytester.runpytest("-p", "no:cacheprovider", "--ag-report", "report.html")
+    res.assert_outcomes(failed=1)
+    assert "min_sqnr_db 35 dB" in (pytester.path / "report.html").read_text()
 
 
 # ----------------------------------------------------------------------------- torchao: tiny BERT and Llama
@@ -478,3 +483,34 @@ def test_report_renders_as_text_json_html_and_through_the_cli(chain_golden: tupl
     (tmp_path / "bad.json").write_text("{}")
     assert cli_main(["sensitivity", str(tmp_path / "bad.json")]) == 2
     assert "not a sensitivity report" in capsys.readouterr().err
+
+
+def test_advice_becomes_globs_only_where_every_module_a_glob_names_is_advised() -> None:
+    from activation_guard.quantization.analysis import keep_globs
+
+    names = ["", "model", "model.layers.0", "model.layers.0.mlp.down_proj", "model.layers.0.mlp.up_proj",
+             "model.layers.1", "model.layers.1.mlp.down_proj", "model.layers.1.mlp.up_proj", "lm_head"]
+    both = keep_globs(["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj", "lm_head"], names)
+    assert both == ["model.layers.*.mlp.down_proj", "lm_head"]
+    one = keep_globs(["model.layers.1.mlp.down_proj"], names)
+    assert one == ["model.layers.1.mlp.down_proj"]  # a glob would also keep layer 0's in float
+
+
+def test_a_module_called_twice_is_advised_once_with_its_calls_shares_summed(tmp_path: Path) -> None:
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.shared, self.other = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.other(torch.tanh(self.shared(torch.tanh(self.shared(x)))))
+
+    model, x = Twice().eval(), (torch.randn(4, 16, generator=torch.Generator().manual_seed(1)),)
+    ag.record(model, x, path=tmp_path / "float.h5")
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    report = ag.sensitivity(half, (x[0].to(torch.bfloat16),), path=tmp_path / "float.h5", keep=1)
+    shared = [r for r in report.rows if r.name == "shared"]
+    assert [r.call for r in sorted(shared, key=lambda r: r.call)] == [0, 1]
+    assert all(r.own_sqnr_db is not None and 20 < r.own_sqnr_db < 80 for r in shared)  # bf16 rounding, replayed
+    assert report.keep_in_float == ["shared"] and report.quantized == {"shared": "bfloat16", "other": "bfloat16"}

@@ -95,6 +95,9 @@ def _tolerance(layer: LayerResult | None) -> str:
         return f"calibrated: error {layer.error_multiple:.3g}x the allowance"
     if layer.rtol is not None and layer.atol is not None:
         return f"rtol={layer.rtol:g}, atol={layer.atol:g}"
+    if layer.min_sqnr_db is not None:  # an SQNR gate: the layer's SQNR against its threshold
+        sqnr = "-" if layer.energy is None else f"SQNR {layer.energy.sqnr_db():.1f} dB, "
+        return f"{sqnr}min_sqnr_db {layer.min_sqnr_db:g}"
     return "-"
 
 
