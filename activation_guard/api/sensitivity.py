@@ -29,7 +29,7 @@ from ..values.rebuild import clone_inputs
 from . import graph as graph_api
 from .run import Model, compare_spec, golden_path
 
-Quantize = Callable[[torch.nn.Module, set[str]], torch.nn.Module]
+Quantize = Callable[[torch.nn.Module, set[str]], torch.nn.Module | None]
 
 
 def sensitivity(
@@ -59,7 +59,9 @@ def sensitivity(
     of the total (or the ``keep`` largest). With ``quantize(model, skip) -> model`` and the float
     ``reference``, the advice is checked: quantized again without the advised modules, without
     ``keep`` random ones (median of ``draws``, seeded) and without the last ones in execution
-    order (``report.closed_loop``). ``model`` may also be an exported or PT2E graph.
+    order (``report.closed_loop``); ``quantize`` gets a copy of ``reference`` and may return it
+    quantized, or None having quantized it in place. ``model`` may also be an exported or PT2E
+    graph.
     """
     if metric not in METRICS:
         raise OptionError("metric", metric, ARGUMENT, f"must be one of {', '.join(map(repr, METRICS))}")
@@ -119,7 +121,9 @@ def sensitivity(
         path=p, rows=rows, keep_in_float=advice, keep_in_float_globs=an.keep_globs(advice, names) if names else advice,
         metric=m, explain=float(explain), output_sqnr_db=None if out_energy is None else out_energy.sqnr_db(),
         not_quantized=left, quantized=quantized, notes=notes)
-    if quantize is not None and reference is not None:
+    if quantize is not None and reference is not None and not advice:
+        notes.append("closed loop skipped: nothing is advised to keep in float")
+    elif quantize is not None and reference is not None:
         result.closed_loop = closed_loop(quantize, reference, a, kw, p, rows, advice, compressed, draws, seed)
     return result
 
@@ -135,9 +139,13 @@ def closed_loop(quantize: Quantize, reference: torch.nn.Module, a: tuple[Any, ..
     k = len(advice)
 
     def sqnr(skip: Sequence[str]) -> float:
-        model = quantize(copy.deepcopy(reference), set(skip))
+        fresh = copy.deepcopy(reference)
+        model = quantize(fresh, set(skip))
+        if model is None:  # a quantizer that works in place (torchao's quantize_ returns None)
+            model = fresh
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"quantize(model, skip) must return the quantized model, got {type(model).__name__}")
+            raise TypeError(f"quantize(model, skip) must return the quantized model (or None, having quantized "
+                            f"the model it was given in place), got {type(model).__name__}")
         with torch.no_grad():
             out = model(*clone_inputs(a), **clone_inputs(kw))
         e = output_energy(golden, out)
