@@ -25,6 +25,9 @@ Status = Literal["structure", "shape", "local_shard", "dtype", "missing", "unexp
 STATUS_ORDER: tuple[Status, ...] = get_args(Status)
 # which pass a row belongs to: the forward, a gradient in the backward, a parameter's gradient
 Phase = Literal["forward", "backward", "param-grad"]
+# how live values relate to the golden's at the mismatched elements (Where.relation)
+Relation = Literal["scale", "offset", "permutation", "sign", "column-scale", "row-scale", "broad", "unknown",
+                   "sampled"]
 PHASES: tuple[Phase, ...] = get_args(Phase)
 # a fingerprinted output's numbers (LeafResult fields): estimates, not measured differences
 ESTIMATE_NUMBERS = ("estimated_l2", "l2_bound", "l2_threshold", "false_alarm")
@@ -122,12 +125,15 @@ class Where:
 
     ``relation``: ``scale`` (live = ``factor`` x golden), ``offset`` (live = golden + ``offset``),
     ``permutation`` (the golden's values moved along ``perm_dim``), ``sign`` (live = -golden),
+    ``column-scale`` (one factor per position of the last dimension, the same across the others:
+    a per-channel scale), ``row-scale`` (one factor per slice along the last dimension: a
+    normalisation change), both with the factors' range in ``factor_min``/``factor_max``,
     ``broad`` (none of these), ``unknown`` (the description failed: ``text`` says why; the verdict
     stands), or ``sampled`` (a fingerprinted output: only its exact samples were
     seen, and nothing is claimed beyond them). ``border``: the mismatches lie within this many
     positions of the edges of the last two dimensions (a padding change), else None."""
 
-    relation: str
+    relation: Relation
     text: str  # the relation in words
     dims: list[DimWhere] = field(default_factory=list)
     factor: float | None = None
@@ -137,7 +143,9 @@ class Where:
     sign_flips: int = 0  # mismatched elements equal to -golden within tolerance
     border: int | None = None
     heat: Heat | None = None
-    requested: bool = False  # described because the `where` option named its layer
+    requested: bool = False
+    factor_min: float | None = None
+    factor_max: float | None = None  # described because the `where` option named its layer
 
     def lines(self) -> list[str]:
         """The words, one line per dimension then the relation (border, when found, first)."""
@@ -149,7 +157,7 @@ class Where:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("factor", "offset"):
+        for k in ("factor", "offset", "factor_min", "factor_max"):
             d[k] = json_number(d[k])
         if d["heat"] is not None:  # an inf |d| (a new Inf) is written as JSON allows
             for k in ("diff", "golden", "live"):
@@ -161,7 +169,7 @@ class Where:
         if not isinstance(d, dict):
             raise TypeError(f"expected a dict for Where, got {type(d).__name__}")
         kw = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        for k in ("factor", "offset"):
+        for k in ("factor", "offset", "factor_min", "factor_max"):
             if k in kw:
                 kw[k] = from_json_number(kw[k])
         kw["dims"] = [DimWhere(**{k: v for k, v in x.items() if k in DimWhere.__dataclass_fields__})

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from models import one_thread, scale_weight, shared_loop, tiny_mlp
 from torch import nn
@@ -650,3 +650,57 @@ def test_a_difference_that_overflows_the_dtype_is_its_true_size_not_inf(dtype):
     assert st.max_abs_diff == pytest.approx(6e38, rel=1e-6) and st.max_rel_diff == pytest.approx(2.0, rel=1e-6)
     inf = compare_tensors(g, torch.tensor([float("inf"), 1.0]).to(dtype), 1e-5, 1e-5)  # a real Inf stays inf
     assert inf.max_abs_diff == float("inf") and inf.nonfinite_new == 1
+
+
+_SPECIAL = [0.0, -0.0, 1.0, -1.0, 1e-30, 3e38, -3e38, float("inf"), float("-inf"), float("nan"), 1.0000001, 2.5]
+
+
+def _rule32(a: float, b: float, rtol: float, atol: float) -> bool:
+    """The element rule as documented, evaluated as the kernel does in float32 (float64 where a
+    float32 difference or tolerance overflows)."""
+    import numpy as np
+
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    f = np.float32
+    with np.errstate(over="ignore"):
+        d, tol = abs(f(b) - f(a)), f(atol) + f(rtol) * abs(f(a))
+    if math.isinf(d) or math.isinf(tol):
+        return abs(b - a) <= atol + rtol * abs(a)
+    return bool(d <= tol)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_SPECIAL) | st.floats(-1e6, 1e6, width=32),
+                          st.sampled_from(_SPECIAL) | st.floats(-1e6, 1e6, width=32)), min_size=1, max_size=12),
+       st.sampled_from([0.0, 1e-5, 0.1]), st.sampled_from([0.0, 1e-6, 1.0]), st.booleans())
+@example([(0.0, 1.0)], 0.0, 1.0, False)  # exactly at the tolerance: passes
+@example([(3e38, 0.0)], 0.1, 0.0, True)  # a complex64 modulus that overflows must not make the tolerance inf
+def test_element_rule_is_the_documented_rule(pairs: list[tuple[float, float]], rtol: float, atol: float,
+                                             cplx: bool) -> None:
+    """Whichever path the kernel's element rule takes (all differences finite or not), it decides
+    each element as documented: NaN matches NaN, an infinity only itself, a new non-finite live
+    value never passes, otherwise |live - golden| <= atol + rtol * |golden|."""
+    from activation_guard._core.kernel import element_rule
+
+    g = torch.tensor([a for a, _ in pairs], dtype=torch.float32)
+    lv = torch.tensor([b for _, b in pairs], dtype=torch.float32)
+    if cplx:  # the imaginary part equal on both sides: the real parts decide, the modulus may overflow
+        g, lv = torch.complex(g, g), torch.complex(lv, g)
+    ok = element_rule(g, lv, g.dtype, rtol, atol)[5].tolist()
+    if not cplx:
+        for i in range(len(pairs)):
+            a, b = float(g[i]), float(lv[i])
+            assert ok[i] == _rule32(a, b, rtol, atol), (a, b, rtol, atol)
+        return
+    for i in range(len(pairs)):
+        a, b = float(g[i].real), float(lv[i].real)
+        if math.isfinite(a) and math.isfinite(b):  # |d| is the real difference; |golden| is widened if it overflows
+            want = abs(b - a) <= atol + rtol * abs(complex(a, a))
+            if not (math.isclose(abs(b - a), atol + rtol * abs(complex(a, a)), rel_tol=1e-6)):
+                assert ok[i] == want, (a, b, rtol, atol)
+    nan = torch.tensor([complex(float("nan"), 0.0)], dtype=g.dtype)  # forces the path that masks non-finite values
+    slow = element_rule(torch.cat([g, nan]), torch.cat([lv, nan]), g.dtype, rtol, atol)[5].tolist()[:-1]
+    assert ok == slow

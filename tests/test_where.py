@@ -302,3 +302,88 @@ def test_a_description_that_fails_leaves_the_verdict(tmp_path: Path, monkeypatch
     r, w = _where(tmp_path, _lin(), torch.randn(2, 4, 32), lambda y: y * 2)
     assert r.first_divergence.status == "diverged"  # type: ignore[union-attr]
     assert w.relation == "unknown" and "RuntimeError: boom" in w.text
+
+
+def _norm_model() -> torch.nn.Module:
+    torch.manual_seed(2)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)).eval()
+
+
+def _first_where(tmp_path: Path, m: torch.nn.Module, change) -> tuple[str, object]:  # type: ignore[no-untyped-def]
+    x = torch.randn(3, 40, 16, generator=torch.Generator().manual_seed(4))
+    p = tmp_path / "n.h5"
+    with torch.no_grad():
+        ag.record(m, (x,), path=p)
+        change(m)
+        r = ag.compare(m, (x,), path=p, replay="off")
+    fd = r.first_divergence
+    assert fd is not None
+    return fd.name, fd.leaves[0].where
+
+
+def test_layernorm_eps_change_reads_as_a_factor_per_row(tmp_path: Path) -> None:
+    name, w = _first_where(tmp_path, _norm_model(), lambda m: setattr(m[1], "eps", 0.5))
+    assert name == "1"
+    assert w.relation == "row-scale", w.text  # type: ignore[attr-defined]
+    assert w.factor_min < w.factor_max < 1.0  # type: ignore[attr-defined]  # a larger eps shrinks every row
+    assert "a factor per slice along dim 2 (120 slices" in w.text  # type: ignore[attr-defined]
+
+
+def test_norm_weight_change_reads_as_a_factor_per_channel(tmp_path: Path) -> None:
+    def change(m: torch.nn.Module) -> None:
+        m[1].weight.mul_(1 + 0.05 * torch.rand(64, generator=torch.Generator().manual_seed(1)))
+
+    name, w = _first_where(tmp_path, _norm_model(), change)
+    assert name == "1"
+    assert w.relation == "column-scale", w.text  # type: ignore[attr-defined]
+    assert 1.0 < w.factor_min < w.factor_max < 1.05  # type: ignore[attr-defined]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([(5, 8), (3, 7, 9), (40, 16), (2, 3, 4, 12)]),
+       st.floats(1e-4, 1.0))
+def test_random_changes_never_read_as_a_factor_per_slice(seed: int, shape: tuple[int, ...], size: float) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(shape, generator=gen)
+    w = describe(g, g + size * torch.randn(shape, generator=gen), 1e-5, 1e-6)
+    assert w.relation == "broad", w.text
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 70), st.integers(1, 70), st.sampled_from([3, 50, 10_000]))
+def test_heat_pooled_by_slabs_equals_pooling_the_whole_map(seed: int, r: int, c: int, slab: int) -> None:
+    from activation_guard.judges import where as wmod
+
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(r, c, generator=gen)
+    lv = g + torch.randn(r, c, generator=gen) * (torch.rand(r, c, generator=gen) > 0.7)
+    whole = describe(g, lv, 1e-5, 1e-6).heat
+    old = wmod.SLAB
+    wmod.SLAB = slab  # several slabs, each pooled on its own
+    try:
+        parts = describe(g, lv, 1e-5, 1e-6).heat
+    finally:
+        wmod.SLAB = old
+    assert whole is not None and parts is not None
+    assert parts.bad == whole.bad and parts.reduced == whole.reduced
+    for a, b in ((parts.diff, whole.diff), (parts.golden, whole.golden)):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=2e-3, atol=1e-6)
+    ref = torch.nn.functional.adaptive_max_pool2d((lv - g).abs()[None, None], (min(r, 32), min(c, 32)))[0, 0]
+    assert torch.allclose(torch.tensor(whole.diff), ref, rtol=1e-3, atol=1e-6)
+
+
+def test_diverged_rows_without_a_picture_say_how_to_get_one(tmp_path: Path) -> None:
+    from activation_guard.report.visual import html_page
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(5)])
+    x = torch.randn(3, 4)
+    p = tmp_path / "g.h5"
+    with torch.no_grad():
+        ag.record(m, (x,), path=p)
+        m[0].weight += 0.1
+        r = ag.compare(m, (x,), path=p, replay="off")
+    page = html_page([r])
+    assert page.count('title="click: heatmap of this output"') == 2  # the first two diverged calls
+    assert page.count("no heatmap drawn for this call") == 4  # layers 2, 3, 4 and the root
+    assert 'name 4 in the where option' in page

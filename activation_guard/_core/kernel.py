@@ -153,6 +153,12 @@ def element_rule(g: torch.Tensor, lv: torch.Tensor, cdt: torch.dtype, rtol: floa
     the "same value" mask and the "within tolerance" mask."""
     gc, lc = g.to(cdt), lv.to(cdt)
     d, ga = (lc - gc).abs(), gc.abs()
+    if d.numel() and math.isfinite(float(d.amax())) and (not cdt.is_complex or math.isfinite(float(ga.amax()))):
+        # every difference finite: both sides are finite everywhere (an infinity or NaN on either
+        # side makes the difference Inf or NaN), so the masks below reduce to this; a complex
+        # modulus can still overflow (3e38+3e38j), which the widening below handles
+        eq = gc == lc
+        return gc, lc, d, ga, eq, (d <= atol + rtol * ga) | eq
     if cdt in _WIDER and bool(((torch.isinf(d) | torch.isinf(ga)) & torch.isfinite(gc) & torch.isfinite(lc)).any()):
         # two finite float32 values whose difference overflows (3e38 vs -3e38 is 6e38, not inf), or
         # the modulus of a finite complex64 (3e38+3e38j), which would make the tolerance inf

@@ -16,7 +16,7 @@ import torch
 
 from .._core import devices
 from .._core.kernel import compare_tensors, element_rule, pair_dtype
-from ..results import DimWhere, Heat, Where
+from ..results import DimWhere, Heat, Relation, Where
 
 SLAB = 1 << 22  # elements per slab of the one pass
 MAX_CELLS = 32  # a heatmap's grid side at most: small images, small JSON
@@ -25,6 +25,7 @@ RUNS_SHOWN = 4
 # fraction of it (sums of squares: 1e-4 is a residual of 1% of the difference's RMS)
 EXPLAINED = 1e-4
 FEWEST = 3  # mismatched elements a relation is named from, at least
+PER_SLICE = 8  # mismatched elements in each slice a per-slice factor is named from, at least
 
 
 def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float, *, heat: bool = True) -> Where:
@@ -49,12 +50,14 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
     step = max(1, SLAB // rest)
     real = not cdt.is_complex
     any_bad = [torch.zeros(s, dtype=torch.bool, device=live.device) for s in golden.shape]
-    # nbad, gg, dg, ll, dd, d (over mismatched elements), flips; then sums of g, l, g^2, l^2 over all
-    sums = torch.zeros(11, dtype=torch.float64, device=live.device)
+    sums = torch.zeros(len(_TOTALS), dtype=torch.float64, device=live.device)
+    last = int(golden.shape[-1])
+    rows: list[torch.Tensor] = []  # per slice along the last dim: n, gg, dg, dd over its mismatched elements
+    cols = torch.zeros(4, last, dtype=torch.float64, device=live.device)  # the same per position of the last dim
     nonfinite = 0  # mismatched elements where either side is NaN/Inf: outside the relations
     rows_cols = golden.shape[-2:] if nd >= 2 else (1, golden.shape[0])
+    cells = min(int(rows_cols[1]), MAX_CELLS)
     hd = hg = hl = hb = None
-    f64 = torch.float64
     for i in range(0, n0, step):
         g, lv = golden[i : i + step], live[i : i + step]
         gc, lc, d, ga, _, ok = element_rule(g, lv, cdt, rtol, atol)
@@ -67,47 +70,43 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
             else:
                 any_bad[k] |= a
         if real:
-            if not bool(torch.isfinite(d).all()):  # (rare) NaN/Inf take no part in the relations
+            part = _slab_sums(gc, lc, ga, bad, rtol, atol, last, exact=False)
+            if not bool(torch.isfinite(part[0]).all()):  # (rare) NaN/Inf or an overflowing square: the exact path
                 fin = torch.isfinite(gc) & torch.isfinite(lc)
                 nonfinite += int((bad & ~fin).sum())
-                gc, lc = torch.where(fin, gc, 0), torch.where(fin, lc, 0)
-                bad = bad & fin
-            bg, bl = gc * bad, lc * bad
-            bd = bl - bg
-            flip = ((bl + bg).abs() <= atol + rtol * ga) & bad
-            # the scale fit is made on the difference (d = (c - 1) g): fitted on the values (l = c g),
-            # its residual ll - lg^2 / gg cancels by 1 / (c - 1)^2, and a factor of 1.008 read as "broad"
-            sums += torch.stack([bad.sum(dtype=f64), (bg * bg).sum(dtype=f64), (bd * bg).sum(dtype=f64),
-                                 (bl * bl).sum(dtype=f64), (bd * bd).sum(dtype=f64), bd.sum(dtype=f64),
-                                 flip.sum(dtype=f64), gc.sum(dtype=f64), lc.sum(dtype=f64),
-                                 (gc * gc).sum(dtype=f64), (lc * lc).sum(dtype=f64)])
+                part = _slab_sums(torch.where(fin, gc, 0), torch.where(fin, lc, 0), ga, bad & fin, rtol, atol, last,
+                                  exact=True)
+            sums += part[0]
+            rows.append(part[1])
+            cols += part[2]
         if heat:
             dd = torch.nan_to_num(d, nan=math.inf)
             gv = gc if real else gc.abs()
             lvv = lc if real else lc.abs()
             if nd >= 3:  # leading dimensions are reduced: max of |d|, sums of values, any mismatch
                 m = dd.reshape(-1, *rows_cols).amax(0)
-                sg2, sl2 = gv.reshape(-1, *rows_cols).sum(0, dtype=f64), lvv.reshape(-1, *rows_cols).sum(0, dtype=f64)
+                sg2 = gv.reshape(-1, *rows_cols).sum(0, dtype=torch.float64)
+                sl2 = lvv.reshape(-1, *rows_cols).sum(0, dtype=torch.float64)
                 sb = bad.reshape(-1, *rows_cols).any(0)
                 hd = m if hd is None else torch.maximum(hd, m)
                 hg = sg2 if hg is None else hg + sg2
                 hl = sl2 if hl is None else hl + sl2
                 hb = sb if hb is None else hb | sb
-            else:  # 1-D or 2-D: the slab's rows are rows of the map
-                hd = dd if hd is None else torch.cat([hd, dd])
-                hg = gv if hg is None else torch.cat([hg, gv])
-                hl = lvv if hl is None else torch.cat([hl, lvv])
-                hb = bad if hb is None else torch.cat([hb, bad])
+            else:  # 2-D: the slab's rows are rows of the map, their columns pooled at once (bounded memory)
+                parts = [_pool_cols(x, cells, how) if nd == 2 else x
+                         for x, how in ((dd, "max"), (gv, "mean"), (lvv, "mean"), (bad, "max"))]
+                hd, hg, hl, hb = (p if h is None else torch.cat([h, p]) for h, p in zip((hd, hg, hl, hb), parts))
         elif nd >= 3:  # the border test reads the mismatches of the last two dimensions
             sb = bad.reshape(-1, *rows_cols).any(0)
             hb = sb if hb is None else hb | sb
     dims = [] if scalar else [_dim_where(k, any_bad[k]) for k in range(nd)]
-    nbad, gg, dg, ll, ddsum, dsum, flips, gs, ls, gss, lss = (float(x) for x in sums.tolist())
+    totals = dict(zip(_TOTALS, (float(x) for x in sums.tolist())))
+    gs, ls, gss, lss = totals["g"], totals["l"], totals["gg_all"], totals["ll_all"]
     # a permutation keeps the sum and the sum of squares (the slices' own sums are looked at only then)
     perm_candidate = math.isclose(gs, ls, rel_tol=1e-4, abs_tol=1e-6 * math.sqrt(gss * golden.numel()) + atol) \
         and math.isclose(gss, lss, rel_tol=1e-4, abs_tol=1e-12)
-    where = _relation(golden, live, rtol, atol, real, nbad, gg, dg, ll, ddsum, dsum, int(flips), perm_candidate,
-                      any_bad, golden.numel())
+    per = {"row": torch.cat(rows, dim=1) if rows else None, "column": cols if real else None}
+    where = _relation(golden, live, rtol, atol, real, totals, perm_candidate, any_bad, golden.numel(), per)
     where.dims = dims
     if nonfinite:
         where.text = where.text.replace("every mismatched element", "every finite mismatched element")
@@ -117,8 +116,63 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
     if heat and hd is not None:
         lead = golden.numel() // (rows_cols[0] * rows_cols[1])
         assert hg is not None and hl is not None and hb is not None
-        where.heat = _heat(hd, hg / lead, hl / lead, hb, nd, real)
+        where.heat = _heat(hd, hg / lead, hl / lead, hb, nd, real, int(rows_cols[1]))
     return where
+
+
+# the totals one pass keeps, over the mismatched elements (n .. flips) then over all elements
+_TOTALS = ("n", "gg", "dg", "ll", "dd", "d", "flips", "g", "l", "gg_all", "ll_all")
+
+
+def _slab_sums(gc: torch.Tensor, lc: torch.Tensor, ga: torch.Tensor, bad: torch.Tensor, rtol: float, atol: float,
+               last: int, *, exact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One slab's totals (``_TOTALS``), its per-row sums (n, gg, dg, dd per slice along the last
+    dimension) and per-column sums (the same per position of the last dimension).
+
+    Sums run in the values' own float32 (torch's reductions sum pairwise: their error is far below
+    the 1e-4 share of the difference a relation may leave unexplained) and are only widened to
+    float64 when a total is not finite (``exact``: NaN/Inf masked out, squares that overflow float32)."""
+    f64 = torch.float64
+    if exact:
+        gc, lc = gc.to(f64), lc.to(f64)
+    n = int(bad.sum())
+    if n == bad.numel():  # every element mismatched (the usual diverged layer): no masking
+        bg, bl = gc, lc
+    else:
+        bg, bl = gc * bad, lc * bad
+    bd = bl - bg
+    flip = ((bl + bg).abs() <= atol + rtol * ga) & bad
+    p_gg, p_dg, p_dd = bg * bg, bd * bg, bd * bd
+    ll = (bl * bl).sum()
+    gg_all = p_gg.sum() if bg is gc else (gc * gc).sum()
+    ll_all = ll if bl is lc else (lc * lc).sum()
+    b2 = bad.reshape(-1, last)
+    if bg is gc:
+        rn, cn = gc.new_full((b2.shape[0],), last), gc.new_full((last,), b2.shape[0])
+    else:
+        rn, cn = b2.sum(-1).to(gc.dtype), b2.sum(0).to(gc.dtype)
+    row = torch.stack([rn, *(x.reshape(-1, last).sum(-1) for x in (p_gg, p_dg, p_dd))]).to(f64)
+    col = torch.stack([cn, *(x.reshape(-1, last).sum(0) for x in (p_gg, p_dg, p_dd))]).to(f64)
+    tot = torch.stack([row[0].sum(), row[1].sum(), row[2].sum(), ll.to(f64), row[3].sum(), bd.sum().to(f64),
+                       flip.sum().to(f64), gc.sum().to(f64), lc.sum().to(f64), gg_all.to(f64), ll_all.to(f64)])
+    return tot, row, col
+
+
+def _pool_cols(x: torch.Tensor, cells: int, how: str) -> torch.Tensor:
+    """Columns of a 2-D slab reduced to ``cells`` as adaptive pooling would (max or mean); the rows
+    are pooled at the end, which gives the same cells (both poolings are separable)."""
+    t = x.to(torch.float32) if x.dtype == torch.bool else x
+    n = t.shape[1]
+    if n == cells:
+        return t.clone()
+    if n % cells == 0:
+        v = t.reshape(t.shape[0], cells, n // cells)
+        return v.amax(-1) if how == "max" else v.mean(-1)
+    f = torch.nn.functional
+    u = t.unsqueeze(0)
+    if how == "max":
+        return f.adaptive_max_pool1d(torch.nan_to_num(u.to(torch.float32), posinf=3e38), cells)[0]
+    return f.adaptive_avg_pool1d(u.to(torch.float32), cells)[0]
 
 
 def _runs(flags: torch.Tensor) -> list[list[int]]:
@@ -149,9 +203,10 @@ def _dim_where(k: int, flags: torch.Tensor) -> DimWhere:
     return DimWhere(k, size, count, runs[:RUNS_SHOWN], text)
 
 
-def _relation(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float, real: bool, nbad: float, gg: float,
-              dg: float, ll: float, dd: float, dsum: float, flips: int, perm_candidate: bool,
-              any_bad: list[torch.Tensor], numel: int) -> Where:
+def _relation(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float, real: bool, t: dict[str, float],
+              perm_candidate: bool, any_bad: list[torch.Tensor], numel: int,
+              per: dict[str, torch.Tensor | None]) -> Where:
+    nbad, gg, dg, ll, dd, dsum, flips = t["n"], t["gg"], t["dg"], t["ll"], t["dd"], t["d"], int(t["flips"])
     at = "every element" if nbad == numel else f"every mismatched element ({int(nbad)} of {numel})"
     if not real:
         return Where("broad", "complex values: no scale, offset or permutation is looked for")
@@ -178,9 +233,44 @@ def _relation(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float
                          offset=b, sign_flips=flips)
     if nbad and flips == int(nbad):
         return Where("sign", f"sign flips: live = -golden at {at}", sign_flips=flips)
+    if dd > 0 and golden.ndim >= 2:
+        kinds: tuple[tuple[str, Relation], ...] = (("column", "column-scale"), ("row", "row-scale"))
+        for kind, relation in kinds:
+            found = _per_slice_factor(per[kind], dd)
+            if found is not None:
+                lo, hi, slices = found
+                last = golden.ndim - 1
+                what = (f"a factor per position of dim {last} ({slices} positions; a per-channel scale?)"
+                        if kind == "column" else
+                        f"a factor per slice along dim {last} ({slices} slices; a normalisation change?)")
+                return Where(relation, f"{what}: live = c x golden, c from {lo:.4f} to {hi:.4f}, at {at}",
+                             factor_min=lo, factor_max=hi, sign_flips=flips)
     tail = f"; {flips} of them are sign flips" if flips else ""
     return Where("broad", f"no common factor, offset, permutation or sign flip explains the mismatches{tail}",
                  sign_flips=flips)
+
+
+def _per_slice_factor(s: torch.Tensor | None, dd: float) -> tuple[float, float, int] | None:
+    """Whether one factor per slice (rows ``s`` = n, gg, dg, dd of each slice's mismatched elements)
+    explains the difference: at least two slices with mismatches, each with ``PER_SLICE`` or more of
+    them (one factor fits a few values whatever they are), and together leaving at most ``EXPLAINED``
+    of the difference unexplained. Returns the factors' range and the number of slices."""
+    if s is None:
+        return None
+    n, gg, dg, sdd = s[0], s[1], s[2], s[3]
+    hit = n > 0
+    slices = int(hit.sum())
+    if slices < 2 or float(n[hit].min()) < PER_SLICE:
+        return None
+    fit = gg > 0
+    resid = torch.where(fit, (sdd - dg * dg / torch.where(fit, gg, 1.0)).clamp(min=0.0), sdd)
+    if float(resid.sum()) > EXPLAINED * dd:
+        return None
+    c = 1.0 + dg[hit & fit] / gg[hit & fit]
+    lo, hi = float(c.min()), float(c.max())
+    if math.isclose(lo, hi, rel_tol=1e-6) or not (math.isfinite(lo) and math.isfinite(hi)):
+        return None  # one factor for all is a common factor, which the fit above would have named
+    return lo, hi, slices
 
 
 def _permutation(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
@@ -235,11 +325,13 @@ def _pool(x: torch.Tensor, rows: int, cols: int, how: str) -> torch.Tensor:
     return f.adaptive_avg_pool2d(t, (rows, cols))[0, 0]
 
 
-def _heat(hd: torch.Tensor, hg: torch.Tensor, hl: torch.Tensor, hb: torch.Tensor, nd: int, real: bool) -> Heat:
+def _heat(hd: torch.Tensor, hg: torch.Tensor, hl: torch.Tensor, hb: torch.Tensor, nd: int, real: bool,
+          c0: int) -> Heat:
+    """``c0``: the map's columns before pooling (a 1-D or 2-D map arrives with its columns pooled)."""
     if nd < 2:
         hd, hg, hl, hb = (x.reshape(1, -1) for x in (hd, hg, hl, hb))
     hb = hb.to(torch.float32)
-    r0, c0 = hd.shape
+    r0 = hd.shape[0]
     rows, cols = min(r0, MAX_CELLS), min(c0, MAX_CELLS)
     names = {2: ("dim 0", "dim 1"), 3: ("dim 1 (tokens)", "dim 2 (channels)"),
              4: ("dim 2 (height)", "dim 3 (width)")}.get(nd, (f"dim {nd - 2}", f"dim {nd - 1}"))
