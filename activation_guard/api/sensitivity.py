@@ -102,7 +102,7 @@ def sensitivity(
     advice = an.advise(rows, explain=float(explain), keep=keep)
     root = next((r for r in report.layers if r.name == "" and r.call == 0), None)
     out_energy = None if root is None else an.accumulated(root)
-    notes = [n for n in report.notes if "replay" in n or "not replayed" in n]
+    notes = list(report.notes)  # what the compare could not do (calls not replayed, and why), as it said it
     if report.input_changes:  # own errors are still measured on the golden's inputs; accumulated ones are not
         notes.insert(0, "the model's inputs differ from the recording's (" + "; ".join(report.input_changes[:2]) +
                      "): each accumulated SQNR compares outputs of other inputs and means nothing; own SQNRs are "
@@ -133,9 +133,11 @@ def closed_loop(quantize: Quantize, reference: torch.nn.Module, a: tuple[Any, ..
                 seed: int) -> an.ClosedLoop:
     """The advice checked end to end (:class:`~activation_guard.quantization.analysis.ClosedLoop`)."""
     golden = golden_output(path)
-    order = sorted({r.name: r.position or 0 for r in sorted(rows, key=lambda r: -(r.position or 0))}.items(),
-                   key=lambda kv: kv[1])
-    candidates = [n for n, _ in order if (n in compressed if compressed is not None else n != "")]
+    first: dict[str, int] = {}  # module -> its first call's place in execution order
+    for r in rows:
+        first[r.name] = min(first.get(r.name, r.position or 0), r.position or 0)
+    candidates = [n for n in sorted(first, key=lambda n: first[n])
+                  if (n in compressed if compressed is not None else n != "")]
     k = len(advice)
 
     def sqnr(skip: Sequence[str]) -> float:

@@ -196,7 +196,10 @@ def advise(rows: Sequence[SensitivityRow], *, explain: float = 0.9, keep: int | 
     known = any(r.quantized is not None for r in rows)
     candidates = {r.name for r in rows if (r.quantized if known else r.name != "") and r.own_noise_ratio is not None}
     shares = {n: s for n, s in shares_by_module(rows).items() if n in candidates}
-    order = sorted(shares, key=lambda n: (-shares[n], _first_position(rows, n)))
+    first: dict[str, int] = {}
+    for r in rows:
+        first[r.name] = min(first.get(r.name, r.position or 0), r.position or 0)
+    order = sorted(shares, key=lambda n: (-shares[n], first[n]))
     if keep is not None:
         return order[:keep]
     total = sum(shares.values())
@@ -209,10 +212,6 @@ def advise(rows: Sequence[SensitivityRow], *, explain: float = 0.9, keep: int | 
         out.append(n)
         acc += shares[n]
     return out
-
-
-def _first_position(rows: Sequence[SensitivityRow], name: str) -> int:
-    return min((r.position or 0) for r in rows if r.name == name)
 
 
 def compressed_modules(model: torch.nn.Module) -> tuple[dict[str, str], list[str]]:
