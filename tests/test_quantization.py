@@ -327,7 +327,7 @@ def test_planted_outliers_rank_first_and_second_by_own_error_and_are_advised(pla
     assert report.filter_fn()(torch.nn.Linear(2, 2), planted.planted[0]) is False  # kept in float by the filter
     # ranking by accumulated SQNR would not find both: a later layer inherits as much loss
     by_acc = sorted((r for r in report.rows if r.quantized), key=lambda r: r.sqnr_db or 0.0)
-    assert {r.name for r in by_acc[:2]} != set(planted.planted) or planted.name == "bert"
+    assert {r.name for r in by_acc[:2]} != set(planted.planted), [(r.name, r.sqnr_db) for r in by_acc[:3]]
 
 
 def test_keeping_the_advised_modules_in_float_beats_random_and_the_last_ones(planted: Planted) -> None:

@@ -113,6 +113,8 @@ def worse(metric: Metric, a: float, b: float) -> bool:
 def fmt_value(metric: Metric, v: float | None) -> str:
     if v is None:
         return "-"
+    if math.isnan(v):
+        return "nan"
     if metric == "sqnr":
         return f"{v:.1f} dB" if math.isfinite(v) else ("inf dB" if v > 0 else "-inf dB")
     if metric == "cosine":
