@@ -541,3 +541,20 @@ def test_the_benchmark_prints_the_three_gains_side_by_side_and_the_cost() -> Non
     rows = [line.split() for line in cp.stdout.splitlines() if line.startswith(("bert ", "llama "))]
     assert len(rows) == 4 and all(r[-1] == "True" and r[4] == "True" for r in rows), cp.stdout
     assert "worst ratio" in cp.stdout and "sensitivity ms" in cp.stdout
+
+
+def test_a_quantized_recording_is_gated_against_a_float_golden_by_diff(
+        chain_golden: tuple[Path, tuple[torch.Tensor]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, x = chain_golden
+    pr = Chain()
+    fake_quant(pr.b, 0.2)
+    ag.record(pr, x, path=tmp_path / "int.h5")
+    report = ag.diff_recordings(path, tmp_path / "int.h5", tolerances={"*": {"min_sqnr_db": 30}}, metric="sqnr")
+    assert report.first_divergence is not None and report.first_divergence.name == "b" and report.metric == "sqnr"
+    (tmp_path / "gate.json").write_text(json.dumps({"*": {"min_sqnr_db": 10}}))
+    assert cli_main(["diff", str(path), str(tmp_path / "int.h5"), "--tolerances", str(tmp_path / "gate.json")]) == 0
+    (tmp_path / "gate.json").write_text(json.dumps({"*": {"min_sqnr_db": 30}}))
+    assert cli_main(["diff", str(path), str(tmp_path / "int.h5"), "--tolerances", str(tmp_path / "gate.json")]) == 1
+    assert "< min_sqnr_db 30 dB" in capsys.readouterr().out
+    assert cli_main(["diff", str(path), str(tmp_path / "int.h5"), "--metric", "snr"]) == 2
+    assert "option metric='snr' (--metric)" in capsys.readouterr().err

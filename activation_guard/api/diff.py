@@ -78,6 +78,7 @@ def diff_recordings(
     allow_dtype_change: bool = False,
     spec: CompareSpec | None = None,
     where: str | Sequence[str] | None = None,
+    metric: str | None = None,
 ) -> Report:
     """Compare recording ``other`` against ``golden`` as if ``other`` were a live run.
 
@@ -87,7 +88,8 @@ def diff_recordings(
     """
     if spec is None:
         spec = CompareSpec.build(dict(rtol=rtol, atol=atol, tolerances=tolerances, include=include, exclude=exclude,
-                                      rename=rename, allow_dtype_change=allow_dtype_change, where=where), ARGUMENT)
+                                      rename=rename, allow_dtype_change=allow_dtype_change, where=where,
+                                      metric=metric), ARGUMENT)
     if spec.calibrated:
         raise ValueError("diff compares two recordings with the strict rule; calibrated tolerances need a live "
                          "model (its float64 shadow forward): use activation_guard.compare")
