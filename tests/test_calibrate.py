@@ -698,10 +698,10 @@ class _FixedShadow:
     """A live shadow that gives every output the same floor (or none)."""
 
     device = "cpu"
-    differs: list = []
 
     def __init__(self, floor: cal.NoiseFloor | None):
         self._floor = floor
+        self.differs: list[tuple[str, int, float]] = []
 
     def floor(self, name: str, call: int, path: str, value: torch.Tensor) -> cal.NoiseFloor | None:
         return self._floor
