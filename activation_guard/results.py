@@ -212,6 +212,11 @@ class LeafResult:
         return cls(**_fields_from_dict(cls, d))
 
 
+def out_name(path: str) -> str:
+    """How a report names an output leaf: the bare output, or the one at a path inside it."""
+    return f"output {path}" if path else "the output"
+
+
 def worst_status(statuses: list[Status]) -> Status:
     for s in STATUS_ORDER:
         if s in statuses:

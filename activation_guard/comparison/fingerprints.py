@@ -35,7 +35,7 @@ from ..fingerprints.fingerprint import Fingerprint, FingerprintError, compute_fi
 from ..fingerprints.soundness import FingerprintVerdict, judge_fingerprint, judge_fingerprint_calibrated
 from ..judges.strict import PRECISION, Judge, LeafContext, StrictJudge, dtype_change_allowed
 from ..options.tolerances import Tolerance
-from ..results import LeafResult, Status
+from ..results import LeafResult, Status, out_name
 from ..store import CallEntry, GoldenReader, LeafEntry
 from ..store.floors import ABS_TERM, NoiseFloor, rule_text
 from ..values.leaves import Leaf
@@ -44,10 +44,6 @@ STATUS: dict[str, Status] = {
     "ok": "match", "diverged": "diverged", "nonfinite": "nonfinite", "shape": "shape", "dtype": "dtype",
 }
 VALUE_KINDS = ("tensor", "fingerprint")
-
-
-def _out(path: str) -> str:
-    return f"output {path}" if path else "the output"
 
 
 def _describe(kind: str, dtype: str | None, type_name: str) -> str:
@@ -88,18 +84,18 @@ class FingerprintJudge:
         """Compare one golden leaf with one live leaf when either is a fingerprint."""
         p = g.path
         if g.kind not in VALUE_KINDS or lv.kind not in VALUE_KINDS:
-            return LeafResult(p, "structure", f"{_out(p)} was {_describe(g.kind, g.dtype, g.type_name)}, "
+            return LeafResult(p, "structure", f"{out_name(p)} was {_describe(g.kind, g.dtype, g.type_name)}, "
                                               f"is now {_describe(lv.kind, None, lv.type_name)}")
         if g.type_name != lv.type_name:
-            return LeafResult(p, "structure", f"{_out(p)} type changed {g.type_name} -> {lv.type_name}",
+            return LeafResult(p, "structure", f"{out_name(p)} type changed {g.type_name} -> {lv.type_name}",
                               type_name=lv.type_name)
         assert g.dtype is not None
         lshape, ldt = _shape_dtype(lv)
         if lshape != g.shape:
-            return LeafResult(p, "shape", f"{_out(p)} shape {list(g.shape)} -> {list(lshape)}", dtype=g.dtype,
+            return LeafResult(p, "shape", f"{out_name(p)} shape {list(g.shape)} -> {list(lshape)}", dtype=g.dtype,
                               live_dtype=ldt, shape=g.shape, live_shape=lshape, numel=g.numel)
         if ldt != g.dtype and not (allow_dtype_change and dtype_change_allowed(g.dtype, ldt)):
-            return LeafResult(p, "dtype", f"{_out(p)} dtype {g.dtype} -> {ldt}", dtype=g.dtype, live_dtype=ldt,
+            return LeafResult(p, "dtype", f"{out_name(p)} dtype {g.dtype} -> {ldt}", dtype=g.dtype, live_dtype=ldt,
                               shape=g.shape, live_shape=lshape, numel=g.numel)
         ctx = LeafContext(name, entry.name, entry.call, p, g.dtype, ldt)
         live: torch.Tensor | Fingerprint
