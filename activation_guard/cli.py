@@ -24,12 +24,15 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._core.errors import UPDATE_HINT, GoldenError, OptionError
 from ._version import __version__
 from .store.naming import is_hdf5_file
+
+if TYPE_CHECKING:
+    from .options.spec import Option
 
 PROG = "activation-guard"
 
@@ -306,36 +309,38 @@ def cmd_textconv(args: argparse.Namespace) -> int:
 Side = Literal["record", "compare"]
 
 
-def add_option_flags(parser: argparse.ArgumentParser, side: Side) -> None:
-    """The command-line flags of the options of ``side`` that have one (``Option.cli``), from the
-    option table: its help text, metavar and how the flag gives a value."""
+def _cli_options(side: Side, names: Collection[str] | None) -> list[tuple[str, Option]]:
+    """(flag, row) of each option of ``side`` the command line takes, in the table's order."""
     from .options.spec import OPTIONS
 
-    for o in OPTIONS.values():
-        if o.cli is None or not getattr(o, side):
-            continue
+    return [(o.cli, o) for o in OPTIONS.values()
+            if o.cli is not None and getattr(o, side) and (names is None or o.name in names)]
+
+
+def add_option_flags(parser: argparse.ArgumentParser, side: Side, names: Collection[str] | None = None) -> None:
+    """The command-line flags of the options of ``side`` that have one (``Option.cli``), from the
+    option table: its help text, metavar and how the flag gives a value. ``names``: only these
+    options (a command that takes some of them)."""
+    for flag, o in _cli_options(side, names):
         if o.flag_takes == "switch":
-            parser.add_argument(o.cli, dest=o.name, action="store_true", help=o.cli_help())
+            parser.add_argument(flag, dest=o.name, action="store_true", help=o.cli_help())
         else:
-            parser.add_argument(o.cli, dest=o.name, metavar=o.flag_metavar, help=o.cli_help(),
+            parser.add_argument(flag, dest=o.name, metavar=o.flag_metavar, help=o.cli_help(),
                                 action="append" if o.flag_takes == "values" else "store")
 
 
-def option_values(args: argparse.Namespace, side: Side) -> tuple[dict[str, Any], dict[str, str]]:
+def option_values(args: argparse.Namespace, side: Side,
+                  names: Collection[str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """The options :func:`add_option_flags` added, as given (unset ones left out), and the flag
     that set each (its source in error messages); a file-valued flag's JSON is read here."""
-    from .options.spec import OPTIONS
-
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for o in OPTIONS.values():
-        if o.cli is None or not getattr(o, side):
-            continue
+    for flag, o in _cli_options(side, names):
         v = getattr(args, o.name, None)
         if v is None or v is False or v == []:
             continue
         values[o.name] = load_tolerances(v) if o.from_file else v
-        sources[o.name] = f"{o.cli} {v}" if o.from_file else o.cli
+        sources[o.name] = f"{flag} {v}" if o.from_file else flag
     return values, sources
 
 

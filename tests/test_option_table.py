@@ -71,6 +71,16 @@ def test_the_diff_command_s_flags_are_the_table_s() -> None:
         assert o.compare and o.cli in flags, o.name
         assert flags[o.cli].help == o.cli_help() and _flat(o.cli_help()) in flat
         assert (flags[o.cli].nargs == 0) == (o.flag_takes == "switch")
+    # a command taking some of the options (names=) gets those flags only
+    import argparse
+
+    from activation_guard.cli import add_option_flags, option_values
+
+    some = argparse.ArgumentParser()
+    add_option_flags(some, "compare", names={"rtol", "include"})
+    assert [a.option_strings[0] for a in some._actions if a.dest != "help"] == ["--rtol", "--include"]
+    assert option_values(some.parse_args(["--include", "a", "--include", "b"]), "compare", {"rtol", "include"}) == (
+        {"include": ["a", "b"]}, {"include": "--include"})
 
 
 def test_every_option_is_a_marker_key_judged_by_the_table(pytester: pytest.Pytester) -> None:
