@@ -24,12 +24,15 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._core.errors import UPDATE_HINT, GoldenError, OptionError
 from ._version import __version__
 from .store.naming import is_hdf5_file
+
+if TYPE_CHECKING:
+    from .options.spec import Option
 
 PROG = "activation-guard"
 
@@ -212,15 +215,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from .api.diff import diff_recordings
     from .options.spec import CompareSpec
 
-    tolerances = load_tolerances(args.tolerances) if args.tolerances else None
     heat_layer, heat_file = args.heatmap or (None, None)
-    spec = CompareSpec.build(
-        dict(rtol=args.rtol, atol=args.atol, tolerances=tolerances, include=args.include or None,
-             exclude=args.exclude or None, allow_dtype_change=args.allow_dtype_change or None,
-             where=None if heat_layer is None else [heat_layer], metric=args.metric),
-        {"rtol": "--rtol", "atol": "--atol", "metric": "--metric", "tolerances": f"--tolerances {args.tolerances}",
-         "include": "--include", "exclude": "--exclude", "allow_dtype_change": "--allow-dtype-change",
-         "where": "--heatmap"})
+    values, sources = option_values(args, "compare")
+    if heat_layer is not None:
+        values["where"], sources["where"] = [heat_layer], "--heatmap"
+    spec = CompareSpec.build(values, sources)
     if not os.path.exists(args.b):  # not "golden ...: re-record the golden": B is the recording being checked
         raise CliError(f"recording {args.b}: file does not exist (the recording to check against the golden "
                        f"{args.a}; write it with activation_guard.record)")
@@ -326,6 +325,44 @@ def cmd_textconv(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- parser
 
 
+Side = Literal["record", "compare"]
+
+
+def _cli_options(side: Side, names: Collection[str] | None) -> list[tuple[str, Option]]:
+    """(flag, row) of each option of ``side`` the command line takes, in the table's order."""
+    from .options.spec import OPTIONS
+
+    return [(o.cli, o) for o in OPTIONS.values()
+            if o.cli is not None and getattr(o, side) and (names is None or o.name in names)]
+
+
+def add_option_flags(parser: argparse.ArgumentParser, side: Side, names: Collection[str] | None = None) -> None:
+    """The command-line flags of the options of ``side`` that have one (``Option.cli``), from the
+    option table: its help text, metavar and how the flag gives a value. ``names``: only these
+    options (a command that takes some of them)."""
+    for flag, o in _cli_options(side, names):
+        if o.flag_takes == "switch":
+            parser.add_argument(flag, dest=o.name, action="store_true", help=o.cli_help())
+        else:
+            parser.add_argument(flag, dest=o.name, metavar=o.flag_metavar, help=o.cli_help(),
+                                action="append" if o.flag_takes == "values" else "store")
+
+
+def option_values(args: argparse.Namespace, side: Side,
+                  names: Collection[str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The options :func:`add_option_flags` added, as given (unset ones left out), and the flag
+    that set each (its source in error messages); a file-valued flag's JSON is read here."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for flag, o in _cli_options(side, names):
+        v = getattr(args, o.name, None)
+        if v is None or v is False or v == []:
+            continue
+        values[o.name] = load_tolerances(v) if o.from_file else v
+        sources[o.name] = f"{flag} {v}" if o.from_file else flag
+    return values, sources
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .api.demo import BUGS
 
@@ -365,15 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "would (same tolerances, including cross-device defaults; same report).")
     f.add_argument("a", metavar="A.h5", help="the golden (reference)")
     f.add_argument("b", metavar="B.h5", help="the recording checked against it")
-    f.add_argument("--rtol", help="relative tolerance for every float layer")
-    f.add_argument("--atol", help="absolute tolerance for every float layer")
-    f.add_argument("--tolerances", metavar="FILE.json",
-                   help='per-layer tolerances: {"glob": {"rtol": .., "atol": ..}}, the most specific glob wins')
-    f.add_argument("--include", metavar="GLOB", action="append", help="compare only these layers (repeatable)")
-    f.add_argument("--exclude", metavar="GLOB", action="append", help="skip these layers (repeatable)")
-    f.add_argument("--allow-dtype-change", action="store_true", help="compare float dtypes that differ, in float32")
-    f.add_argument("--metric", help="also measure each float output's error: sqnr, cosine, mse or rel_l2 "
-                                    '(a --tolerances pattern {"glob": {"min_sqnr_db": 30}} judges by SQNR)')
+    add_option_flags(f, "compare")
     f.add_argument("--json", action="store_true", help="machine-readable report")
     f.add_argument("--plot", metavar="FILE.png", help="write the error-by-layer plot (needs matplotlib)")
     f.add_argument("--html", metavar="FILE.html", help="write a self-contained HTML report")

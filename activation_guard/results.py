@@ -241,6 +241,11 @@ class LeafResult:
         return cls(**_fields_from_dict(cls, d))
 
 
+def out_name(path: str) -> str:
+    """How a report names an output leaf: the bare output, or the one at a path inside it."""
+    return f"output {path}" if path else "the output"
+
+
 def worst_status(statuses: list[Status]) -> Status:
     for s in STATUS_ORDER:
         if s in statuses:
@@ -475,7 +480,9 @@ class Origin:
     golden's inputs, but ``child``'s inputs differ; ``previous`` is the child that returned just
     before it), ``inputs`` (the model's inputs differ) or ``unknown`` (``detail`` says why, e.g. a
     golden recorded without inputs). ``own_error`` is the largest difference of the replayed
-    output from the golden output."""
+    output from the golden output. ``maybe_code``: an ``unknown`` origin that names code (a
+    module's own, the model's outside its module calls) as one of the explanations it could not
+    tell apart; :attr:`names_code` says whether an origin names code at all."""
 
     name: str
     call: int
@@ -485,6 +492,12 @@ class Origin:
     type_name: str = ""
     child: str | None = None
     previous: str | None = None
+    maybe_code: bool = False
+
+    @property
+    def names_code(self) -> bool:
+        """The origin is code (a layer's own computation, a parent's between its children), or may be."""
+        return self.kind in ("layer", "parent-code") or self.maybe_code
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -689,3 +689,89 @@ def test_a_float64_reference_that_computes_something_else_never_widens_the_verdi
         frep = ag.compare(changed, (xb,), path=fp, tolerance="calibrated")
         assert not frep.ok and frep.first_divergence is not None and frep.first_divergence.name == "b", frep
         assert any("'mid'[0]" in n and differs in n for n in frep.notes), frep.notes
+
+
+# --------------------------------------------------------------------------- one decision
+
+
+class _FixedShadow:
+    """A live shadow that gives every output the same floor (or none)."""
+
+    device = "cpu"
+
+    def __init__(self, floor: cal.NoiseFloor | None):
+        self._floor = floor
+        self.differs: list[tuple[str, int, float]] = []
+
+    def floor(self, name: str, call: int, path: str, value: torch.Tensor) -> cal.NoiseFloor | None:
+        return self._floor
+
+    def close(self) -> None:
+        pass
+
+
+def _rule(source: str) -> str:
+    """Which rule a tolerance source says judged, and why when strict."""
+    if "; strict: " in source:
+        return "strict: " + source.split("; strict: ", 1)[1]
+    return "calibrated" if source.startswith("calibrated") else "strict"
+
+
+@pytest.mark.parametrize("pattern", [False, True])
+@pytest.mark.parametrize("golden_floor", [None, "rounding", "implausible"])
+@pytest.mark.parametrize("live_floor", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "int64"])
+def test_every_calibrated_path_decides_alike(pattern: bool, golden_floor: str | None, live_floor: bool,
+                                             dtype: str) -> None:
+    """Full values, fingerprints, replays against their own floors and a replayed child's inputs
+    meet the same decision: which rule judges, why, and what the notes count."""
+    from activation_guard.calibration.ownfloor import OwnFloorJudge, judge_input
+    from activation_guard.comparison.fingerprints import FingerprintJudge
+    from activation_guard.fingerprints.fingerprint import compute_fingerprint
+    from activation_guard.judges.strict import LeafContext, StrictJudge
+    from activation_guard.options.spec import CompareSpec
+    from activation_guard.options.tolerances import ToleranceResolver
+
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(2048, generator=gen)
+    live = g + 1e-6 * torch.randn(2048, generator=gen)
+    if dtype == "int64":
+        g, live = (g * 100).long(), (g * 100).long()
+    floors = {None: None, "rounding": cal.NoiseFloor(1e-7, 1e-7), "implausible": cal.NoiseFloor(0.5, 0.5)}
+    gf = floors[golden_floor]
+    lf = cal.NoiseFloor(2e-7, 1e-7) if live_floor else None
+    spec = CompareSpec.build({"tolerances": {"lay": {"rtol": 1e-3, "atol": 1e-3}}} if pattern else {})
+
+    def judge() -> cal.CalibratedJudge:
+        table = cal.FloorTable()
+        table.add("lay", 0, "", gf)
+        return cal.CalibratedJudge(table, _FixedShadow(lf), StrictJudge(ToleranceResolver(spec)))  # type: ignore[arg-type]
+
+    ctx = LeafContext("lay", "lay", 0, "", dtype, dtype)
+    own_ref = (live.double() + 1e-7) if live_floor else None  # the replay's own float64 reference
+    seen: dict[str, tuple[str, int, dict[str, int], int]] = {}
+    j = judge()
+    seen["full"] = (_rule(j.judge(ctx, g, live).tolerance_source), j.judged, dict(j.explicit), len(j.fallbacks))
+    j = judge()
+    res = OwnFloorJudge(j, {} if own_ref is None else {"": own_ref}).judge(ctx, g, live)
+    seen["replay"] = (_rule(res.tolerance_source), j.judged, dict(j.explicit), len(j.fallbacks))
+    if dtype == "float32":
+        j = judge()
+        res = FingerprintJudge(j.strict, j).judge(ctx, compute_fingerprint(g), live)
+        seen["fingerprint"] = (_rule(res.tolerance_source), j.judged, dict(j.explicit), len(j.fallbacks))
+    full = seen["full"]
+    assert all(v == full for v in seen.values()), seen
+    if dtype == "int64":  # exactly, under every rule
+        assert full == ("strict", 0, {}, 0)
+    elif pattern:
+        assert full[0] == "strict: a tolerances pattern overrides calibration" and full[2] == {"lay": 1}
+    elif golden_floor == "rounding" and live_floor:
+        assert full == ("calibrated", 1, {}, 0)
+    else:
+        assert full[0] in ("strict: no noise floor", "strict: implausible noise floor") and full[3] == 1
+    # a replayed child's input that is a stored output: the same decision, never counted in the notes
+    if gf is None:  # not a stored output: its golden's rounding is taken equal to the live one's
+        return
+    j = judge()
+    res = judge_input(j.strict, j, ctx, g, live, own_ref, gf)
+    assert _rule(res.tolerance_source) == full[0] and (j.judged, j.explicit, j.fallbacks) == (0, {}, [])

@@ -413,6 +413,59 @@ def _as_format_1(path: Path, rename: dict[str, str]) -> None:
         f.attrs["ag_format_version"] = np.int64(1)
 
 
+def test_the_reader_names_live_leaves_as_an_older_golden_does(tmp_path: Path) -> None:
+    """Older formats are the reader's business: it hands the comparator a call's live leaves under
+    the golden's own paths (format 1's ``str(key)``), settles a container an older golden holds by
+    type only, and says nothing for a golden of today's format."""
+    import h5py
+    from golden_edit import index_dict, set_index
+
+    def out(x: torch.Tensor, k: float) -> Any:
+        return {1: x * k, "d": collections.deque([x])}
+
+    p, q = tmp_path / "old.h5", tmp_path / "new.h5"
+    ag.record(Returns(out, 1.0), (X,), path=p)
+    ag.record(Returns(out, 1.0), (X,), path=q)
+    leaves = flatten(out(X, 1.0))
+    key1 = next(leaf.path for leaf in leaves if not leaf.path.startswith("d"))
+    _as_format_1(p, {key1: "1"})
+    with h5py.File(p, "r+") as f:  # and the deque as a writer before deques were walked stored it
+        idx = index_dict(f)
+        root = idx["calls"][-1]
+        root["leaves"] = [leaf for leaf in root["leaves"] if not leaf["path"].startswith("d/")]
+        root["leaves"].append({"kind": "object", "path": "d", "type": "deque"})
+        set_index(f, idx, force_v2=True)
+    from activation_guard.store import GoldenReader
+
+    with GoldenReader(q) as r:
+        assert r.live_view(r.calls[-1], flatten(out(X, 1.0)), out(X, 1.0)) is None
+    with GoldenReader(p) as r:
+        live = out(X, 1.0)
+        view = r.live_view(r.calls[-1], flatten(live), live)
+    assert view is not None and view.conflict is None
+    assert "1" in view.leaves and key1 not in view.leaves
+    assert list(view.settled) == ["d"] and view.settled["d"].type_only
+    assert view.inside_settled("d/0") and not view.inside_settled("1")
+
+
+def test_matching_never_reads_the_golden_format_version() -> None:
+    """Only the store knows golden formats: matching, judging and replay never read a reader's
+    version (``inspect`` shows it, as a fact about the file)."""
+    import ast
+
+    import activation_guard
+
+    root = Path(activation_guard.__file__).parent
+    readers = []
+    for src in root.rglob("*.py"):
+        if src.parent.name not in ("comparison", "replay", "judges", "calibration", "values", "graphs"):
+            continue
+        for node in ast.walk(ast.parse(src.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "version" and "reader" in ast.unparse(node.value):
+                readers.append(f"{src.relative_to(root)}:{node.lineno}")
+    assert readers == []
+
+
 def test_format_1_paths_that_collide_are_never_compared_as_one(tmp_path: Path) -> None:
     """Format 1 named a key by str(key): {1: a, "1": b} stored both as "1". Such a golden is
     refused (which value is which is lost); a live output whose two values collide under a

@@ -97,21 +97,21 @@ def test_engine_specs_route_options_and_imply_calibration() -> None:
 
 def test_settings_paths_and_validation(tmp_path: Path) -> None:
     inv = tmp_path / "sub"
-    s = Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="refs", ini_rtol=" ", ini_atol="0")
+    s = Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="refs", ini={"rtol": " ", "atol": "0"})
     assert s.golden_dir == tmp_path / "refs" and s.ini_options == {"atol": "0"} and s.cli_options == {}
-    s = Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="refs", ini_rtol="", ini_atol="",
-                       cli_golden_dir="g", cli_rtol="1e-3", cli_fail_fast=True, report_path="r.json")
+    s = Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="refs", ini={"rtol": "", "atol": ""},
+                       cli_golden_dir="g", cli={"rtol": "1e-3", "fail_fast": True, "calibrate": False},
+                       report_path="r.json")
     assert s.golden_dir == inv / "g" and s.report_path == inv / "r.json"
     assert s.cli_options == {"rtol": "1e-3", "fail_fast": True}  # raw: judged (again) by the spec, one way
     for bad, problem in (("abc", "must be a number, got 'abc'"), ("-1", "must be a finite number >= 0, got -1"),
                          ("nan", "must be a finite number >= 0, got nan"), ("inf", "must be a finite number >= 0")):
         with pytest.raises(SpecOptionError, match=f"option rtol='{bad}' \\(ini ag_rtol\\): {re.escape(problem)}"):
-            Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="g", ini_rtol=bad, ini_atol="")
+            Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="g", ini={"rtol": bad})
         with pytest.raises(SpecOptionError, match=f"\\(command line --ag-rtol\\): {re.escape(problem)}"):
-            Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="g", ini_rtol="", ini_atol="",
-                           cli_rtol=bad)
+            Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir="g", cli={"rtol": bad})
     with pytest.raises(OptionError, match="ag_golden_dir is empty"):
-        Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir=" ", ini_rtol="", ini_atol="")
+        Settings.build(rootdir=tmp_path, invocation_dir=inv, ini_golden_dir=" ")
     with pytest.raises(OptionError, match="--ag-update"):
         _settings(tmp_path, update="sometimes")
 
@@ -120,7 +120,7 @@ def test_golden_dir_that_is_a_file_is_a_usage_error(tmp_path: Path) -> None:
     (tmp_path / "g").write_text("not a folder")
     for kw in ({"ini_golden_dir": "g"}, {"ini_golden_dir": "x", "cli_golden_dir": "g"}):
         with pytest.raises(OptionError, match="exists and is not a folder"):
-            Settings.build(rootdir=tmp_path, invocation_dir=tmp_path, ini_rtol="", ini_atol="", **kw)
+            Settings.build(rootdir=tmp_path, invocation_dir=tmp_path, **kw)
 
 
 @pytest.mark.parametrize("update", [None, "all"])

@@ -199,20 +199,20 @@ def test_help_describes_what_each_option_does(ag: pytest.Pytester) -> None:
     must_say = {
         "--ag-update": ["write the goldens", "non-cpu ag_device"],
         "--ag-update=missing": ["only create goldens that do not exist", "compared"],
-        "--ag-rtol": ["relative", "tolerances= pattern", "ini ag_rtol", "markers and check()"],
-        "--ag-atol": ["absolute", "tolerances= pattern", "ini ag_atol", "markers and check()"],
+        "--ag-rtol": ["relative", "tolerances pattern", "ini ag_rtol", "markers and check()"],
+        "--ag-atol": ["absolute", "tolerances pattern", "ini ag_atol", "markers and check()"],
         "--ag-fail-fast": ["first diverging layer"],
         "--ag-report": ["=PATH", ".html", "HTML", ".md", "Markdown", "PNG", "JSON"],
         "--ag-unused": ["no test that ran used", "exit status 1", "Deselected, skipped and failed"],
         "--ag-unused=list": ["only list", "exit status is unchanged"],
-        "--ag-calibrate": ["when recording", "noise floor", "--ag-tolerance=calibrated"],
+        "--ag-calibrate": ["when recording", "noise floor", "tolerance='calibrated'"],
         "--ag-tolerance": ["={strict,calibrated}", "noise floors"],
         "--ag-golden-dir": ["=DIR", "invocation directory", "ag_golden_dir"],
         "--ag-check-determinism": ["twice", "differ between runs", "never failed"],
         "--ag-rank-timeout": ["=SECONDS", "torchrun", "rank 0 waits", "never waited on forever"],
         "--ag-replay": ["={first,all,off}", "recorded inputs", "origin", "own error"],
         "--ag-fingerprint": ["when recording", "fixed-size fingerprint", "integer, bool and small outputs stay exact",
-                             "needs no flag", "ini ag_fingerprint", "fingerprint=[globs]"],
+                             "needs no option", "ini ag_fingerprint", "layer globs"],
     }
     for opt, phrases in must_say.items():
         for phrase in phrases:

@@ -401,3 +401,33 @@ def test_a_multi_output_layer_shows_the_named_outputs_own_numbers(tmp_path):
     assert "  mismatched    : 1 / 12 elements" in text and not re.search(r"\d / 24\b", text.split("context")[0])
     assert "  max abs diff  : inf at index (0, 0)" in text
     assert "  other outputs : b: diverged (max abs diff 1.00e+02, 12 / 12 mismatched)" in text
+
+
+def test_a_lower_precision_run_reads_whether_an_origin_names_code_from_its_field(tmp_path) -> None:
+    """Whether an origin blames code is a field its builder sets (``maybe_code``, ``names_code``),
+    not a phrase of its text; old JSON reports, without the field, still load."""
+    import copy
+
+    from activation_guard.api.run import lowered_precision
+    from activation_guard.results import Origin
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)).eval()
+    x = torch.randn(8, 64)
+    ag.record(m, (x,), path=tmp_path / "g.h5")
+    rep = ag.compare(copy.deepcopy(m).to(torch.bfloat16), (x.bfloat16(),), path=tmp_path / "g.h5",
+                     allow_dtype_change=True, replay="off")
+    assert not rep.ok and rep.mode == "strict"
+    for origin, blamed in ((Origin("0", 0, "unknown", detail="one phrase about its own code"), False),
+                           (Origin("0", 0, "unknown", detail="this or that", maybe_code=True), True),
+                           (Origin("0", 0, "layer"), True), (Origin("", 0, "inputs"), False)):
+        r = copy.deepcopy(rep)
+        r.origin = origin
+        lowered_precision(r)
+        assert r.origin is not None
+        assert ("rounding of that code can explain as well" in r.origin.detail) == blamed, origin
+        assert r.origin.names_code == (blamed or origin.kind == "layer")
+    back = Origin.from_dict(Origin("a", 1, "unknown", detail="x", maybe_code=True).to_dict())
+    assert back.maybe_code and back.names_code
+    old = {k: v for k, v in Origin("a", 1, "unknown", detail="x").to_dict().items() if k != "maybe_code"}
+    assert Origin.from_dict(old) == Origin("a", 1, "unknown", detail="x")

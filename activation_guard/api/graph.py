@@ -169,7 +169,7 @@ class GraphReplays:
         if self.first is None and first_divergence.name == "":  # every compared module call matches
             whole = [k for k in self.source.skipped if k.whole]
             if whole:
-                return Origin("", 0, "unknown", type_name=first_divergence.type_name,
+                return Origin("", 0, "unknown", type_name=first_divergence.type_name, maybe_code=True,
                               detail=f"every compared module call matches; the model's own code outside them, or a "
                                      f"module call that is not comparable ({', '.join(repr(k.name) for k in whole)}), "
                                      f"made the difference")

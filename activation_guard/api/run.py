@@ -481,12 +481,12 @@ def lowered_precision(report: Report) -> None:
     o = report.origin
     # an origin that names code (a layer's own, a parent's between its children), even as one of two
     # possibilities, is one the rounding explains as well
-    if o is not None and (o.kind in ("layer", "parent-code") or (o.kind == "unknown" and "own code" in o.detail)):
+    if o is not None and o.names_code:
         where = "its own computation differs on the golden's inputs" if o.kind == "layer" else o.detail
         o.detail = (f"{where}, which {live} rounding of that code can explain as well (the live run computes in "
                     f"{live} against a {golden} golden): strict tolerances cannot tell a code change from rounding "
                     f"here; see the note on tolerance=\"calibrated\"")
-        o.kind = "unknown"
+        o.kind, o.maybe_code = "unknown", True
     report.notes.insert(0, f"the live run computes in {live}, the golden in {golden}: strict tolerances judge "
                            f"{live} rounding as divergence; {hint}")
 

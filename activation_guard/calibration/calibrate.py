@@ -28,6 +28,9 @@ the live floors are measured during ``compare(tolerance="calibrated")``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any
 
 import numpy as np
@@ -37,6 +40,7 @@ from .._core.devices import golden_on, stats_device, to_device
 from .._core.kernel import CHUNK, compare_tensors
 from ..judges.strict import PRECISION, LeafContext, StrictJudge
 from ..options.selection import few
+from ..options.tolerances import Tolerance
 from ..results import LeafResult, leaf_from_stats
 from ..store.floors import (
     ABS_TERM,
@@ -66,6 +70,38 @@ __all__ = [
 # --------------------------------------------------------------------------- judging
 
 
+LiveFloors = Callable[[NoiseFloor], tuple[NoiseFloor, "NoiseFloor | None"]]
+"""Given the golden's floor of an output: the golden's and the live floors the rule weighs."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which rule judges one output, and with what (:meth:`CalibratedJudge.decide`)."""
+
+    tolerance: Tolerance  # the strict rule's numbers, used when not calibrated
+    source: str  # the strict rule's tolerance source, saying why it judged
+    calibrated: bool = False
+    golden_floor: NoiseFloor | None = None
+    live_floor: NoiseFloor | None = None  # None for a bit-identical value
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """The calibrated rule's allowance for one output: ``m x (golden floor + live floor) + absolute``."""
+
+    multiplier: float
+    max_abs: float
+    rms: float
+
+
+def allowance(golden_dtype: str, live_dtype: str, numel: int, gf: NoiseFloor, lf: NoiseFloor,
+              absolute: float) -> Allowance:
+    """The allowance for floors ``gf``/``lf``; ``m`` follows the lower-precision side's dtype."""
+    low = golden_dtype if PRECISION.get(golden_dtype, 0) < PRECISION.get(live_dtype, 0) else live_dtype
+    m = multiplier(low, numel)
+    return Allowance(m, m * (gf.max_abs + lf.max_abs) + absolute, m * (gf.rms + lf.rms) + absolute)
+
+
 class CalibratedJudge:
     """The calibrated rule behind the :class:`~activation_guard.judges.strict.Judge` protocol.
 
@@ -85,58 +121,79 @@ class CalibratedJudge:
         self.explicit: dict[str, int] = {}  # tolerances pattern -> outputs it judged strictly
         self.judged = 0
 
-    def judge(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
-        gdt, ldt = ctx.golden_dtype, ctx.live_dtype
-        if gdt not in CALIBRATED_DTYPES or ldt not in CALIBRATED_DTYPES:  # integers, bools: exact; complex: strict
-            if golden.is_complex() or live.is_complex():  # not silently: the report lists them
-                self.fallbacks.append(f"{_where(ctx)}: complex values have no noise floor")
-                res = self.strict.judge(ctx, golden, live)
-                res.tolerance_source = f"{res.tolerance_source}; strict: complex values have no noise floor"
-                return res
-            return self.strict.judge(ctx, golden, live)
+    def decide(self, ctx: LeafContext, live: LiveFloors | None, scale: Callable[[], float | None] | None = None, *,
+               golden_floor: NoiseFloor | EllipsisType | None = ..., tally: bool = True) -> Decision:
+        """The one place the calibrated rule decides which rule judges an output, and with which floors.
+
+        In order: outputs of a dtype without floors (integers, bools: exactly; complex32: strictly, noted) and
+        outputs a ``tolerances`` pattern names are judged strictly; then the golden's floor (``golden_floor``,
+        else the one recorded for ``ctx``), and ``live(golden floor)`` gives the two floors the rule weighs
+        (a floor widened by the rounding a value was stored with; the live one None when there is no finite
+        one), unless ``live`` is None (a bit-identical value: no error to weigh); floors the values' RMS
+        (``scale()``) says cannot be rounding are not used. Any missing floor: strictly, noted. ``tally``
+        counts the decision in this judge's notes (a replay's check of a child's inputs does not)."""
         tol = self.strict.tolerance(ctx)
+        gdt, ldt = ctx.golden_dtype, ctx.live_dtype
+        if gdt not in CALIBRATED_DTYPES or ldt not in CALIBRATED_DTYPES:
+            if "complex" in gdt or "complex" in ldt:  # not silently: the report lists them
+                return self._strict(ctx, tol, "complex values have no noise floor",
+                                    "complex values have no noise floor", tally)
+            return Decision(tol, tol.source)
         if tol.rule is not None:
-            self.explicit[tol.rule.pattern] = self.explicit.get(tol.rule.pattern, 0) + 1
-            res = self.strict.judge_with(ctx, golden, live, tol)
-            res.tolerance_source = f"{tol.source}; strict: a tolerances pattern overrides calibration"
-            return res
-        gf = self.golden.get(ctx.golden_name, ctx.call, ctx.path)
-        lf = None if gf is None else self.shadow.floor(ctx.name, ctx.call, ctx.path, live)
-        if gf is None or lf is None:
-            side = "the golden has" if gf is None else "the live float64 shadow gave"
-            self.fallbacks.append(f"{_where(ctx)}: {side} no finite noise floor")
-            res = self.strict.judge_with(ctx, golden, live, tol)
-            res.tolerance_source = f"{tol.source}; strict: no noise floor"
-            return res
-        odd = implausible_floor(golden, gf, lf, ctx.golden_dtype)
+            if tally:
+                self.explicit[tol.rule.pattern] = self.explicit.get(tol.rule.pattern, 0) + 1
+            return Decision(tol, f"{tol.source}; strict: a tolerances pattern overrides calibration")
+        gf = self.golden.get(ctx.golden_name, ctx.call, ctx.path) if golden_floor is ... else golden_floor
+        if gf is None:
+            return self._strict(ctx, tol, "no noise floor", "the golden has no finite noise floor", tally)
+        if live is None:
+            return self._calibrated(tol, gf, None, tally)
+        gf, lf = live(gf)
+        if lf is None:
+            return self._strict(ctx, tol, "no noise floor", "the live float64 shadow gave no finite noise floor",
+                                tally)
+        rms = None if scale is None else scale()
+        odd = None if rms is None else floor_beyond_rounding(rms, gf, lf, gdt)
         if odd is not None:  # the float64 reference computed something else: its floors measure that
-            self.fallbacks.append(f"{_where(ctx)}: {odd}")
-            res = self.strict.judge_with(ctx, golden, live, tol)
-            res.tolerance_source = f"{tol.source}; strict: implausible noise floor"
-            return res
-        self.judged += 1
-        return calibrated_verdict(ctx, golden, live, gf, lf)
+            return self._strict(ctx, tol, "implausible noise floor", odd, tally)
+        return self._calibrated(tol, gf, lf, tally)
+
+    def _strict(self, ctx: LeafContext, tol: Tolerance, why: str, fallback: str, tally: bool) -> Decision:
+        if tally:
+            self.fallbacks.append(f"{_where(ctx)}: {fallback}")
+        return Decision(tol, f"{tol.source}; strict: {why}")
+
+    def _calibrated(self, tol: Tolerance, gf: NoiseFloor, lf: NoiseFloor | None, tally: bool) -> Decision:
+        if tally:
+            self.judged += 1
+        return Decision(tol, tol.source, calibrated=True, golden_floor=gf, live_floor=lf)
+
+    def strict_verdict(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor,
+                       decision: Decision) -> LeafResult:
+        """The strict rule's verdict where :meth:`decide` chose it, its tolerance source saying why."""
+        res = self.strict.judge_with(ctx, golden, live, decision.tolerance)
+        res.tolerance_source = decision.source
+        return res
+
+    def judge(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
+        d = self.decide(ctx, lambda gf: (gf, self.shadow.floor(ctx.name, ctx.call, ctx.path, live)),
+                        lambda: values_rms(golden))
+        if not d.calibrated:
+            return self.strict_verdict(ctx, golden, live, d)
+        assert d.golden_floor is not None and d.live_floor is not None
+        return calibrated_verdict(ctx, golden, live, d.golden_floor, d.live_floor)
 
     def identical_tolerance(self, name: str, dtype: str) -> None:
         return None  # it counts what it judged, in order, for its notes
 
     def identical(self, ctx: LeafContext, live: torch.Tensor, view: np.ndarray | None = None) -> LeafResult:
         res = self.strict.identical(ctx, live, view)
-        if ctx.golden_dtype not in CALIBRATED_DTYPES:
-            return res
-        rule = self.strict.tolerance(ctx).rule
-        if rule is not None:
-            self.explicit[rule.pattern] = self.explicit.get(rule.pattern, 0) + 1
-            res.tolerance_source = f"{res.tolerance_source}; strict: a tolerances pattern overrides calibration"
-            return res
-        if self.golden.get(ctx.golden_name, ctx.call, ctx.path) is None:
-            self.fallbacks.append(f"{_where(ctx)}: the golden has no finite noise floor")
-            res.tolerance_source = f"{res.tolerance_source}; strict: no noise floor"
-            return res
-        self.judged += 1  # bit-identical: no error to weigh against the floors
-        res.error_multiple = 0.0
-        res.rtol, res.atol = 0.0, 0.0
-        res.tolerance_source = "calibrated: bit-identical to the golden"
+        d = self.decide(ctx, None)
+        res.tolerance_source = d.source
+        if d.calibrated:  # bit-identical: no error to weigh against the floors
+            res.error_multiple = 0.0
+            res.rtol, res.atol = 0.0, 0.0
+            res.tolerance_source = "calibrated: bit-identical to the golden"
         return res
 
     def notes(self) -> list[str]:
@@ -220,6 +277,12 @@ def implausible_floor(golden: torch.Tensor, gf: NoiseFloor, lf: NoiseFloor, dtyp
     random numbers (a ``torch.Generator`` it shared, a draw it makes in float64) or branched on the
     dtype has floors the size of the values, and judging with them passes real changes (a 10% weight
     change passed). Such an output is judged strictly instead."""
+    rms = values_rms(golden)
+    return None if rms is None else floor_beyond_rounding(rms, gf, lf, dtype)
+
+
+def values_rms(golden: torch.Tensor) -> float | None:
+    """The RMS of the finite values (a complex value's magnitude), or None when there are none."""
     g = golden.detach()
     # a complex value's scale is its magnitude: its real part alone (what a cast to float64 keeps)
     # is 0 for imaginary values, and a floor can never be implausible against a scale of 0
@@ -227,7 +290,7 @@ def implausible_floor(golden: torch.Tensor, gf: NoiseFloor, lf: NoiseFloor, dtyp
     sq = sq[torch.isfinite(sq)]
     if sq.numel() == 0:
         return None
-    return floor_beyond_rounding(float(sq.mean().sqrt()), gf, lf, dtype)
+    return float(sq.mean().sqrt())
 
 
 def floor_beyond_rounding(scale: float, gf: NoiseFloor, lf: NoiseFloor, dtype: str) -> str | None:
@@ -259,10 +322,9 @@ def abs_term(golden: torch.Tensor) -> float:
 
 def calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor,
                         gf: NoiseFloor, lf: NoiseFloor) -> LeafResult:
+    """The calibrated rule's verdict on two tensors, given the floors :meth:`CalibratedJudge.decide` chose."""
     gdt, ldt = ctx.golden_dtype, ctx.live_dtype
-    low = gdt if PRECISION.get(gdt, 0) < PRECISION.get(ldt, 0) else ldt
     shape = tuple(int(s) for s in live.shape)
-    m = multiplier(low, live.numel())
     dev = stats_device(live)
     g = golden_on(golden, dev)
     lv = to_device(live.detach(), dev)
@@ -275,15 +337,14 @@ def calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tenso
     elif PRECISION.get(gdt, 0) < PRECISION.get(ldt, 0):  # the reverse: the golden was stored rounded
         rf = cast_rounding(lv, g.dtype)
         gf = NoiseFloor(gf.max_abs + rf.max_abs, gf.rms + rf.rms)
-    absolute = abs_term(g)
-    allow_max = m * (gf.max_abs + lf.max_abs) + absolute
-    allow_rms = m * (gf.rms + lf.rms) + absolute
+    a = allowance(gdt, ldt, live.numel(), gf, lf, abs_term(g))
+    allow_max, allow_rms = a.max_abs, a.rms
     if g.dtype != lv.dtype:
         g, lv = g.to(torch.float64), lv.to(torch.float64)
     st = compare_tensors(g, lv, 0.0, allow_max)
     err = diff_stats(lv, g)
     multiple = max(_ratio(err.max_abs, allow_max), _ratio(err.rms, allow_rms))
-    res = leaf_from_stats(ctx.path, gdt, ldt, shape, st, 0.0, allow_max, rule_text(m))
+    res = leaf_from_stats(ctx.path, gdt, ldt, shape, st, 0.0, allow_max, rule_text(a.multiplier))
     res.error_multiple = multiple
     if multiple > 1 and res.status == "match":
         res.status = "diverged"

@@ -18,7 +18,7 @@ from .._core.devices import stats_device
 from ..judges.strict import LeafContext, StrictJudge
 from ..results import LeafResult
 from ..store.floors import CALIBRATED_DTYPES, NoiseFloor, diff_stats
-from .calibrate import CalibratedJudge, calibrated_verdict
+from .calibrate import CalibratedJudge, calibrated_verdict, values_rms
 
 
 class OwnFloorJudge:
@@ -37,19 +37,24 @@ class OwnFloorJudge:
         self.refs = refs
 
     def judge(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
-        ref = self.refs.get(ctx.path)
-        gf = self.calibrated.golden.get(ctx.golden_name, ctx.call, ctx.path)
-        if (ref is None or gf is None or tuple(ref.shape) != tuple(live.shape)
-                or ctx.golden_dtype not in CALIBRATED_DTYPES or ctx.live_dtype not in CALIBRATED_DTYPES
-                or self.calibrated.strict.tolerance(ctx).rule is not None):
-            return self.calibrated.judge(ctx, golden, live)  # its fallbacks, notes and explicit patterns
-        lf = diff_stats(live, ref.to(stats_device(live)))
-        if not lf.finite:
-            return self.calibrated.judge(ctx, golden, live)
-        self.calibrated.judged += 1
-        res = calibrated_verdict(ctx, golden, live, gf, NoiseFloor(lf.max_abs, lf.rms))
-        res.tolerance_source = (f"{res.tolerance_source} (live floor: its own, the float64 module re-run on the "
-                                f"golden inputs; golden floor: recorded)")
+        cal = self.calibrated
+        own: list[NoiseFloor] = []
+
+        def floors(gf: NoiseFloor) -> tuple[NoiseFloor, NoiseFloor | None]:
+            lf = _own_floor(live, self.refs.get(ctx.path))
+            if lf is None:  # no usable float64 replay of this output: the shadow forward's floor
+                return gf, cal.shadow.floor(ctx.name, ctx.call, ctx.path, live)
+            own.append(lf)
+            return gf, lf
+
+        d = cal.decide(ctx, floors, lambda: values_rms(golden))
+        if not d.calibrated:
+            return cal.strict_verdict(ctx, golden, live, d)
+        assert d.golden_floor is not None and d.live_floor is not None
+        res = calibrated_verdict(ctx, golden, live, d.golden_floor, d.live_floor)
+        if own:
+            res.tolerance_source = (f"{res.tolerance_source} (live floor: its own, the float64 module re-run on the "
+                                    f"golden inputs; golden floor: recorded)")
         return res
 
     def identical(self, ctx: LeafContext, live: torch.Tensor, view: np.ndarray | None = None) -> LeafResult:
@@ -69,15 +74,25 @@ def judge_input(strict: StrictJudge, cal: CalibratedJudge | None, ctx: LeafConte
                 live: torch.Tensor, ref: torch.Tensor | None, floor: NoiseFloor | None) -> LeafResult:
     """A child's input against the golden's: strictly, or in calibrated mode against the live
     code's own floor (the float64 replay's input) and the golden's recorded floor of that value
-    when it is a stored output; else the golden's own rounding is taken to be the live one's."""
-    if (cal is None or ref is None or tuple(ref.shape) != tuple(live.shape)
-            or ctx.golden_dtype not in CALIBRATED_DTYPES or ctx.live_dtype not in CALIBRATED_DTYPES
-            or strict.tolerance(ctx).rule is not None):
+    when it is a stored output; else the golden's own rounding is taken to be the live one's.
+    The calibrated judge decides as for outputs, without counting it in its notes."""
+    if cal is None:
         return strict.judge(ctx, golden, live)
-    lf = diff_stats(live, ref.to(stats_device(live)))
-    if not lf.finite:
-        return strict.judge(ctx, golden, live)
-    res = calibrated_verdict(ctx, golden, live, floor or lf, lf)
+    calibrated = ctx.golden_dtype in CALIBRATED_DTYPES and ctx.live_dtype in CALIBRATED_DTYPES
+    own = _own_floor(live, ref) if calibrated else None
+    d = cal.decide(ctx, lambda gf: (gf, own), lambda: values_rms(golden), golden_floor=floor or own, tally=False)
+    if not d.calibrated:
+        return cal.strict_verdict(ctx, golden, live, d)
+    assert d.golden_floor is not None and d.live_floor is not None
+    res = calibrated_verdict(ctx, golden, live, d.golden_floor, d.live_floor)
     res.tolerance_source = (f"{res.tolerance_source} (live floor: its own code's, from the float64 replay; golden "
                             f"floor: {'recorded' if floor else 'taken equal to the live one'})")
     return res
+
+
+def _own_floor(live: torch.Tensor, ref: torch.Tensor | None) -> NoiseFloor | None:
+    """``live``'s floor against its own float64 reference, when there is one of its shape and it is finite."""
+    if ref is None or tuple(ref.shape) != tuple(live.shape):
+        return None
+    lf = diff_stats(live, ref.to(stats_device(live)))
+    return NoiseFloor(lf.max_abs, lf.rms) if lf.finite else None

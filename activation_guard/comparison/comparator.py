@@ -9,11 +9,11 @@ Each call is compared as soon as the live layer returns (inside its forward hook
 in-place op can change the output), reading only that call's golden values: memory stays near
 one layer's worth. :func:`activation_guard.api.diff` drives the same object from a second recording.
 
-A little over the ~400 lines we aim for: matching by paths carries the compatibility rules of
-older goldens (format-1 paths, the old empty-key encoding, containers once stored by type only) next
-to the matching they change, and the bit-identical fast path (deferred rows:
-:class:`~activation_guard.results.IdenticalCall`) sits in the matching it short-cuts. How two leaves
-of one kind compare is in :mod:`.pairs`; the judging itself in :mod:`activation_guard.judges.strict`.
+Matching knows one path scheme: the reader hands an older golden's call the live leaves under
+the golden's own paths (:meth:`~activation_guard.store.reader.GoldenReader.live_view`). The
+bit-identical fast path (deferred rows: :class:`~activation_guard.results.IdenticalCall`) sits in
+the matching it short-cuts. How two leaves of one kind compare is in :mod:`.pairs`; the judging
+itself in :mod:`activation_guard.judges.strict`.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from ..replay.replay import REPLAYABLE, Replayer, inputs_origin, judge_by_own, k
 from ..results import IdenticalCall, LayerResult, LeafResult, Origin, Where
 from ..store import CallEntry, GoldenReader, LeafEntry
 from ..values.calls import LiveSource
-from ..values.leaves import WALKED_SINCE, Leaf, LeafTransform, UnsupportedTensorError, flatten, value_at
-from ..values.paths import EMPTY_KEY, first_duplicate, is_fields, match_old_empty_keys
+from ..values.leaves import Leaf, LeafTransform, UnsupportedTensorError, flatten
+from ..values.paths import is_fields
 from .fingerprints import FingerprintJudge
 from .golden_selection import Selection, recorded_selection, refuse_strays
 from .pairs import PAIRS, kind_name, out_name, tensor_pair
@@ -334,14 +334,9 @@ class Comparator:
 
     def _compare_leaves(self, entry: CallEntry, leaves: list[Leaf], name: str, judge: Judge | None,
                         describe: bool) -> list[LeafResult]:
-        if self.reader.version < 2:  # a format-1 golden names leaves by its own (non-injective) paths
-            for leaf in leaves:
-                if leaf.legacy_path is not None:
-                    leaf.path = leaf.legacy_path
-            dup = first_duplicate(leaf.path for leaf in leaves)
-            if dup is not None:  # two live values under one name: one would go unjudged
-                return [LeafResult(dup, "structure", f"{out_name(dup)}: two live values have this path in a format-1 "
-                                                     f"golden, which cannot tell them apart; re-record the golden")]
+        view = self.reader.live_view(entry, leaves, self._live_output)  # an older golden's paths
+        if view is not None and view.conflict is not None:
+            return [view.conflict]
         judge = judge or self.judge
         if len(leaves) == 1 and len(entry.leaves) == 1 and leaves[0].path == entry.leaves[0].path:
             only = leaves[0]  # one output, where the golden has it: no path matching to do
@@ -349,22 +344,13 @@ class Comparator:
             if only.dist is not None:  # distributed: name the rank holding the worst element
                 attribute(res, only.dist)
             return [res]
-        live = {leaf.path: leaf for leaf in leaves}
+        live = {leaf.path: leaf for leaf in leaves} if view is None else view.leaves
         results: list[LeafResult] = []
         gpaths = {g.path for g in entry.leaves}
-        if self.reader.version == 2 and any(EMPTY_KEY in p for p in live):
-            live = match_old_empty_keys(live, gpaths)
-        walked: list[str] = []  # golden paths of containers once stored by type only (WALKED_SINCE)
         for g in entry.leaves:
             lv = live.get(g.path)
-            if (lv is None and g.kind == "object" and g.type_name in WALKED_SINCE and self.reader.version < 3
-                    and type(value_at(self._live_output, g.path)).__name__ == g.type_name):
-                # an older golden's deque or namespace, still one live (checked by type: anything else
-                # there is a structure change, as before those were walked)
-                walked.append(g.path)
-                results.append(LeafResult(g.path, "match", f"{g.type_name} object: compared by type only (a golden "
-                                                           f"from before its values were stored; re-record to compare "
-                                                           f"them)", type_name=g.type_name, type_only=True))
+            if lv is None and view is not None and g.path in view.settled:
+                results.append(view.settled[g.path])
                 continue
             if lv is None:
                 if not is_fields(g.path):  # a named tuple's field names: compared where both sides have them
@@ -376,7 +362,7 @@ class Comparator:
                 attribute(res, lv.dist)
             results.append(res)
         for leaf in leaves:
-            if walked and any(w == "" or leaf.path.startswith(w + "/") for w in walked):
+            if view is not None and view.settled and view.inside_settled(leaf.path):
                 continue  # inside a container the golden holds by type only
             if leaf.path not in gpaths and not is_fields(leaf.path):  # (older goldens have no field names)
                 results.append(LeafResult(leaf.path, "structure",

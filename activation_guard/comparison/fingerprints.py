@@ -12,9 +12,9 @@ in ``diff`` a fingerprinted recording) to :meth:`FingerprintJudge.compare_leaf`.
 - resolves tolerances exactly as the strict judge does (``StrictJudge.tolerance``: dtype and
   cross-device defaults, ``rtol``/``atol``, ``tolerances`` globs), or under
   ``tolerance="calibrated"`` applies the calibrated rule in its L2 form with the golden's noise
-  floors (stored as norms) and the live shadow's, following :class:`CalibratedJudge` case by case
-  (explicit patterns judge strictly, outputs without a floor fall back to strict, and its notes
-  count them);
+  floors (stored as norms) and the live shadow's, where :meth:`CalibratedJudge.decide` (the one
+  decision for full values, fingerprints and replays) says so; explicit patterns and outputs
+  without a floor are judged strictly, and its notes count them;
 - maps the :class:`FingerprintVerdict` onto a :class:`LeafResult` whose numbers are fields
   (``estimate``, ``estimated_l2``, ``l2_bound``...), so reports say they are estimates.
 
@@ -30,24 +30,20 @@ from collections import Counter
 import torch
 
 from .._core.dtypes import BY_NAME, BY_TORCH
-from ..calibration.calibrate import CalibratedJudge, cast_rounding, floor_beyond_rounding
+from ..calibration.calibrate import CalibratedJudge, allowance, cast_rounding
 from ..fingerprints.fingerprint import Fingerprint, FingerprintError, compute_fingerprint
 from ..fingerprints.soundness import FingerprintVerdict, judge_fingerprint, judge_fingerprint_calibrated
 from ..judges.strict import PRECISION, Judge, LeafContext, StrictJudge, dtype_change_allowed
 from ..options.tolerances import Tolerance
-from ..results import LeafResult, Status
+from ..results import LeafResult, Status, out_name
 from ..store import CallEntry, GoldenReader, LeafEntry
-from ..store.floors import ABS_TERM, CALIBRATED_DTYPES, NoiseFloor, multiplier, rule_text
+from ..store.floors import ABS_TERM, NoiseFloor, rule_text
 from ..values.leaves import Leaf
 
 STATUS: dict[str, Status] = {
     "ok": "match", "diverged": "diverged", "nonfinite": "nonfinite", "shape": "shape", "dtype": "dtype",
 }
 VALUE_KINDS = ("tensor", "fingerprint")
-
-
-def _out(path: str) -> str:
-    return f"output {path}" if path else "the output"
 
 
 def _describe(kind: str, dtype: str | None, type_name: str) -> str:
@@ -88,18 +84,18 @@ class FingerprintJudge:
         """Compare one golden leaf with one live leaf when either is a fingerprint."""
         p = g.path
         if g.kind not in VALUE_KINDS or lv.kind not in VALUE_KINDS:
-            return LeafResult(p, "structure", f"{_out(p)} was {_describe(g.kind, g.dtype, g.type_name)}, "
+            return LeafResult(p, "structure", f"{out_name(p)} was {_describe(g.kind, g.dtype, g.type_name)}, "
                                               f"is now {_describe(lv.kind, None, lv.type_name)}")
         if g.type_name != lv.type_name:
-            return LeafResult(p, "structure", f"{_out(p)} type changed {g.type_name} -> {lv.type_name}",
+            return LeafResult(p, "structure", f"{out_name(p)} type changed {g.type_name} -> {lv.type_name}",
                               type_name=lv.type_name)
         assert g.dtype is not None
         lshape, ldt = _shape_dtype(lv)
         if lshape != g.shape:
-            return LeafResult(p, "shape", f"{_out(p)} shape {list(g.shape)} -> {list(lshape)}", dtype=g.dtype,
+            return LeafResult(p, "shape", f"{out_name(p)} shape {list(g.shape)} -> {list(lshape)}", dtype=g.dtype,
                               live_dtype=ldt, shape=g.shape, live_shape=lshape, numel=g.numel)
         if ldt != g.dtype and not (allow_dtype_change and dtype_change_allowed(g.dtype, ldt)):
-            return LeafResult(p, "dtype", f"{_out(p)} dtype {g.dtype} -> {ldt}", dtype=g.dtype, live_dtype=ldt,
+            return LeafResult(p, "dtype", f"{out_name(p)} dtype {g.dtype} -> {ldt}", dtype=g.dtype, live_dtype=ldt,
                               shape=g.shape, live_shape=lshape, numel=g.numel)
         ctx = LeafContext(name, entry.name, entry.call, p, g.dtype, ldt)
         live: torch.Tensor | Fingerprint
@@ -122,17 +118,14 @@ class FingerprintJudge:
     # ------------------------------------------------------------------ the rule
     def judge(self, ctx: LeafContext, golden: Fingerprint, live: torch.Tensor | Fingerprint) -> LeafResult:
         """Judge ``live`` (a tensor on any device, or a fingerprint) against ``golden``."""
-        tol = self.strict.tolerance(ctx)
         cal = self.calibrated
-        if cal is None or ctx.golden_dtype not in CALIBRATED_DTYPES or ctx.live_dtype not in CALIBRATED_DTYPES:
-            return self._strict(ctx, golden, live, tol, tol.source)  # complex outputs: strict, as full goldens
-        if tol.rule is not None:
-            cal.explicit[tol.rule.pattern] = cal.explicit.get(tol.rule.pattern, 0) + 1
-            return self._strict(ctx, golden, live, tol,
-                                f"{tol.source}; strict: a tolerances pattern overrides calibration")
-        gf = cal.golden.get(ctx.golden_name, ctx.call, ctx.path)
-        lf = None
-        if gf is not None and isinstance(live, torch.Tensor):
+        if cal is None:
+            tol = self.strict.tolerance(ctx)
+            return self._strict(ctx, golden, live, tol, tol.source)
+
+        def floors(gf: NoiseFloor) -> tuple[NoiseFloor, NoiseFloor | None]:
+            if not isinstance(live, torch.Tensor):  # a fingerprinted recording: no live shadow
+                return gf, None
             lf = cal.shadow.floor(ctx.name, ctx.call, ctx.path, live)
             if lf is not None:
                 lf = _with_cast_rounding(lf, golden, ctx)
@@ -141,27 +134,21 @@ class FingerprintJudge:
                 # rounded to the golden's dtype is as close as the golden can be (full goldens alike)
                 rf = cast_rounding(live.detach(), BY_NAME[ctx.golden_dtype].torch_dtype)
                 gf = NoiseFloor(gf.max_abs + rf.max_abs, gf.rms + rf.rms)
-        if gf is None or lf is None or not lf.finite:
-            side = "the golden has" if gf is None else "the live float64 shadow gave"
-            cal.fallbacks.append(f"{_where(ctx)}: {side} no finite noise floor")
-            return self._strict(ctx, golden, live, tol, f"{tol.source}; strict: no noise floor")
-        odd = None if not golden.count else floor_beyond_rounding(math.sqrt(golden.sq_sum / golden.count), gf, lf,
-                                                                  ctx.golden_dtype)
-        if odd is not None:  # the float64 reference computed something else (calibrate.implausible_floor)
-            cal.fallbacks.append(f"{_where(ctx)}: {odd}")
-            return self._strict(ctx, golden, live, tol, f"{tol.source}; strict: implausible noise floor")
-        cal.judged += 1
-        low = ctx.golden_dtype if PRECISION.get(ctx.golden_dtype, 0) < PRECISION.get(ctx.live_dtype, 0) \
-            else ctx.live_dtype
-        m = multiplier(low, golden.numel)
+            return gf, lf if lf is not None and lf.finite else None
+
+        d = cal.decide(ctx, floors, lambda: math.sqrt(golden.sq_sum / golden.count) if golden.count else None)
+        if not d.calibrated:
+            return self._strict(ctx, golden, live, d.tolerance, d.source)
+        gf, lf = d.golden_floor, d.live_floor
+        assert gf is not None and lf is not None
+        a = allowance(ctx.golden_dtype, ctx.live_dtype, golden.numel, gf, lf, ABS_TERM)
         v = judge_fingerprint_calibrated(golden, live, golden_rms_floor=gf.rms, live_rms_floor=lf.rms,
-                                         multiplier=m, abs_term=ABS_TERM, golden_max_floor=gf.max_abs,
+                                         multiplier=a.multiplier, abs_term=ABS_TERM, golden_max_floor=gf.max_abs,
                                          live_max_floor=lf.max_abs, allow_dtype_change=True)
-        allow_max = m * (gf.max_abs + lf.max_abs) + ABS_TERM
-        res = self._result(ctx, golden, v, "rms", 0.0, allow_max, f"{rule_text(m)} (L2 form)")
+        res = self._result(ctx, golden, v, "rms", 0.0, a.max_abs, f"{rule_text(a.multiplier)} (L2 form)")
         # the sketch's ratio, or the worst sampled element's error over the max-abs allowance if larger
         diffs = [abs(complex(m.live) - complex(m.golden)) for m in v.mismatches]
-        worst = max((math.inf if math.isnan(d) else d for d in diffs), default=0.0) / allow_max
+        worst = max((math.inf if math.isnan(d) else d for d in diffs), default=0.0) / a.max_abs
         ratio = v.ratio if math.isfinite(v.ratio) else None
         res.error_multiple = worst if v.mismatches and (ratio is None or worst > ratio) else ratio
         return res
@@ -249,10 +236,6 @@ def _nonfinite_new(g: Fingerprint, lf: Fingerprint | None) -> int:
     if lf is None:
         return 1
     return max(1, sum(max(a - b, 0) for a, b in zip((lf.nan, lf.posinf, lf.neginf), (g.nan, g.posinf, g.neginf))))
-
-
-def _where(ctx: LeafContext) -> str:
-    return f"{ctx.name or '<root>'}[{ctx.call}]{'/' + ctx.path if ctx.path else ''}"
 
 
 def _with_cast_rounding(lf: NoiseFloor, golden: Fingerprint, ctx: LeafContext) -> NoiseFloor:

@@ -12,7 +12,7 @@ from .._core.dtypes import dtype_name
 from ..distributed.transform import shard_verdict
 from ..judges.strict import Judge, LeafContext, dtype_change_allowed
 from ..options.spec import CompareSpec
-from ..results import LeafResult
+from ..results import LeafResult, out_name
 from ..store import CallEntry, LeafEntry
 from ..values.leaves import Leaf
 
@@ -24,11 +24,6 @@ class PairHost(Protocol):
 
     def judge_tensor(self, ctx: LeafContext, g: LeafEntry, live: torch.Tensor, judge: Judge,
                      describe_it: bool) -> LeafResult: ...
-
-
-def out_name(path: str) -> str:
-    """How a report names an output leaf: the bare output, or the one at a path inside it."""
-    return f"output {path}" if path else "the output"
 
 
 def kind_name(g: LeafEntry) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 from .._core.errors import OptionError
 from .._core.metrics import METRICS, Metric
@@ -69,12 +69,17 @@ __all__ = [
 # --------------------------------------------------------------------------- the option table
 
 
+FlagTakes = Literal["switch", "value", "values"]  # a bare flag; one value; a value per repetition
+
+
 @dataclass(frozen=True)
 class Option:
     """One option, declared once: where it can be given and what it means. The API keyword, the
     marker and ``check()`` take every option by ``name``; ``flag`` and ``ini`` are the pytest
-    command-line flag and ini key that also set it (None: none); docs/options.md is generated from
-    this table (:func:`markdown_table`)."""
+    command-line flag and ini key that also set it, ``cli`` the flag of ``activation-guard diff``
+    (None: none). pytest's ``--help``, the command line's parser and docs/options.md are generated
+    from this table (:meth:`pytest_help`, :meth:`cli_help`, :func:`markdown_table`), ``help`` being
+    the one text."""
 
     name: str
     parse: Callable[[Any], Any]
@@ -83,34 +88,93 @@ class Option:
     help: str
     flag: str | None = None
     ini: str | None = None
+    cli: str | None = None
+    metavar: str | None = None  # a flag's value in --help (default: the choices, or the name in capitals)
+    choices: tuple[str, ...] = ()  # the values a flag takes (checked by ``parse``, shown in --help)
+    takes: FlagTakes | None = None  # None: a switch when the option is True/False, else one value
+    from_file: bool = False  # the command line's flag names a JSON file holding the value
+
+    @property
+    def flag_takes(self) -> FlagTakes:
+        if self.takes is not None:
+            return self.takes
+        return "switch" if self.parse is _flag else "value"
+
+    @property
+    def flag_metavar(self) -> str:
+        if self.metavar is not None:
+            return self.metavar
+        return "{" + ",".join(self.choices) + "}" if self.choices else self.name.upper()
+
+    @property
+    def dest(self) -> str:
+        """The attribute pytest keeps the flag's value under."""
+        assert self.flag is not None
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def pytest_help(self) -> str:
+        """The pytest flag's help: the option's text, when it applies, and what it overrides."""
+        side = ("when recording" if not self.compare else "when comparing" if not self.record
+                else "when recording and comparing")
+        ini = f"overrides ini {self.ini}, " if self.ini else ""
+        return _escape(f"{side}: {self.help}; {ini}overridden by markers and check() arguments.")
+
+    def ini_help(self) -> str:
+        over = f"{self.flag} overrides it, and so do " if self.flag else "overridden by "
+        return f"activation_guard {self.name}: {self.help}; {over}markers and check() arguments"  # printed as is
+
+    def cli_help(self) -> str:
+        """The command line's flag help: the option's text, and how the flag gives it."""
+        how = " (a JSON file)" if self.from_file else " (repeatable)" if self.flag_takes == "values" else ""
+        return _escape(self.help + how)
+
+
+def _escape(text: str) -> str:
+    return text.replace("%", "%%")  # argparse formats help texts with %
 
 
 OPTIONS: dict[str, Option] = {o.name: o for o in (
-    Option("rtol", _optional_number, False, True, "relative tolerance for every float output", "--ag-rtol", "ag_rtol"),
-    Option("atol", _optional_number, False, True, "absolute tolerance for every float output", "--ag-atol", "ag_atol"),
+    Option("rtol", _optional_number, False, True,
+           "relative tolerance for every float output no tolerances pattern names",
+           "--ag-rtol", "ag_rtol", cli="--rtol"),
+    Option("atol", _optional_number, False, True,
+           "absolute tolerance for every float output no tolerances pattern names",
+           "--ag-atol", "ag_atol", cli="--atol"),
     Option("tolerances", _tolerances, False, True,
            "per-layer {glob: dict(rtol=, atol=)} or {glob: dict(min_sqnr_db=)} (judged by SQNR, dB); most specific "
-           "wins"),
-    Option("include", _patterns, True, True, "only layers matching these globs"),
-    Option("exclude", _patterns, True, True, "skip layers matching these globs"),
+           "wins",
+           cli="--tolerances", metavar="FILE.json", from_file=True),
+    Option("include", _patterns, True, True, "only layers matching these globs", cli="--include", metavar="GLOB",
+           takes="values"),
+    Option("exclude", _patterns, True, True, "skip layers matching these globs", cli="--exclude", metavar="GLOB",
+           takes="values"),
     Option("rename", _rename, False, True, "{golden name or glob: live name}: compare renamed layers"),
     Option("fail_fast", _flag, False, True, "stop at the first diverging layer call", "--ag-fail-fast"),
-    Option("allow_dtype_change", _flag, False, True, "compare float outputs whose dtype changed, in float32"),
-    Option("tolerance", _choice(TOLERANCE_MODES), False, True, "'strict' rtol/atol or 'calibrated' noise floors",
-           "--ag-tolerance"),
+    Option("allow_dtype_change", _flag, False, True, "compare float outputs whose dtype changed, in float32",
+           cli="--allow-dtype-change"),
+    Option("tolerance", _choice(TOLERANCE_MODES), False, True,
+           "'strict' rtol/atol (per dtype and layer) or 'calibrated': each output's error against the golden's and "
+           "the live run's float64 noise floors (cross-device, TF32, reduced precision)", "--ag-tolerance",
+           choices=TOLERANCE_MODES),
     Option("compression", _choice(COMPRESSIONS), True, False, "HDF5 compression of large outputs: gzip or lzf"),
-    Option("calibrate", _flag, True, False, "also store float64 noise floors (for tolerance='calibrated')",
+    Option("calibrate", _flag, True, False,
+           "also store float64 noise floors (for tolerance='calibrated', which turns this on when recording)",
            "--ag-calibrate"),
     Option("grad", _flag, True, True, "run the forward with autograd on (forwards that call torch.autograd.grad)"),
     Option("placements", _placements, False, True,
            "multi-rank runs: {glob: Shard(dim) | Replicate()} for plain local shards, gathered to compare"),
     Option("inputs", _flag, True, False, "also record each layer call's inputs (needed to replay and attribute)"),
     Option("replay", _choice(REPLAY_MODES), False, True,
-           "re-run diverging layers on the golden's inputs: 'first' (attribute the first divergence), "
-           "'all' (judge every layer by its own error) or 'off'", "--ag-replay", "ag_replay"),
+           "re-run diverging layers on the golden's recorded inputs: 'first' (the first divergence: whether it "
+           "changed itself or inherited the difference, its origin), 'all' (judge every layer by its own error: a "
+           "cross-device or precision gate immune to drift) or 'off'", "--ag-replay", "ag_replay",
+           choices=REPLAY_MODES),
     Option("fingerprint", _fingerprint, True, False,
-           "store fixed-size fingerprints instead of values: True (every large float output) or layer globs",
-           "--ag-fingerprint", "ag_fingerprint"),
+           "store fixed-size fingerprints (a few KiB) instead of the values of float outputs larger than that "
+           "(integer, bool and small outputs stay exact): True (every layer; the bare flag) or layer globs (in text: "
+           "separated by commas or spaces); comparing needs no option (sound but probabilistic: docs/fingerprint.md)",
+           "--ag-fingerprint", "ag_fingerprint",
+           takes="switch"),
     Option("fingerprint_params", _fingerprint_params, True, False,
            "fingerprint size and false-alarm bound: dict(samples=, rows=, buckets=, false_alarm=, seed=)"),
     Option("where", _patterns, False, True,
@@ -118,7 +182,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
            "the first two diverged calls always do"),
     Option("metric", _choice((None, *METRICS)), False, True,
            "also measure each float output's error as 'sqnr' (dB), 'cosine', 'mse' or 'rel_l2' "
-           "(docs/quantization.md; min_sqnr_db patterns measure SQNR)"),
+           "(docs/quantization.md; min_sqnr_db patterns measure SQNR)", cli="--metric", choices=tuple(METRICS)),
     Option("backward", _backward, True, True,  # gradients
            "also record (compare) gradients: True (loss = outputs x seeded random cotangents), a callable(output) "
            "-> scalar loss, or False"),
@@ -127,13 +191,15 @@ OPTIONS: dict[str, Option] = {o.name: o for o in (
 
 def markdown_table() -> str:
     """docs/options.md's table: every option, what it means, and where it can be given."""
-    rows = ["| option | record | compare | pytest flag | ini key | meaning |", "|---|---|---|---|---|---|"]
+    rows = ["| option | record | compare | pytest flag | ini key | `diff` flag | meaning |",
+            "|---|---|---|---|---|---|---|"]
     for o in OPTIONS.values():
         flag = f"`{o.flag}`" if o.flag else ""
         ini = f"`{o.ini}`" if o.ini else ""
+        cli = f"`{o.cli}`" if o.cli else ""
         meaning = o.help.replace("|", "\\|")
         rows.append(f"| `{o.name}` | {'yes' if o.record else ''} | {'yes' if o.compare else ''} | {flag} | {ini} "
-                    f"| {meaning} |")
+                    f"| {cli} | {meaning} |")
     return "\n".join(rows) + "\n"
 
 

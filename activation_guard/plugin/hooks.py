@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from .._core.errors import OptionError
+from ..options.spec import OPTIONS
 from ..store import naming as paths
 from .check import GoldenCheck, item_key
 from .session import ALERT_PREFIXES, GuardSession, collected_dirs, partial_modules
@@ -51,14 +52,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="only create goldens that do not exist yet; existing ones are compared as usual.")
     g.addoption("--ag-golden-dir", dest="ag_golden_dir", default=None, metavar="DIR",
                 help="golden directory (relative to the invocation directory); overrides ini ag_golden_dir.")
-    g.addoption("--ag-rtol", dest="ag_rtol", default=None, metavar="RTOL",
-                help="relative tolerance for float layers not matched by a tolerances= pattern; overrides ini "
-                     "ag_rtol, overridden by markers and check() arguments.")
-    g.addoption("--ag-atol", dest="ag_atol", default=None, metavar="ATOL",
-                help="absolute tolerance for float layers not matched by a tolerances= pattern; overrides ini "
-                     "ag_atol, overridden by markers and check() arguments.")
-    g.addoption("--ag-fail-fast", dest="ag_fail_fast", action="store_true", default=False,
-                help="stop each comparison at its first diverging layer (faster, less context).")
+    for o in OPTIONS.values():  # every record/compare option with a flag, from its row
+        if o.flag is None:
+            continue
+        if o.flag_takes == "switch":
+            g.addoption(o.flag, dest=o.dest, action="store_true", default=False, help=o.pytest_help())
+        else:
+            g.addoption(o.flag, dest=o.dest, default=None, metavar=o.flag_metavar, help=o.pytest_help())
     g.addoption("--ag-report", dest="ag_report", default=None, metavar="PATH",
                 help="after the run, write every check's per-layer results to PATH, by suffix: .html one "
                      "self-contained HTML page, .md a Markdown summary for CI job pages (error-by-layer plots as "
@@ -68,22 +68,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "are any. Deselected, skipped and failed tests never make a golden unused.")
     g.addoption("--ag-unused=list", action="store_const", const="list", dest="ag_unused",
                 help="like --ag-unused but only list them; the exit status is unchanged.")
-    g.addoption("--ag-calibrate", dest="ag_calibrate", action="store_true", default=False,
-                help="when recording, also store each layer's float64 noise floor (needed by "
-                     "--ag-tolerance=calibrated, which also turns this on when recording).")
-    g.addoption("--ag-tolerance", dest="ag_tolerance", default=None, metavar="{strict,calibrated}",
-                help="strict: per-dtype/per-layer rtol+atol (default); calibrated: judge each layer's error against "
-                     "the golden's and the live run's float64 noise floors (cross-device, TF32, reduced precision).")
-    g.addoption("--ag-replay", dest="ag_replay", default=None, metavar="{first,all,off}",
-                help="re-run layers on the golden's recorded inputs: first (default) the first diverging layer, to "
-                     "report whether it changed itself or inherited the difference (origin); all: judge every "
-                     "layer by its own error (cross-device/precision gate, immune to drift); off.")
-    g.addoption("--ag-fingerprint", dest="ag_fingerprint", action="store_true", default=False,
-                help="when recording, store a fixed-size fingerprint (a few KiB) instead of the values of every "
-                     "float output larger than that (integer, bool and small outputs stay exact): goldens of real "
-                     "models small enough to commit. Comparing against one needs no flag; it is sound but "
-                     "probabilistic (docs/fingerprint.md). Overrides ini ag_fingerprint; markers and check() "
-                     "override it (fingerprint=[globs] fingerprints only those layers).")
     g.addoption("--ag-check-determinism", dest="ag_check_determinism", action="store_true", default=False,
                 help="run each checked forward twice more and list layers whose outputs differ between runs "
                      "(reported in the summary, never failed).")
@@ -91,13 +75,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="under torchrun: how long rank 0 waits for the other ranks' verdict of each check and for their "
                      "results at the end (default 120); a rank silent that long is reported, never waited on forever.")
     parser.addini("ag_golden_dir", "activation_guard golden directory, relative to the rootdir", default="golden")
-    parser.addini("ag_replay", "activation_guard replay mode: first (default), all or off", default="")
-    parser.addini("ag_rtol", "activation_guard default rtol for float layers (default: per-dtype, as torch.testing)",
-                  default="")
-    parser.addini("ag_atol", "activation_guard default atol for float layers (default: per-dtype, as torch.testing)",
-                  default="")
-    parser.addini("ag_fingerprint", "activation_guard: record fingerprints instead of values: true, or layer globs "
-                  "separated by spaces or commas (those layers only); default false", default="")
+    for o in OPTIONS.values():  # every record/compare option with an ini key, from its row
+        if o.ini is not None:
+            parser.addini(o.ini, o.ini_help(), default="")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -133,30 +113,21 @@ def _set_cublas_workspace(config: pytest.Config) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_DOC)
     _set_cublas_workspace(config)
-    o = config.option
+    opts = config.option
     try:
         settings = Settings.build(
             rootdir=Path(config.rootpath),
             invocation_dir=Path(config.invocation_params.dir),
             ini_golden_dir=str(config.getini("ag_golden_dir")),
-            ini_rtol=str(config.getini("ag_rtol")),
-            ini_atol=str(config.getini("ag_atol")),
-            ini_replay=str(config.getini("ag_replay")),
-            cli_golden_dir=o.ag_golden_dir,
-            cli_rtol=o.ag_rtol,
-            cli_atol=o.ag_atol,
-            cli_fail_fast=o.ag_fail_fast,
-            update=o.ag_update,
-            report_path=o.ag_report,
-            unused=o.ag_unused,
-            cli_calibrate=o.ag_calibrate,
-            cli_tolerance=o.ag_tolerance,
-            cli_replay=o.ag_replay,
-            check_determinism=o.ag_check_determinism,
-            rank_timeout=o.ag_rank_timeout,
-            ini_fingerprint=str(config.getini("ag_fingerprint")),
-            cli_fingerprint=o.ag_fingerprint,
-            cli_rootdir=getattr(o, "rootdir", None),
+            ini={o.name: str(config.getini(o.ini)) for o in OPTIONS.values() if o.ini is not None},
+            cli={o.name: getattr(opts, o.dest) for o in OPTIONS.values() if o.flag is not None},
+            cli_golden_dir=opts.ag_golden_dir,
+            update=opts.ag_update,
+            report_path=opts.ag_report,
+            unused=opts.ag_unused,
+            check_determinism=opts.ag_check_determinism,
+            rank_timeout=opts.ag_rank_timeout,
+            cli_rootdir=getattr(opts, "rootdir", None),
             has_config_file=config.inipath is not None,
         )
     except OptionError as e:

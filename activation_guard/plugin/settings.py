@@ -123,29 +123,23 @@ class Settings:
         rootdir: Path,
         invocation_dir: Path,
         ini_golden_dir: str,
-        ini_rtol: str | None,
-        ini_atol: str | None,
+        ini: Mapping[str, str | None] | None = None,
+        cli: Mapping[str, Any] | None = None,
         cli_golden_dir: str | None = None,
-        cli_rtol: str | float | None = None,
-        cli_atol: str | float | None = None,
-        cli_fail_fast: bool = False,
         update: str | None = None,
         report_path: str | None = None,
         unused: str | None = None,
-        cli_calibrate: bool = False,
-        cli_tolerance: str | None = None,
-        cli_replay: str | None = None,
-        ini_replay: str | None = None,
         check_determinism: bool = False,
         rank_timeout: str | float | None = None,
-        ini_fingerprint: str | None = None,
-        cli_fingerprint: bool = False,
         cli_rootdir: str | None = None,
         has_config_file: bool = True,
     ) -> Settings:
-        """Command-line paths are relative to where pytest was invoked; ini paths to the rootdir."""
-        for option, given in (("--ag-golden-dir", cli_golden_dir), ("--ag-rtol", cli_rtol), ("--ag-atol", cli_atol),
-                              ("--ag-report", report_path)):
+        """Command-line paths are relative to where pytest was invoked; ini paths to the rootdir.
+        ``ini`` and ``cli``: option name -> its ini key's text and its pytest flag's value (a
+        switch's False, a value flag's None: not given), for the options of ``OPTIONS`` with one."""
+        ini, cli = dict(ini or {}), dict(cli or {})
+        value_flags = [(OPTIONS[k].flag or k, v) for k, v in cli.items() if OPTIONS[k].flag_takes != "switch"]
+        for option, given in (("--ag-golden-dir", cli_golden_dir), *value_flags, ("--ag-report", report_path)):
             if isinstance(given, str) and not given.strip():  # `--ag-golden-dir=$DIR` with DIR unset
                 raise OptionError.usage(option, f"{option} is empty; give a value or leave the option out")
         if cli_golden_dir:
@@ -165,20 +159,8 @@ class Settings:
             )
         # raw values (ini text, flags as typed), judged once by the spec right here, so a bad one
         # is a usage error before any test runs, worded as from every other source
-        ini = {k: v for k, v in (("rtol", ini_rtol), ("atol", ini_atol), ("replay", ini_replay),
-                                 ("fingerprint", ini_fingerprint))
-               if v is not None and str(v).strip()}
-        cli: dict[str, Any] = {k: v for k, v in (("rtol", cli_rtol), ("atol", cli_atol)) if v is not None}
-        if cli_fail_fast:
-            cli["fail_fast"] = True
-        if cli_calibrate:
-            cli["calibrate"] = True
-        if cli_tolerance is not None:
-            cli["tolerance"] = cli_tolerance
-        if cli_replay is not None:
-            cli["replay"] = cli_replay
-        if cli_fingerprint:
-            cli["fingerprint"] = True
+        ini = {k: v for k, v in ini.items() if v is not None and str(v).strip()}
+        cli = {k: v for k, v in cli.items() if v is not None and v is not False}
         build_specs(ini, {k: source_label("ini", k) for k in ini})
         build_specs(cli, {k: source_label("command line", k) for k in cli})
         golden_dir = Path(os.path.abspath(gdir))

@@ -67,12 +67,13 @@ def inexact_before(frame: Frame, found: Origin, earlier: Sequence[LayerResult]) 
     if not inexact:
         return None
     first = inexact[0]
-    return Origin(frame.name, frame.call, "unknown", found.own_error, type_name=found.type_name, detail=(
-        f"re-run on the golden's inputs it gives the golden's output, and its inputs differ; "
-        f"{len(inexact)} call(s) before it matched within tolerance but not exactly (the first: "
-        f"{display_name(first.name)!r} call {first.call}, max abs diff {first.max_abs_diff:.3g}), so a difference "
-        f"under tolerance may have grown into this one, or {display_name(found.name)!r}'s own code "
-        f"{_where(found)} changed; replay='all' replays each call and tells them apart"))
+    detail = (f"re-run on the golden's inputs it gives the golden's output, and its inputs differ; "
+              f"{len(inexact)} call(s) before it matched within tolerance but not exactly (the first: "
+              f"{display_name(first.name)!r} call {first.call}, max abs diff {first.max_abs_diff:.3g}), so a "
+              f"difference under tolerance may have grown into this one, or {display_name(found.name)!r}'s own code "
+              f"{_where(found)} changed; replay='all' replays each call and tells them apart")
+    return Origin(frame.name, frame.call, "unknown", found.own_error, type_name=found.type_name, maybe_code=True,
+                  detail=detail)
 
 
 def _where(found: Origin) -> str:

@@ -6,6 +6,7 @@ One job per module, each importable alone:
 - :mod:`.rows`: format 3's index as integer tables;
 - :mod:`.writer`: :class:`GoldenWriter`, fed plain :class:`LeafLike` data;
 - :mod:`.reader`: :class:`GoldenReader`, streaming checksum-verified leaves;
+- :mod:`.legacy`: a live call's leaves as a golden of format 1 or 2 names them (loaded only for one);
 - :mod:`.fingerprints`: how a fingerprint leaf is stored (blob layout, meta record of its parameters);
 - :mod:`.floors`: noise floors and where a golden keeps them;
 - :mod:`.naming`: a pytest node id's golden file name, and telling an HDF5 file by its first bytes;
@@ -14,7 +15,8 @@ One job per module, each importable alone:
 - :mod:`.memory`, :mod:`.pack`: freed heap memory back to the OS; the pack being filled.
 
 The store imports only ``_core`` and the fingerprint value type (``fingerprints``) from the
-package, never capture, the comparator or the pytest plugin; its error messages name the file and
+package (and, for an older golden only, the walker's paths and the verdict type), never capture,
+the comparator or the pytest plugin; its error messages name the file and
 a neutral fix, and front ends (plugin, CLI) add their own command. Names are imported lazily, so
 the pytest plugin can use :mod:`.naming` without importing h5py and torch.
 """

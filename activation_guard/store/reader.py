@@ -20,7 +20,7 @@ import json
 import os
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
@@ -54,6 +54,10 @@ from .safety import (
     hard_member,
     scalar_attr,
 )
+
+if TYPE_CHECKING:
+    from ..values.leaves import Leaf
+    from .legacy import LiveView
 
 CORRUPT_VALUES = "stored values fail their checksum (the file was modified or damaged after recording)"
 
@@ -244,6 +248,16 @@ class GoldenReader:
     def fingerprinted(self) -> bool:
         """Some outputs are stored as fingerprints, not values."""
         return self.fingerprint_leaves > 0
+
+    def live_view(self, entry: CallEntry, leaves: list[Leaf], output: Any = None) -> LiveView | None:
+        """One live call's leaves as this golden's format names them (formats 1 and 2:
+        :mod:`.legacy`), or None when it names them as today's walker does. ``output``: the
+        live output itself (None when the live side is a recording)."""
+        if self.version >= 3:
+            return None
+        from .legacy import live_view  # only older goldens load the live walker's path rules
+
+        return live_view(self.version, entry, leaves, output)
 
     def replay_blocker(self) -> str | None:
         """Why some calls of this golden cannot be replayed (re-run on their recorded inputs), or None.

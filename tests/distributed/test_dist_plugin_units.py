@@ -122,10 +122,8 @@ def test_a_rank_that_never_sends_its_session_is_reported_lost(tmp_path: Path) ->
 @pytest.mark.parametrize("bad", ["0", "-1", "soon", "nan", "inf"])
 def test_rank_timeout_must_be_positive_seconds(tmp_path: Path, bad: str) -> None:
     with pytest.raises(OptionError, match=rf"--ag-rank-timeout must be a number of seconds > 0, got '{bad}'"):
-        Settings.build(rootdir=tmp_path, invocation_dir=tmp_path, ini_golden_dir="golden", ini_rtol=None,
-                       ini_atol=None, rank_timeout=bad)
-    ok = Settings.build(rootdir=tmp_path, invocation_dir=tmp_path, ini_golden_dir="golden", ini_rtol=None,
-                        ini_atol=None, rank_timeout="2.5")
+        Settings.build(rootdir=tmp_path, invocation_dir=tmp_path, ini_golden_dir="golden", rank_timeout=bad)
+    ok = Settings.build(rootdir=tmp_path, invocation_dir=tmp_path, ini_golden_dir="golden", rank_timeout="2.5")
     assert ok.rank_timeout == 2.5
     assert Settings(golden_dir=tmp_path).rank_timeout == DEFAULT_RANK_TIMEOUT
 
