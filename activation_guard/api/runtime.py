@@ -182,8 +182,19 @@ class OnnxReplays:
         return self.first
 
 
+def computes_in(proto: Any) -> torch.dtype | None:
+    """The lowest float precision among the model's weights (float16, bfloat16), if any: a
+    converted model computes in it even where its inputs and outputs stay float32."""
+    onnx, _ = require_onnx()
+    kinds = {t.data_type for t in proto.graph.initializer}
+    for code, dtype in ((onnx.TensorProto.FLOAT16, torch.float16), (onnx.TensorProto.BFLOAT16, torch.bfloat16)):
+        if code in kinds:
+            return dtype
+    return None
+
+
 def _judge(spec: CompareSpec, resolver: ToleranceResolver, gmeta: Mapping[str, Any], path: str,
-           reader: GoldenReader, golden_name: Any) -> Judge:
+           reader: GoldenReader, golden_name: Any, low: torch.dtype | None = None) -> Judge:
     strict = StrictJudge(resolver)
     if not spec.calibrated:
         return strict
@@ -196,7 +207,7 @@ def _judge(spec: CompareSpec, resolver: ToleranceResolver, gmeta: Mapping[str, A
                 return g.dtype
         return None
 
-    borrowed = BorrowedFloors(floors, dtype_of, golden_name, runtime="ONNX Runtime")
+    borrowed = BorrowedFloors(floors, dtype_of, golden_name, runtime="ONNX Runtime", computes_in=low)
     # the judge reads only floor(), device, differs and close() of its live side: the borrowed floors have them
     return CalibratedJudge(floors, cast(ShadowRun, borrowed), strict)
 
@@ -265,7 +276,7 @@ def _compare(model: Any, inputs: Any, path: str | os.PathLike[str], spec: Compar
         spec = _spec_for(spec, gmeta)
         gdev = envmod.recorded_device(gmeta)
         resolver = ToleranceResolver(spec, golden_device=gdev, live_device=RUNTIME)
-        judge = _judge(spec, resolver, gmeta, path, reader, lambda n: n)
+        judge = _judge(spec, resolver, gmeta, path, reader, lambda n: n, computes_in(proto))
         comp = Comparator(reader, spec, judge)
         counts: dict[str, int] = {}
         for c in reader.calls:

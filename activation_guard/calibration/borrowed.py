@@ -27,8 +27,12 @@ class BorrowedFloors:
     the golden's (a rename)."""
 
     def __init__(self, golden: FloorTable, golden_dtype: Callable[[str, int, str], str | None],
-                 golden_name: Callable[[str], str] = lambda name: name, runtime: str = "the runtime"):
+                 golden_name: Callable[[str], str] = lambda name: name, runtime: str = "the runtime",
+                 computes_in: torch.dtype | None = None):
+        """``computes_in``: the lowest float precision the live run computes in, when lower than
+        its outputs show (a float16 model that keeps float32 inputs and outputs)."""
         self.golden, self.golden_dtype, self.golden_name = golden, golden_dtype, golden_name
+        self.computes_in = computes_in
         self.device = f"none for {runtime} (live floors borrowed from the golden's)"
         self.differs: list[tuple[str, int, float]] = []
         self.scaled = 0
@@ -41,6 +45,8 @@ class BorrowedFloors:
         if gf is None or gdt is None:
             return None
         ge, le = _eps(getattr(torch, gdt, torch.float32)), _eps(value.dtype)
+        if le is not None and self.computes_in is not None:
+            le = max(le, _eps(self.computes_in) or le)
         if ge is None or le is None or le <= ge:
             return gf
         self.scaled += 1
@@ -48,8 +54,10 @@ class BorrowedFloors:
 
     def describe(self) -> str:
         return ("calibrated tolerances without a live float64 run: each live noise floor is the golden's for the same "
-                "output" + (f", scaled by the ratio of unit roundoffs for {self.scaled} outputs held in a lower "
-                            f"precision than the golden's" if self.scaled else ""))
+                "output" + (f", scaled by the ratio of unit roundoffs for {self.scaled} outputs computed in a lower "
+                            f"precision than the golden's" if self.scaled else "")
+                + (f" (the model computes in {str(self.computes_in).removeprefix('torch.')})"
+                   if self.computes_in is not None else ""))
 
     def close(self) -> None:
         pass

@@ -197,9 +197,14 @@ class GoldenCheck:
         kwargs: Mapping[str, Any] | None = None,
         *,
         name: str | None = None,
+        onnx: Any = None,
         **options: Any,
     ) -> Any:
         __tracebackhide__ = True
+        if onnx is not None:  # the eager check first (it records under --ag-update), then the ONNX model against it
+            out = self.check(model, args, kwargs, name=name, **options)
+            self.check_onnx(onnx, name=name, **options)
+            return out
         from .ranks import rank_context  # lazy: torch is imported by the first check, not at start-up
 
         self.last_report = None
@@ -354,6 +359,40 @@ class GoldenCheck:
             ),
             pytrace=False,
         )
+
+    def check_onnx(self, model: Any, inputs: Any = None, *, name: str | None = None, optimization: str = "off",
+                   **options: Any) -> Report:
+        """Run an ONNX model (an ``.onnx`` path, a ModelProto, an ONNXProgram) in ONNX Runtime and
+        compare it per module call with this test's golden (the eager check's ``name``), on the
+        model inputs the golden recorded unless ``inputs`` are given; fail the test with the report
+        when it diverges. It never records: the eager check writes the golden."""
+        __tracebackhide__ = True
+        problem = None
+        try:
+            path = self.path(name)
+            opts = self.options(**options)
+            _, cmp_spec = engine_specs(opts)
+        except (OptionError, ValueError) as e:
+            problem = str(e)
+        if problem is not None:
+            pytest.fail(prefixed(problem), pytrace=False)
+        shown = self._session.settings.display(path)
+        if not path.is_file():
+            pytest.fail(prefixed(f"no golden for the ONNX check: {shown}; the eager check writes it: "
+                                 f"{self.rerecord_command(opts)}"), pytrace=False)
+        from ..api.runtime import compare_onnx_spec
+
+        try:
+            report = compare_onnx_spec(model, inputs, path=path, spec=cmp_spec, optimization=optimization)
+        except ActivationGuardError as e:
+            problem = f"ONNX check against {shown}: {e}"
+        if problem is not None:
+            pytest.fail(prefixed(problem), pytrace=False)
+        self.last_report = report
+        if not report.ok:
+            pytest.fail(prefixed(f"{report}\n\n  options in force: {describe(*engine_specs(opts))}; "
+                                 f"ONNX Runtime optimization={optimization!r}"), pytrace=False)
+        return report
 
     @staticmethod
     def _unstable_layers(model: Any, args: Any, kwargs: Any, spec: CompareSpec) -> list[str]:
