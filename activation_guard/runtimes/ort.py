@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import ast
 import os
+import re
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -65,8 +67,9 @@ def require_onnx() -> tuple[Any, Any]:
 
 
 def load_model(model: Any) -> tuple[Any, str]:
-    """An ``.onnx`` path, an ``onnx.ModelProto`` or a ``torch.onnx.ONNXProgram`` as a ModelProto
-    this module may edit (a copy), and what it is, for notes and errors."""
+    """An ``.onnx`` path, an ``onnx.ModelProto`` or a ``torch.onnx.ONNXProgram`` as a ModelProto,
+    and what it is, for notes and errors. A given ModelProto is not copied (a large model's weights
+    are not held twice) and is left as it was given."""
     onnx, _ = require_onnx()
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
@@ -85,9 +88,7 @@ def load_model(model: Any) -> tuple[Any, str]:
     else:
         raise UnsupportedModelError(f"{type(model).__name__}: an ONNX model is an .onnx path, an onnx.ModelProto or "
                                     f"a torch.onnx.ONNXProgram (torch.onnx.export(model, args, dynamo=True))")
-    copy = onnx.ModelProto()
-    copy.CopyFrom(out)
-    return copy, label
+    return out, label
 
 
 def optimization_level(ort: Any, optimization: str) -> Any:
@@ -97,13 +98,14 @@ def optimization_level(ort: Any, optimization: str) -> Any:
 
 
 def session(model: Any, optimization: str) -> Any:
-    """An ONNX Runtime CPU session over a ModelProto at an optimization level."""
+    """An ONNX Runtime CPU session over a ModelProto (or its bytes) at an optimization level."""
     _, ort = require_onnx()
     so = ort.SessionOptions()
     so.graph_optimization_level = optimization_level(ort, optimization)
     so.log_severity_level = 3
     try:
-        return ort.InferenceSession(model.SerializeToString(), so, providers=[PROVIDER])
+        data = model if isinstance(model, bytes) else model.SerializeToString()
+        return ort.InferenceSession(data, so, providers=[PROVIDER])
     except Exception as e:
         raise UnsupportedModelError(f"ONNX Runtime cannot load the model: {type(e).__name__}: {e}") from e
 
@@ -115,7 +117,15 @@ def _short(cls: str) -> str:
     return cls.rsplit(".", 1)[-1]
 
 
+# the exporter's form, read without the Python parser: ['', 'h.0', 'view_3'] (module paths and names
+# hold no quote or backslash); anything else goes through ast.literal_eval
+_PLAIN_LIST = re.compile(r"\[(?:'[^'\\]*'(?:, '[^'\\]*')*)?\]")
+_ITEM = re.compile(r"'([^'\\]*)'")
+
+
 def _literal_list(raw: str, key: str, where: str) -> list[str]:
+    if _PLAIN_LIST.fullmatch(raw):
+        return _ITEM.findall(raw)
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError, MemoryError, RecursionError):
@@ -328,6 +338,8 @@ class OrtSource:
         self.output: Any = None
         self.final_change: str | None = None  # how the unmarked optimized run's outputs differ from the marked run's
         self.final: dict[str, Any] = {}
+        self._final_thread: threading.Thread | None = None
+        self._final_error: BaseException | None = None
         self.replayed_outside: list[str] = []  # module paths whose nodes a replay computed live
 
     def describe(self) -> str:
@@ -355,12 +367,22 @@ class OrtSource:
         return list(names)
 
     def run(self) -> None:
-        """One marked run (every module call's values) and one unmarked, fully optimized run."""
+        """One marked run (every module call's values); the unmarked, fully optimized run starts
+        beside it, in a second thread (ONNX Runtime releases the GIL while it builds and runs a
+        session), and is awaited for the model's outputs (:meth:`final_outputs`)."""
         onnx, _ = require_onnx()
         extra = self._fetch()
-        marked = onnx.ModelProto()
-        marked.CopyFrom(self.graph.proto)
-        marked.graph.output.extend(onnx.ValueInfoProto(name=v) for v in extra)
+        proto = self.graph.proto
+        unmarked = proto.SerializeToString()
+        outputs = proto.graph.output
+        n = len(outputs)
+        outputs.extend(onnx.ValueInfoProto(name=v) for v in extra)
+        try:  # the given model is never left changed: its added outputs are removed again
+            marked = proto.SerializeToString()
+        finally:
+            del outputs[n:]
+        self._final_thread = threading.Thread(target=self._final_run, args=(unmarked,), daemon=True)
+        self._final_thread.start()
         names = [*self.graph.outputs, *extra]
         sess = session(marked, self.optimization)
         try:
@@ -370,18 +392,31 @@ class OrtSource:
                                         f"{e}") from e
         self.values = dict(zip(names, got))
         self.fetched = len(names)
-        del sess, marked
-        final = session(self.graph.proto, "default").run(self.graph.outputs, self.feeds)
-        worst = 0.0
-        for name, a in zip(self.graph.outputs, final):
-            b = self.values[name]
-            if np.asarray(a).dtype.kind == "f" and np.asarray(a).shape == np.asarray(b).shape:
-                d = np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))
-                worst = max(worst, float(np.nanmax(d)) if d.size else 0.0)
-        self.final_change = None if worst == 0 else (
-            f"the unmarked run with every optimization on differs from the marked run by at most {worst:.3g} in the "
-            f"model's outputs (optimizations the marked values prevented)")
-        self.final = dict(zip(self.graph.outputs, final))
+
+    def _final_run(self, model: bytes) -> None:
+        try:
+            out = session(model, "default").run(self.graph.outputs, self.feeds)
+            self.final = dict(zip(self.graph.outputs, out))
+        except BaseException as e:  # re-raised in the caller's thread
+            self._final_error = e
+
+    def final_outputs(self) -> dict[str, Any]:
+        """The unmarked, fully optimized run's outputs, and a note when they differ from the marked run's."""
+        if self._final_thread is not None:
+            self._final_thread.join()
+            self._final_thread = None
+            if self._final_error is not None:
+                raise self._final_error
+            worst = 0.0
+            for name, a in self.final.items():
+                b = self.values.get(name)
+                if b is not None and np.asarray(a).dtype.kind == "f" and np.asarray(a).shape == np.asarray(b).shape:
+                    d = np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))
+                    worst = max(worst, float(np.nanmax(d)) if d.size else 0.0)
+            self.final_change = None if worst == 0 else (
+                f"the unmarked run with every optimization on differs from the marked run by at most {worst:.3g} in "
+                f"the model's outputs (optimizations the marked values prevented)")
+        return self.final
 
     def calls(self) -> Iterator[LiveCall]:
         if not self.values:
@@ -445,7 +480,8 @@ class OrtSource:
         return LiveCall(s.path, s.call, s.type_name, lambda: leaves, only=frozenset(mapped))
 
     def _root(self) -> LiveCall:
-        outs = [self.final[v] for v in self.graph.outputs]
+        final = self.final_outputs()
+        outs = [final[v] for v in self.graph.outputs]
         entry = self.golden("", 0)
         root_type = self.graph.root_type or "ModelProto"
         if entry is None:
