@@ -20,7 +20,16 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from models import build_cnn, build_hf_bert, build_hf_gpt2, build_hf_llama, cnn_input, one_thread, token_input  # noqa: E402
+from models import (  # noqa: E402
+    build_cnn,
+    build_hf_bert,
+    build_hf_gpt2,
+    build_hf_llama,
+    cnn_input,
+    one_thread,
+    shared_loop,
+    token_input,
+)
 
 import activation_guard as ag  # noqa: E402
 from activation_guard.api.runtime import compare_onnx, onnx_map  # noqa: E402
@@ -260,6 +269,27 @@ def test_merged_conv_batchnorm_weight_is_found_where_the_output_first_changes(
     assert _first(report) == ("bn2", "layer"), str(report)
 
 
+def test_repeated_module_calls_are_told_apart(tmp_path: Any, exported: Callable[[str], Exported]) -> None:
+    with one_thread(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m, x = shared_loop(), torch.randn(2, 6, generator=torch.Generator().manual_seed(0))
+        golden = str(tmp_path / "shared.h5")
+        ag.record(m, x, path=golden)
+        proto = torch.onnx.export(m, (x,), dynamo=True, verbose=False).model_proto
+        ok = compare_onnx(proto, path=golden)
+        assert ok.ok, str(ok)
+        assert [(r.name, r.call) for r in ok.layers if r.name == "shared"] == [("shared", k) for k in range(3)]
+        p = _copy(proto)
+        _scale_init(p, "blocks.1.weight", 1.01)
+        report = compare_onnx(p, path=golden)
+    assert report.first_divergence is not None
+    assert (report.first_divergence.name, report.first_divergence.call) == ("blocks.1", 0)
+    assert report.origin is not None and report.origin.kind == "layer"
+    # a golden of another model: refused naming the input, the recorded shape and the declared one
+    with pytest.raises(ag.UnsupportedModelError, match=r"ONNX input 'x' is float32 of shape \(2, 3, 8, 8\).*another"):
+        compare_onnx(proto, path=exported("cnn").golden)
+
+
 def test_upstream_input_change_is_not_blamed_on_the_module(exported: Callable[[str], Exported]) -> None:
     e = exported("cnn")
     x = e.inputs[0].clone()
@@ -274,7 +304,6 @@ def test_upstream_input_change_is_not_blamed_on_the_module(exported: Callable[[s
 # --------------------------------------------------------------------------- float16
 
 
-@pytest.mark.slow
 def test_float16_model_passes_calibrated_and_fails_a_weight_fault(exported: Callable[[str], Exported]) -> None:
     float16 = pytest.importorskip("onnxconverter_common.float16")
     e = exported("gpt2")

@@ -288,11 +288,18 @@ def _compare(model: Any, inputs: Any, path: str | os.PathLike[str], spec: Compar
             if isinstance(recorded, str):
                 raise UnsupportedModelError(f"golden {path}: {recorded}; pass inputs= to compare_onnx")
             feeds = recorded
+            graph.check_feeds(feeds, f"golden {path}: the recorded model input")
         else:
             feeds = live_inputs(inputs, graph.inputs)
+            graph.check_feeds(feeds, "inputs: the value")
             if isinstance(recorded, Mapping):
                 input_changes = [f"model input {n!r} differs from the golden's recorded one" for n in graph.inputs
                                  if not (feeds[n].shape == recorded[n].shape and np.array_equal(feeds[n], recorded[n]))]
+                if input_changes:  # a replay feeds the golden's own model inputs only where they fit the model
+                    try:
+                        graph.check_feeds(recorded, "")
+                    except UnsupportedModelError:
+                        recorded = "the golden's recorded model inputs do not fit the model"
         comp.inputs_changed = bool(input_changes)
 
         def golden(name: str, call: int) -> Any:

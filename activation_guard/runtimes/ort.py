@@ -206,6 +206,7 @@ class OnnxGraph:
         self.stacks = self._resolve(own)
         self.inherited = sum(1 for s, o in zip(self.stacks, own) if o is None and len(s) > 1)
         self.ambiguous: dict[str, str] = {}
+        self._const_memo: dict[str, bool] = {}
         self.scopes = self._scopes(calls_of)
 
     def _resolve(self, own: list[Stack | None]) -> list[Stack]:
@@ -260,7 +261,7 @@ class OnnxGraph:
                 for v in node.output:
                     if v and (v in outputs or any(r not in inside for r in self.readers.get(v, ()))):
                         s.escaping.append(v)
-            s.external = [v for v in seen if not self._constant(v)]
+            s.external = [v for v in seen if not self._constant(v, self._const_memo)]
         return sorted(found, key=lambda s: (s.nodes[-1], -s.depth))
 
     def _constant(self, value: str, memo: dict[str, bool] | None = None) -> bool:
@@ -274,6 +275,26 @@ class OnnxGraph:
         ok = j is not None and all(self._constant(v, memo) for v in self.reads[j])
         memo[value] = ok
         return ok
+
+    def check_feeds(self, feeds: Mapping[str, np.ndarray], what: str) -> None:
+        """Refuse inputs the model's declared input types cannot take, naming both (a golden of
+        another model, inputs of another shape), before ONNX Runtime does so less clearly."""
+        onnx, _ = require_onnx()
+        for vi in self.proto.graph.input:
+            if vi.name not in feeds or not vi.type.HasField("tensor_type"):
+                continue
+            tt = vi.type.tensor_type
+            a = feeds[vi.name]
+            want = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else None
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim] if tt.HasField(
+                "shape") else None
+            shape_ok = dims is None or (len(dims) == a.ndim and all(d is None or d == n for d, n in zip(dims, a.shape)))
+            if (want is not None and a.dtype != want) or not shape_ok:
+                declared = "x".join("?" if d is None else str(d) for d in dims or ()) or "scalar"
+                raise UnsupportedModelError(
+                    f"{what} for ONNX input {vi.name!r} is {a.dtype} of shape {tuple(a.shape)}, but the model takes "
+                    f"{want if want is not None else 'any type'} of shape [{declared}]: the golden or the inputs are "
+                    f"of another model")
 
     def owned(self) -> set[tuple[str, int]]:
         """The module calls that own at least one node."""
