@@ -36,6 +36,7 @@ from ..report.report import Report
 from ..results import LayerResult, Origin
 from ..runtimes.ort import (
     OPTIMIZATIONS,
+    FinalRun,
     OnnxGraph,
     OnnxScope,
     Optimization,
@@ -271,6 +272,15 @@ def _compare(model: Any, inputs: Any, path: str | os.PathLike[str], spec: Compar
             raise UnsupportedModelError(f"comparing an ONNX model: {why}")
     proto, label = load_model(model)
     path = golden_path(path)
+    final = FinalRun(proto)  # the deployed model's session, built while the rest is prepared
+    try:
+        return _compare_with(proto, label, inputs, path, spec, opt, final)
+    finally:
+        final.cancel()
+
+
+def _compare_with(proto: Any, label: str, inputs: Any, path: str, spec: CompareSpec, opt: Optimization,
+                  final: FinalRun) -> tuple[Report, OrtSource]:
     with GoldenReader(path) as reader:
         gmeta = reader.meta
         spec = _spec_for(spec, gmeta)
@@ -309,7 +319,8 @@ def _compare(model: Any, inputs: Any, path: str | os.PathLike[str], spec: Compar
         wanted = Selector(spec.include, spec.exclude, names)
         expected = [(c.name, c) for c in comp.golden_selected]
         source = OrtSource(graph, feeds, golden=golden, golden_calls=expected, wanted=wanted, optimization=opt,
-                           label=label, same_dtype=not spec.allow_dtype_change, resolve=reader.resolve)
+                           label=label, same_dtype=not spec.allow_dtype_change, resolve=reader.resolve,
+                           final_run=final)
         replays = OnnxReplays(source, comp, reader, golden, recorded if isinstance(recorded, Mapping) else None,
                               spec.replay)
         if spec.replay != "off":

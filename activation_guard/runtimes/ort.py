@@ -110,6 +110,52 @@ def session(model: Any, optimization: str) -> Any:
         raise UnsupportedModelError(f"ONNX Runtime cannot load the model: {type(e).__name__}: {e}") from e
 
 
+class FinalRun:
+    """The model as deployed: a session with every optimization on and no value marked, built in a
+    second thread from the moment the model is read (ONNX Runtime releases the GIL while it builds
+    and runs a session, so this overlaps the scope analysis, the golden's opening and the marked
+    run), then run on the feeds once they are known (:meth:`start`); :meth:`outputs` waits for it."""
+
+    def __init__(self, proto: Any):
+        self.names = [o.name for o in proto.graph.output]
+        self._model = proto.SerializeToString()
+        self._feeds: Mapping[str, np.ndarray] | None = None
+        self._go = threading.Event()
+        self._out: list[Any] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, daemon=True, name="activation_guard-ort-final")
+        self._thread.start()
+
+    def _work(self) -> None:
+        try:
+            sess = session(self._model, "default")
+            self._model = b""
+            self._go.wait()
+            if self._feeds is not None:
+                self._out = sess.run(self.names, dict(self._feeds))
+        except BaseException as e:  # re-raised in the caller's thread
+            self._error = e
+
+    def start(self, feeds: Mapping[str, np.ndarray]) -> None:
+        self._feeds = feeds
+        self._go.set()
+
+    def cancel(self) -> None:
+        self._go.set()
+
+    def outputs(self) -> dict[str, Any]:
+        self._thread.join()
+        if isinstance(self._error, UnsupportedModelError):
+            raise self._error
+        if self._error is not None:
+            e = self._error
+            raise UnsupportedModelError(f"ONNX Runtime failed the unmarked run with every optimization on: "
+                                        f"{type(e).__name__}: {e}") from e
+        if self._out is None:
+            raise RuntimeError("the unmarked run was cancelled")
+        return dict(zip(self.names, self._out))
+
+
 Stack = list[tuple[str, str]]  # (module path, class name), the root ('') first
 
 
@@ -345,7 +391,7 @@ class OrtSource:
                  golden: Callable[[str, int], CallEntry | None], golden_calls: Sequence[tuple[str, CallEntry]],
                  wanted: Callable[[str], bool] = lambda name: True, optimization: Optimization = "off",
                  label: str = "ONNX model", same_dtype: bool = True,
-                 resolve: Callable[[LeafEntry], LeafEntry] = lambda leaf: leaf):
+                 resolve: Callable[[LeafEntry], LeafEntry] = lambda leaf: leaf, final_run: FinalRun | None = None):
         self.graph, self.feeds, self.resolve = graph, dict(feeds), resolve
         self.golden, self.golden_calls, self.wanted = golden, golden_calls, wanted
         self.optimization, self.label, self.same_dtype = optimization, label, same_dtype
@@ -359,8 +405,7 @@ class OrtSource:
         self.output: Any = None
         self.final_change: str | None = None  # how the unmarked optimized run's outputs differ from the marked run's
         self.final: dict[str, Any] = {}
-        self._final_thread: threading.Thread | None = None
-        self._final_error: BaseException | None = None
+        self.final_run = final_run
         self.replayed_outside: list[str] = []  # module paths whose nodes a replay computed live
 
     def describe(self) -> str:
@@ -388,13 +433,14 @@ class OrtSource:
         return list(names)
 
     def run(self) -> None:
-        """One marked run (every module call's values); the unmarked, fully optimized run starts
-        beside it, in a second thread (ONNX Runtime releases the GIL while it builds and runs a
-        session), and is awaited for the model's outputs (:meth:`final_outputs`)."""
+        """One marked run (every module call's values); the unmarked, fully optimized run
+        (:class:`FinalRun`) runs beside it and is awaited for the model's outputs."""
         onnx, _ = require_onnx()
         extra = self._fetch()
+        if self.final_run is None:
+            self.final_run = FinalRun(self.graph.proto)
+        self.final_run.start(self.feeds)
         proto = self.graph.proto
-        unmarked = proto.SerializeToString()
         outputs = proto.graph.output
         n = len(outputs)
         outputs.extend(onnx.ValueInfoProto(name=v) for v in extra)
@@ -402,8 +448,6 @@ class OrtSource:
             marked = proto.SerializeToString()
         finally:
             del outputs[n:]
-        self._final_thread = threading.Thread(target=self._final_run, args=(unmarked,), daemon=True)
-        self._final_thread.start()
         names = [*self.graph.outputs, *extra]
         sess = session(marked, self.optimization)
         try:
@@ -414,20 +458,10 @@ class OrtSource:
         self.values = dict(zip(names, got))
         self.fetched = len(names)
 
-    def _final_run(self, model: bytes) -> None:
-        try:
-            out = session(model, "default").run(self.graph.outputs, self.feeds)
-            self.final = dict(zip(self.graph.outputs, out))
-        except BaseException as e:  # re-raised in the caller's thread
-            self._final_error = e
-
     def final_outputs(self) -> dict[str, Any]:
         """The unmarked, fully optimized run's outputs, and a note when they differ from the marked run's."""
-        if self._final_thread is not None:
-            self._final_thread.join()
-            self._final_thread = None
-            if self._final_error is not None:
-                raise self._final_error
+        if not self.final and self.final_run is not None:
+            self.final = self.final_run.outputs()
             worst = 0.0
             for name, a in self.final.items():
                 b = self.values.get(name)
