@@ -162,6 +162,10 @@ class OnnxReplays:
             self.first = Origin(res.name, res.call, "layer", own.max_abs_diff, type_name=res.type_name,
                                 detail=f"re-run alone in ONNX Runtime on the golden's values, this module call's ONNX "
                                        f"nodes compute differently: its ONNX translation differs{extra}")
+        elif first and self.comp.inputs_changed:
+            self.first = Origin(res.name, res.call, "inputs", own.max_abs_diff, type_name=res.type_name,
+                                detail=f"re-run alone in ONNX Runtime on the golden's values, {res.name!r} computes "
+                                       f"the same: the model's inputs differ from the golden's recorded ones")
         elif first:
             self.first = Origin(res.name, res.call, "parent-code", own.max_abs_diff, child=res.name,
                                 type_name=res.type_name,
