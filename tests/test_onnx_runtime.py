@@ -443,4 +443,5 @@ def test_pytest_check_onnx_uses_the_eager_tests_golden(pytester: pytest.Pytester
     rec.assert_outcomes(passed=1, failed=1)  # recording: the good export passes, the bad one is caught at once
     res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q")
     res.assert_outcomes(passed=1, failed=1)
-    res.stdout.fnmatch_lines(["*ONNX model bad.onnx*", "*bn2*"])
+    res.stdout.fnmatch_lines(["*ONNX model bad.onnx*", "*bn2*", "goldens: 4 checked, 3 passed, 1 diverged*",
+                              "DIVERGED test_deploy.py::test_bad (onnx): first divergence at layer 'bn2'*"])

@@ -376,23 +376,41 @@ class GoldenCheck:
             problem = str(e)
         if problem is not None:
             pytest.fail(prefixed(problem), pytrace=False)
-        shown = self._session.settings.display(path)
+        s = self._session
+        shown = s.settings.display(path)
+        # the summary and --ag-report list it beside the eager check of the same golden
+        rec = CheckRecord(self.nodeid, f"{name} (onnx)" if name else "onnx", str(path), "error", device=self.device)
+        t0 = now()
+
+        def done(status: str, **kw: Any) -> None:
+            rec.status = status
+            rec.seconds = round(now() - t0, 6)
+            for k, v in kw.items():
+                setattr(rec, k, v)
+            s.add(rec)
+
         if not path.is_file():
-            pytest.fail(prefixed(f"no golden for the ONNX check: {shown}; the eager check writes it: "
-                                 f"{self.rerecord_command(opts)}"), pytrace=False)
+            msg = f"no golden for the ONNX check: {shown}; the eager check writes it: {self.rerecord_command(opts)}"
+            done("missing", message=msg)
+            pytest.fail(prefixed(msg), pytrace=False)
         from ..api.runtime import compare_onnx_spec
 
         try:
             report = compare_onnx_spec(model, inputs, path=path, spec=cmp_spec, optimization=optimization)
         except ActivationGuardError as e:
             problem = f"ONNX check against {shown}: {e}"
+            done("error", message=problem)
         if problem is not None:
             pytest.fail(prefixed(problem), pytrace=False)
         self.last_report = report
-        if not report.ok:
-            pytest.fail(prefixed(f"{report}\n\n  options in force: {describe(*engine_specs(opts))}; "
-                                 f"ONNX Runtime optimization={optimization!r}"), pytrace=False)
-        return report
+        report_dict = report.to_dict() if s.settings.report_path is not None else None
+        if report.ok:
+            done("passed", report=report_dict)
+            return report
+        done("diverged", first_divergence=report.headline().replace("activation_guard: ", "", 1), report=report_dict)
+        self.user_properties.extend(divergence_properties(report))
+        pytest.fail(prefixed(f"{report}\n\n  options in force: {describe(*engine_specs(opts))}; "
+                             f"ONNX Runtime optimization={optimization!r}"), pytrace=False)
 
     @staticmethod
     def _unstable_layers(model: Any, args: Any, kwargs: Any, spec: CompareSpec) -> list[str]:
