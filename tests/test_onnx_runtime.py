@@ -435,13 +435,19 @@ def test_pytest_check_onnx_uses_the_eager_tests_golden(pytester: pytest.Pytester
 
         def test_bad(activation_guard):
             activation_guard.check(build_cnn(), cnn_input(), onnx={str(bad)!r})
+
+        def test_onnx_alone_never_records(activation_guard):
+            activation_guard.check_onnx({e.onnx_path!r}, name="other")
     """)
     import os
 
     pytester.syspathinsert(os.path.dirname(os.path.abspath(__file__)))
     rec = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--ag-update", "-q")
-    rec.assert_outcomes(passed=1, failed=1)  # recording: the good export passes, the bad one is caught at once
+    rec.assert_outcomes(passed=1, failed=2)  # recording: the good export passes, the bad one is caught at once
     res = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q")
-    res.assert_outcomes(passed=1, failed=1)
+    res.assert_outcomes(passed=1, failed=2)
+    goldens = sorted(p.name for p in pytester.path.rglob("*.h5"))
+    assert len(goldens) == 2 and not any("alone" in g for g in goldens), goldens  # the eager checks' only
+    res.stdout.fnmatch_lines(["*no golden for the ONNX check*"])
     res.stdout.fnmatch_lines(["*ONNX model bad.onnx*", "*bn2*", "goldens: 4 checked, 3 passed, 1 diverged*",
                               "DIVERGED test_deploy.py::test_bad (onnx): first divergence at layer 'bn2'*"])
