@@ -153,6 +153,23 @@ def test_exported_model_matches_its_eager_golden_and_maps_its_calls(exported: Ca
     assert all(reason for _, _, reason in m.skipped)
 
 
+@pytest.mark.slow
+def test_unoptimized_export_keeps_dropouts_as_identities_and_compares_them(tmp_path: Any) -> None:
+    with one_thread(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = build_hf_gpt2()
+        m.config.use_cache = False
+        golden = str(tmp_path / "g.h5")
+        ag.record(m, token_input(), path=golden)
+        prog = torch.onnx.export(m, token_input(), dynamo=True, optimize=False, verbose=False)
+        assert any(n.op_type == "Identity" for n in prog.model_proto.graph.node)
+        report = compare_onnx(prog, path=golden)  # an ONNXProgram as it is
+        mapped = onnx_map(prog, golden)
+    assert report.ok, str(report)
+    assert mapped.owned == mapped.compared == mapped.calls  # the dropouts hand their input on: that is compared
+    assert {"drop", "h.0.mlp.dropout"} <= {x.name for x in report.layers}
+
+
 def test_the_model_proto_and_the_onnx_program_are_read_alike(exported: Callable[[str], Exported]) -> None:
     e = exported("cnn")
     a = _run(e.proto, e)

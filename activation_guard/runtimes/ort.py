@@ -297,16 +297,20 @@ class OnnxGraph:
         for s in found:
             inside = set(s.nodes)
             seen: dict[str, None] = {}
+            handed: list[str] = []
             for i in s.nodes:
                 node = self.nodes[i]
                 for v in self.reads[i]:
                     if v not in self.initializers and self.producer.get(v, -1) not in inside:
                         seen.setdefault(v, None)
-                if node.op_type == "Identity" and node.input and self.producer.get(node.input[0], -1) not in inside:
-                    continue  # its input handed on (a residual), not a value it computed
+                passthrough = (node.op_type == "Identity" and bool(node.input)
+                               and self.producer.get(node.input[0], -1) not in inside)
                 for v in node.output:
                     if v and (v in outputs or any(r not in inside for r in self.readers.get(v, ()))):
-                        s.escaping.append(v)
+                        # an input handed on (a residual) is not a value the call computed
+                        (handed if passthrough else s.escaping).append(v)
+            if not s.escaping:  # a call that only hands its input on (an eval-mode dropout): that is its output
+                s.escaping = handed
             s.external = [v for v in seen if not self._constant(v, self._const_memo)]
         return sorted(found, key=lambda s: (s.nodes[-1], -s.depth))
 
