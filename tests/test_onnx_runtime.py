@@ -89,6 +89,14 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Export
     return get
 
 
+@pytest.fixture(scope="session")
+def cnn(exported: Callable[[str], Exported]) -> Exported:
+    """The CNN, exported before any function-scoped fixture: ``pytester`` drops every module first
+    imported while it is set up (torch.export's and the compiler's among them, which cannot be
+    imported twice in one process)."""
+    return exported("cnn")
+
+
 def _copy(proto: Any) -> Any:
     out = onnx.ModelProto()
     out.CopyFrom(proto)
@@ -439,9 +447,9 @@ def test_cli_onnx_command(exported: Callable[[str], Exported], tmp_path: Any,
 
 
 @pytest.mark.slow
-def test_pytest_check_onnx_uses_the_eager_tests_golden(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
-                                                       exported: Callable[[str], Exported]) -> None:
-    e = exported("cnn")
+def test_pytest_check_onnx_uses_the_eager_tests_golden(cnn: Exported, pytester: pytest.Pytester,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    e = cnn
     p = _copy(e.proto)
     _scale_init(p, "conv2.weight", 1.01)
     bad = pytester.path / "bad.onnx"
@@ -460,8 +468,7 @@ def test_pytest_check_onnx_uses_the_eager_tests_golden(pytester: pytest.Pytester
     """)
     import os
 
-    # in a subprocess: an in-process run drops the modules it imported first (torch's compiler caches among
-    # them), and their second import in this worker fails
+    # in a subprocess: an in-process run would also drop the modules it imported first
     here = os.path.dirname(os.path.abspath(__file__))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     rec = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--ag-update", "-q")
