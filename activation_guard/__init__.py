@@ -48,6 +48,9 @@ _LAZY: dict[str, str] = {
     "diff_recordings": "api.diff",
     "sensitivity": "api.sensitivity",
     "SensitivityReport": "report.sensitivity",
+    "compare_onnx": "api.runtime",
+    "onnx_map": "api.runtime",
+    "OnnxMap": "api.runtime",
 }
 
 __all__ = [
@@ -64,6 +67,7 @@ __all__ = [
     "GoldenWriteError",
     "LayerResult",
     "LeafResult",
+    "OnnxMap",
     "OptionError",
     "RecordSpec",
     "RecordSummary",
@@ -77,9 +81,11 @@ __all__ = [
     "check_determinism",
     "compare",
     "compare_models",
+    "compare_onnx",
     "deterministic",
     "diff_recordings",
     "emulate_tf32",
+    "onnx_map",
     "read_golden",
     "record",
     "sensitivity",
@@ -103,6 +109,7 @@ if TYPE_CHECKING:
     from .api.determinism import check_determinism, deterministic
     from .api.diff import diff_recordings
     from .api.run import RecordSummary, compare, compare_models, read_golden, record
+    from .api.runtime import OnnxMap, compare_onnx, onnx_map
     from .api.sensitivity import sensitivity
     from .options.spec import CompareSpec, RecordSpec
     from .options.tolerances import CROSS_DEVICE_DEFAULTS, DTYPE_DEFAULTS, Tolerance

@@ -7,10 +7,12 @@ Commands::
     activation-guard diff A.h5 B.h5 [--rtol R] [--atol A] [--tolerances FILE.json]
                                     [--json] [--plot FILE.png] [--html FILE.html]
                                     [--heatmap LAYER FILE.png]
+    activation-guard onnx MODEL.onnx GOLDEN.h5 [--optimization off|basic|default] [--calibrated]
+                                    [--rtol R] [--atol A] [--tolerances FILE.json] [--json] [--html FILE.html]
     activation-guard textconv GOLDEN.h5                 for git's diff driver
     activation-guard verify GOLDEN.h5...                every stored value against its checksum
 
-Exit status: 0 success (``diff``: the recordings match), 1 ``diff`` found a divergence (or
+Exit status: 0 success (``diff``, ``onnx``: the values match), 1 ``diff`` or ``onnx`` found a divergence (or
 ``inspect --layer`` matched nothing), 2 usage error or an unusable (damaged) file. File errors are one
 line on stderr, never a traceback: the golden errors already name the file and the fix.
 """
@@ -272,6 +274,43 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+# the table's options an ONNX Runtime compare takes (a metric, heatmaps and renames are eager-only)
+ONNX_OPTIONS = ("rtol", "atol", "tolerances", "include", "exclude", "allow_dtype_change")
+
+
+def cmd_onnx(args: argparse.Namespace) -> int:
+    from ._core.errors import UnsupportedModelError
+    from .api.runtime import compare_onnx_spec
+    from .options.spec import CompareSpec
+
+    values, sources = option_values(args, "compare", ONNX_OPTIONS)
+    if args.calibrated:
+        values["tolerance"], sources["tolerance"] = "calibrated", "--calibrated"
+    spec = CompareSpec.build(values, sources)
+    _check_writable(args.html, "--html", (args.model, args.golden))
+    try:
+        report = compare_onnx_spec(args.model, path=args.golden, spec=spec, optimization=args.optimization)
+    except (UnsupportedModelError, ValueError) as e:
+        raise CliError(str(e)) from None
+    if args.json:
+        d = report.to_dict()
+        d["onnx_model"] = args.model
+        _dump_json(d)
+    else:
+        _out(str(report))
+    if args.html:
+        from .report.visual import write_html
+
+        try:
+            write_html([(f"{args.model} in ONNX Runtime vs golden {args.golden}", report)], args.html,
+                       title=f"activation_guard onnx: {os.path.basename(args.model)} vs "
+                             f"{os.path.basename(args.golden)}")
+        except OSError as e:
+            raise CliError(f"cannot write --html {args.html}: {e.strerror or e}") from None
+        print(f"HTML report written to {args.html}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
 def _write_heatmap(report: Any, layer: str, path: str) -> None:
     """``diff --heatmap LAYER FILE.png``: the named layer's first described diverged output."""
     from .options.selection import display_name
@@ -368,9 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Layer-by-layer activation goldens for PyTorch models: demo, inspect, diff, textconv, sensitivity, "
-                    "verify.",
-        epilog="Exit status: 0 ok, 1 diff found a divergence, 2 usage error or unusable file.",
+        description="Layer-by-layer activation goldens for PyTorch models: demo, inspect, diff, onnx, textconv, "
+                    "sensitivity, verify.",
+        epilog="Exit status: 0 ok, 1 diff or onnx found a divergence, 2 usage error or unusable file.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -410,6 +449,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the heatmap of |B - A|, A and B for LAYER's first diverged call, and describe where "
                         "it differs in the report (needs matplotlib)")
     f.set_defaults(func=cmd_diff)
+
+    o = sub.add_parser("onnx", help="run an ONNX model in ONNX Runtime and compare it per module with an eager golden "
+                                    "(exit 1 if it diverges)",
+                       description="Run MODEL.onnx (torch.onnx.export(..., dynamo=True)) in ONNX Runtime on the model "
+                                   "inputs the golden recorded, and compare every module call whose values the ONNX "
+                                   "graph names against the golden, with cross-runtime default tolerances. Needs "
+                                   "pip install 'activation_guard[onnx]'.")
+    o.add_argument("model", metavar="MODEL.onnx", help="the ONNX model")
+    o.add_argument("golden", metavar="GOLDEN.h5", help="the eager model's golden")
+    o.add_argument("--optimization", choices=["off", "basic", "default"], default="off",
+                   help="ONNX Runtime graph optimizations for the per-module run (default: %(default)s, a faithful "
+                        "map); the model's outputs always come from a fully optimized run too")
+    o.add_argument("--calibrated", action="store_true",
+                   help="judge by the golden's noise floors (a golden recorded with calibrate=True)")
+    add_option_flags(o, "compare", ONNX_OPTIONS)
+    o.add_argument("--json", action="store_true", help="machine-readable report")
+    o.add_argument("--html", metavar="FILE.html", help="write a self-contained HTML report")
+    o.set_defaults(func=cmd_onnx)
 
     t = sub.add_parser("textconv", help="stable line-per-output text of a golden, for git diff",
                        description="One line per output: layer[call], path, dtype, shape, sha256 prefix of the bytes, "

@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"fingerprints"},
     {"values", "options", "results"},
     {"store"},
-    {"capture", "distributed", "graphs"},
+    {"capture", "distributed", "graphs", "runtimes"},
     {"gradients"},
     {"judges"},
     {"calibration"},

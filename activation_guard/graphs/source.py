@@ -31,11 +31,11 @@ from torch.fx import _pytree as fx_pytree
 from ..store.format import CallEntry, LeafEntry
 from ..values.calls import LiveCall
 from ..values.leaves import Leaf, flatten
+from ..values.scopes import TENSOR_KINDS, Signature, assign_outputs, common_prefix
 
 STACK = "nn_module_stack"
 # the guard a flattened exported module runs on its inputs first: a node in no module's code
 GUARDS = "_guards_fn"
-TENSOR_KINDS = ("tensor", "fingerprint")
 
 
 def has_module_stack(gm: fx.GraphModule) -> bool:
@@ -103,16 +103,10 @@ def enclosing(gm: fx.GraphModule) -> dict[fx.Node, list[tuple[str, Any]]]:
         if stack:
             continue
         near = [m for m in node.all_input_nodes if m in out] + [u for u in node.users if u in out]
-        stacks = [out[m] for m in near]  # (one still unresolved counts as the root's)
+        stacks = [[(key, tuple(entry)) for key, entry in out[m]] for m in near]  # (one unresolved: the root's)
         if not stacks:
             continue
-        common = stacks[0]
-        for other in stacks[1:]:
-            k = 0
-            while k < min(len(common), len(other)) and common[k][0] == other[k][0]:
-                k += 1
-            common = common[:k]
-        out[node] = list(common)
+        out[node] = common_prefix(stacks)
     return out
 
 
@@ -150,7 +144,7 @@ class Skipped:
     whole: bool  # no output of the call was compared
 
 
-def _sig(t: Any) -> tuple[tuple[int, ...], str] | None:
+def _sig(t: Any) -> Signature | None:
     if not isinstance(t, torch.Tensor):
         return None
     return tuple(t.shape), str(t.dtype).removeprefix("torch.")
@@ -158,29 +152,8 @@ def _sig(t: Any) -> tuple[tuple[int, ...], str] | None:
 
 def assign(golden: Sequence[LeafEntry], values: Sequence[Any]) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Which escaping value (index) is which golden tensor output (path), by shape and dtype, and
-    the golden outputs left out with the reason. Two outputs with one shape and dtype cannot be
-    told apart by the graph: both are left out rather than paired by guess."""
-    sigs = [_sig(v) for v in values]
-    out: dict[str, int] = {}
-    left: list[tuple[str, str]] = []
-    for g in golden:
-        if g.kind == "ref":  # the same tensor as another output: judged there
-            continue
-        if g.kind not in TENSOR_KINDS:
-            left.append((g.path, f"a constant {g.type_name or g.kind} output is not a value in the graph"))
-            continue
-        want = (tuple(g.shape), g.dtype or "")
-        peers = [h for h in golden if h.kind in TENSOR_KINDS and (tuple(h.shape), h.dtype or "") == want]
-        hits = [i for i, s in enumerate(sigs) if s == want]
-        if len(hits) == 1 and len(peers) == 1:
-            out[g.path] = hits[0]
-        elif not hits:
-            left.append((g.path, "the graph consumes it only inside the module (no value of its shape and "
-                                 "dtype leaves the module's scope)"))
-        else:
-            left.append((g.path, f"{len(hits)} values leaving the module's scope and {len(peers)} outputs have its "
-                                 f"shape and dtype: they cannot be told apart"))
-    return out, left
+    the golden outputs left out with the reason (:func:`~activation_guard.values.scopes.assign_outputs`)."""
+    return assign_outputs(golden, [_sig(v) for v in values])
 
 
 def _where(path: str) -> str:

@@ -197,9 +197,14 @@ class GoldenCheck:
         kwargs: Mapping[str, Any] | None = None,
         *,
         name: str | None = None,
+        onnx: Any = None,
         **options: Any,
     ) -> Any:
         __tracebackhide__ = True
+        if onnx is not None:  # the eager check first (it records under --ag-update), then the ONNX model against it
+            out = self.check(model, args, kwargs, name=name, **options)
+            self.check_onnx(onnx, name=name, **options)
+            return out
         from .ranks import rank_context  # lazy: torch is imported by the first check, not at start-up
 
         self.last_report = None
@@ -354,6 +359,58 @@ class GoldenCheck:
             ),
             pytrace=False,
         )
+
+    def check_onnx(self, model: Any, inputs: Any = None, *, name: str | None = None, optimization: str = "off",
+                   **options: Any) -> Report:
+        """Run an ONNX model (an ``.onnx`` path, a ModelProto, an ONNXProgram) in ONNX Runtime and
+        compare it per module call with this test's golden (the eager check's ``name``), on the
+        model inputs the golden recorded unless ``inputs`` are given; fail the test with the report
+        when it diverges. It never records: the eager check writes the golden."""
+        __tracebackhide__ = True
+        problem = None
+        try:
+            path = self.path(name)
+            opts = self.options(**options)
+            _, cmp_spec = engine_specs(opts)
+        except (OptionError, ValueError) as e:
+            problem = str(e)
+        if problem is not None:
+            pytest.fail(prefixed(problem), pytrace=False)
+        s = self._session
+        shown = s.settings.display(path)
+        # the summary and --ag-report list it beside the eager check of the same golden
+        rec = CheckRecord(self.nodeid, f"{name} (onnx)" if name else "onnx", str(path), "error", device=self.device)
+        t0 = now()
+
+        def done(status: str, **kw: Any) -> None:
+            rec.status = status
+            rec.seconds = round(now() - t0, 6)
+            for k, v in kw.items():
+                setattr(rec, k, v)
+            s.add(rec)
+
+        if not path.is_file():
+            msg = f"no golden for the ONNX check: {shown}; the eager check writes it: {self.rerecord_command(opts)}"
+            done("missing", message=msg)
+            pytest.fail(prefixed(msg), pytrace=False)
+        from ..api.runtime import compare_onnx_spec
+
+        try:
+            report = compare_onnx_spec(model, inputs, path=path, spec=cmp_spec, optimization=optimization)
+        except ActivationGuardError as e:
+            problem = f"ONNX check against {shown}: {e}"
+            done("error", message=problem)
+        if problem is not None:
+            pytest.fail(prefixed(problem), pytrace=False)
+        self.last_report = report
+        report_dict = report.to_dict() if s.settings.report_path is not None else None
+        if report.ok:
+            done("passed", report=report_dict)
+            return report
+        done("diverged", first_divergence=report.headline().replace("activation_guard: ", "", 1), report=report_dict)
+        self.user_properties.extend(divergence_properties(report))
+        pytest.fail(prefixed(f"{report}\n\n  options in force: {describe(*engine_specs(opts))}; "
+                             f"ONNX Runtime optimization={optimization!r}"), pytrace=False)
 
     @staticmethod
     def _unstable_layers(model: Any, args: Any, kwargs: Any, spec: CompareSpec) -> list[str]:
