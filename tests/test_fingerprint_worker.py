@@ -599,9 +599,12 @@ def test_the_copy_is_the_compiled_streaming_one_when_built(monkeypatch: pytest.M
 
     if built:
         assert fast is not None
-        monkeypatch.setattr(native, "get", lambda: dataclasses.replace(fast, copy_fn=counted("ag_copy", fast.copy_fn)))
+        lib = dataclasses.replace(fast, copy_fn=counted("ag_copy", fast.copy_fn))
+        monkeypatch.setattr(native, "get", lambda: lib)
+        monkeypatch.setattr(native, "built", lambda: lib)  # (the worker takes the copy from a finished build)
     else:
         monkeypatch.setattr(native, "get", lambda: None)
+        monkeypatch.setattr(native, "built", lambda: None)
     if fingerprint_worker._MEMMOVE is not None:
         monkeypatch.setattr(fingerprint_worker, "_MEMMOVE", counted("memmove", fingerprint_worker._MEMMOVE))
     t = torch.randn(300, 301, dtype=torch.float64)  # 722,400 bytes: past the streaming threshold, a ragged tail

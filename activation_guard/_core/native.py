@@ -11,7 +11,9 @@ It is an accelerator, never a requirement:
   bound); :func:`status` says which path runs and why;
 - the library is built into a fresh private temporary folder per process and unlinked once
   loaded: no shared cache to go stale, to race on under xdist, or for another user to plant a
-  library in. A build takes ~0.2 s (plain C, no torch headers).
+  library in. A build takes 0.5-1 s of CPU (plain C, no torch headers; the AVX-512 functions only
+  where the CPU has AVX-512), so :func:`start` begins it on a thread of its own as a recording
+  starts, and the fingerprint worker holds leaves until it is done (:mod:`..fingerprints.worker`).
 
 The call goes through ctypes, which releases the GIL: the fingerprint worker thread then runs
 beside the forward on another core.
@@ -154,7 +156,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
         return None, str(e)
     cc = " ".join(argv)
     try:
-        dll = _compile_and_load(argv, extra_flags)
+        dll = _compile_and_load(argv, (*_unused_widths(), *extra_flags))
         if dll.ag_version() != VERSION:
             return None, f"the built library speaks version {dll.ag_version()}, this module {VERSION}"
         simd = dll.ag_simd()
@@ -185,6 +187,20 @@ def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
 _SIMD_SUFFIX = {0: "", 1: "_avx2", 2: "_avx512"}
 _SIMD_SAYS = {0: "", 1: ", AVX2", 2: ", AVX-512"}
 
+def _unused_widths() -> tuple[str, ...]:
+    """``-DAG_NO_AVX512`` where the CPU (Linux's /proc/cpuinfo) has no AVX-512: those functions
+    could never run here, and compiling them was a quarter of the build's CPU time. Anywhere the
+    flags cannot be read, everything is built (``ag_simd`` picks at run time, as before)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return () if "avx512f" in line.split() else ("-DAG_NO_AVX512",)
+    except OSError:
+        pass
+    return ()
+
+
 BUILD_TIMEOUT = 30  # seconds: a build takes ~0.2 s; a compiler that hangs must not hold fingerprints up long
 
 
@@ -204,11 +220,41 @@ def _compile_and_load(argv: list[str], extra_flags: tuple[str, ...]) -> ctypes.C
 
 
 def get() -> Native | None:
-    """The compiled pass, built on first call (once per process); None where it is not available."""
+    """The compiled pass, built on first call (once per process); None where it is not available.
+    Waits for a build :func:`start` began."""
     with _lock:
         if "native" not in _state:
             _state["native"], _state["why"] = build()
         return _state["native"]  # type: ignore[return-value]
+
+
+_starting = threading.Lock()  # guards _builder only: never held while building
+_builder: list[threading.Thread] = []
+
+
+def start() -> bool:
+    """Begin the build on a thread of its own, if it has not run and is not running, so the
+    compiler works while the recording gets going (a build costs about a CPU-second, more than a
+    271M-parameter model's forward: docs/performance.md). True when there is nothing to wait
+    for (built, or known unavailable); never blocks."""
+    if ready():
+        return True
+    with _starting:
+        if not _builder:
+            t = threading.Thread(target=get, name="activation_guard-native-build", daemon=True)
+            _builder.append(t)
+            t.start()
+    return ready()
+
+
+def ready() -> bool:
+    """Whether the build has finished (built or not): :func:`get` then returns at once."""
+    return "native" in _state
+
+
+def built() -> Native | None:
+    """The library if the build has finished and succeeded; never waits for one."""
+    return _state.get("native") if ready() else None  # type: ignore[return-value]
 
 
 def status() -> str:
@@ -220,8 +266,10 @@ def status() -> str:
 def _after_fork_in_child() -> None:
     """A fork while another thread was building leaves the child's lock held forever: the child
     starts over with a fresh lock (and builds again if the build had not finished)."""
-    global _lock
+    global _lock, _starting
     _lock = threading.Lock()
+    _starting = threading.Lock()
+    _builder.clear()  # (its thread did not come along)
     if "why" not in _state:
         _state.clear()
 
@@ -234,3 +282,5 @@ def reset() -> None:
     """Forget the build (tests switch :data:`ENV` and build again)."""
     with _lock:
         _state.clear()
+    with _starting:
+        _builder.clear()

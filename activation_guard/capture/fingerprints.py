@@ -21,6 +21,7 @@ import torch
 from .._core import native, switches
 from .._core.tensors import is_plain_tensor, version_counter
 from ..fingerprints.fingerprint import Fingerprint, FingerprintParams, should_fingerprint
+from ..fingerprints.worker import ENV as WORKER_ENV
 from ..fingerprints.worker import FingerprintWorker, PendingFingerprint, inline_or_queued, wanted
 from ..options.selection import match_any
 from ..options.spec import RecordSpec
@@ -40,7 +41,12 @@ class Fingerprinter:
         self.layers = layers
         self.params = params
         switches.read(native.ENV)  # a bad value raises here, on the caller's thread, not on the worker's
-        self.worker = FingerprintWorker() if (wanted() if worker is None else worker) else None
+        built = native.start()  # the compiler runs while the forward gets going
+        use = wanted() if worker is None else worker
+        # no free core, but a build under way: a worker takes the leaves until it is done, so the
+        # forward goes on beside the compiler instead of waiting for it at its first leaf
+        interim = not use and not built and worker is None and switches.read(WORKER_ENV) is None
+        self.worker = FingerprintWorker() if use else FingerprintWorker(until_built=True) if interim else None
         self.fingerprinted = 0  # leaves stored as fingerprints
         self.matched: set[str] = set()  # globs that named at least one layer
         # id -> (the tensor, its version, where its values are, and its fingerprint): see _taken

@@ -196,8 +196,12 @@ class FingerprintWorker:
     that never reach it (a slow model) wait at most ``IDLE_EXIT``.
     """
 
-    def __init__(self, max_pending: int | None = None):
+    def __init__(self, max_pending: int | None = None, *, until_built: bool = False):
+        """``until_built``: take leaves only while the compiled pass is being built (no free core
+        for a worker, but a forward that would otherwise stop at its first leaf until the
+        compiler is done); from then on the hook computes inline again."""
         self.max_pending = MAX_PENDING if max_pending is None else max_pending
+        self.until_built = until_built
         self._jobs: deque[_Job] = deque()  # not started
         self._wake: SimpleQueue[bool] = SimpleQueue()  # True: run the queued jobs; False: stop
         self._unwoken = 0  # bytes of jobs queued since the worker was last woken (the hook's thread's)
@@ -209,8 +213,8 @@ class FingerprintWorker:
         self._threads: list[threading.Thread] = []
         self._exiting = False  # the thread found no work for IDLE_EXIT and is ending
         self.inline = 0  # jobs a waiting thread took over
-        # the copy _copy uses: the compiled library's (built now if not yet), else libc's memmove
-        fast = native.get()
+        # the copy _copy uses: the compiled library's, else (not built, or not yet) libc's memmove
+        fast = native.built()
         self._move: Callable[[int, int, int], object] | None = fast.copy_fn if fast is not None else _MEMMOVE
 
     def takes(self, t: torch.Tensor) -> bool:
@@ -219,7 +223,12 @@ class FingerprintWorker:
         waiting. Below that size the worker lost time on this machine: two threads taking turns at
         the GIL cost more than the kernel's array work they overlap (32 Ki elements: 1.2x the inline
         recording; 64 Ki: 0.9x)."""
-        if t.device.type != "cpu" or t.numel() < MIN_ELEMENTS or not is_plain_tensor(t) or not storage_holds(t):
+        built = native.ready()
+        if self.until_built and built:
+            return False
+        # while the compiled pass is being built every size is taken: inline, the hook would wait for it
+        if t.device.type != "cpu" or (built and t.numel() < MIN_ELEMENTS) or not is_plain_tensor(t) \
+                or not storage_holds(t):
             return False  # (storage that does not hold its elements: torch's copy_ would read past it)
         live = self._live
         while live and live[0].finished:  # the worker is done with their copies

@@ -80,16 +80,26 @@ def diff_stats(x: torch.Tensor, ref: torch.Tensor) -> NoiseFloor:
         raise ValueError(f"diff_stats: {n} elements vs {rs.numel()}")
     if n == 0:
         return NoiseFloor(0.0, 0.0)
-    mx = torch.zeros((), dtype=torch.float64, device=dev)
-    ss = torch.zeros((), dtype=torch.float64, device=dev)
-    for i in range(0, n, CHUNK):
-        a = xs[i : i + CHUNK].to(wide)
-        b = rs[i : i + CHUNK].to(wide)
-        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-        d = torch.nan_to_num(torch.where(same, torch.zeros_like(a), a - b).abs(), nan=math.inf)
-        mx = torch.maximum(mx, d.max())
-        ss = ss + (d * d).sum()
-    m, r = torch.stack([mx, torch.sqrt(ss / n)]).tolist()
+    # Where every difference is finite, |a - b| is already the masked difference below (equal
+    # finite values subtract to +0.0): four passes per chunk instead of a dozen, the same bits. A
+    # non-finite value anywhere (NaN or Inf in either side) shows in the maximum, and then the
+    # masked pass runs from the start.
+    for masked in (False, True):
+        mx = torch.zeros((), dtype=torch.float64, device=dev)
+        ss = torch.zeros((), dtype=torch.float64, device=dev)
+        for i in range(0, n, CHUNK):
+            a = xs[i : i + CHUNK].to(wide)
+            b = rs[i : i + CHUNK].to(wide)
+            if masked:
+                same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+                d = torch.nan_to_num(torch.where(same, torch.zeros_like(a), a - b).abs(), nan=math.inf)
+            else:
+                d = (a - b).abs()
+            mx = torch.maximum(mx, d.max())
+            ss = ss + (d * d).sum()
+        m, r = torch.stack([mx, torch.sqrt(ss / n)]).tolist()
+        if masked or math.isfinite(m):
+            break
     return NoiseFloor(float(m), float(r))
 
 

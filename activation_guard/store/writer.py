@@ -325,9 +325,11 @@ class GoldenWriter:
     # --- end gradients
 
     # -- finishing
-    def commit(self, meta: dict[str, Any]) -> None:
+    def commit(self, meta: dict[str, Any], *, durable: bool = True) -> None:
         """Write the index and ``meta``, then fsync and rename over the target; on any failure
-        the temp file is removed and the previous golden, if any, is left as it was."""
+        the temp file is removed and the previous golden, if any, is left as it was.
+        ``durable=False`` skips the fsyncs, for a private scratch file that is read back in the
+        same process and deleted (the calibrated shadow's float64 outputs): never for a golden."""
         try:
             self._flush_pack()
             self._pack.close()
@@ -351,8 +353,9 @@ class GoldenWriter:
             self.f.close()
             self._closed = True
             os.chmod(self.tmp, default_mode(self.path))
-            with open(self.tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
+            if durable:
+                with open(self.tmp, "rb+") as fh:
+                    os.fsync(fh.fileno())
             os.replace(self.tmp, self.path)
         except (OSError, RuntimeError) as e:  # h5py reports a failed flush on close as RuntimeError
             self.abort()
@@ -362,6 +365,8 @@ class GoldenWriter:
         except BaseException:
             self.abort()
             raise
+        if not durable:
+            return
         try:  # make the rename itself durable
             dfd = os.open(os.path.dirname(self.path), os.O_RDONLY)
             try:
