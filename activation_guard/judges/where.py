@@ -325,6 +325,18 @@ def _pool(x: torch.Tensor, rows: int, cols: int, how: str) -> torch.Tensor:
     return f.adaptive_avg_pool2d(t, (rows, cols))[0, 0]
 
 
+def _significant(x: torch.Tensor, digits: int = 4) -> torch.Tensor:
+    """``x`` rounded to ``digits`` significant digits, element-wise (a picture's cells need no more,
+    and the JSON stays short); zeros and non-finite values are kept as they are."""
+    a = x.abs()
+    ok = torch.isfinite(x) & (a >= 1e-300)  # (subnormals: their scale would overflow)
+    k = (digits - 1 - torch.floor(torch.log10(torch.where(ok, a, 1.0)))).clamp(-300, 300)
+    up = torch.pow(10.0, k.clamp(min=0))  # scale up to an integer, round, and back (exact powers of 10)
+    down = torch.pow(10.0, (-k).clamp(min=0))
+    r = torch.where(k >= 0, torch.round(x * up) / up, torch.round(x / down) * down)
+    return torch.where(ok, r, x)
+
+
 def _heat(hd: torch.Tensor, hg: torch.Tensor, hl: torch.Tensor, hb: torch.Tensor, nd: int, real: bool,
           c0: int) -> Heat:
     """``c0``: the map's columns before pooling (a 1-D or 2-D map arrives with its columns pooled)."""
@@ -343,9 +355,8 @@ def _heat(hd: torch.Tensor, hg: torch.Tensor, hl: torch.Tensor, hb: torch.Tensor
     if not real:
         how += "; values are moduli"
 
-    def grid(x: torch.Tensor, mode: str, digits: int = 4) -> list[list[float]]:
-        p = _pool(x, rows, cols, mode).cpu().tolist()
-        return [[float(f"{v:.{digits}g}") for v in row] for row in p]
+    def grid(x: torch.Tensor, mode: str) -> list[list[float]]:
+        return _significant(_pool(x, rows, cols, mode).cpu().to(torch.float64)).tolist()
 
     bad = [[int(v > 0) for v in row] for row in _pool(hb, rows, cols, "max").cpu().tolist()]
     return Heat(f"rows: {names[0]}", f"columns: {names[1]}", how, grid(hd, "max"), grid(hg, "mean"),
