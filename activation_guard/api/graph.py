@@ -10,7 +10,6 @@ pick hooks where modules exist and the graph where they do not.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,11 +28,10 @@ from ..judges.metrics import judge_for, refuse_fingerprinted_gate
 from ..options.selection import Selector, nothing_selected
 from ..options.spec import CompareSpec, RecordSpec
 from ..options.tolerances import ToleranceResolver
-from ..replay.replay import keep_own
 from ..report.report import Report
 from ..results import LayerResult, Origin
 from ..store import CallEntry, GoldenReader, GoldenWriter
-from ..values.leaves import Leaf
+from .replays import ScopeReplays
 
 NO_METADATA_FIX = ("export it with torch.export.export(model, args) and pass the ExportedProgram, its .module() or "
                    "the .pt2 file, or keep nn_module_stack when transforming a graph (copy node.meta to the nodes a "
@@ -114,43 +112,27 @@ def _type_of(scope: Scope, path: str) -> str:
     return ""
 
 
-class GraphReplays:
+class GraphReplays(ScopeReplays):
     """Replays of module calls of a graph (``replay="first"``: the first diverging call; ``"all"``:
     every compared call, its own error beside its accumulated one), run while the call's live
     values are still at hand, and the origin they give."""
 
     def __init__(self, gm: fx.GraphModule, source: GraphSource, comp: Comparator, reader: GoldenReader,
                  golden: Callable[[str, int], CallEntry | None], mode: str, inputs_same: bool):
-        self.gm, self.source, self.comp, self.reader, self.golden = gm, source, comp, reader, golden
-        self.mode, self.inputs_same = mode, inputs_same
-        self.first: Origin | None = None
+        super().__init__(comp, golden, source.mapped, mode)
+        self.gm, self.source, self.reader, self.inputs_same = gm, source, reader, inputs_same
         self.memo: dict[fx.Node, bool] = {}
 
     def after(self, scope: Scope, env: Mapping[fx.Node, Any]) -> None:
-        res = self.comp.results[-1] if self.comp.results else None
-        if res is None or (res.name, res.call) != (scope.path, scope.call):
+        def run(entry: CallEntry) -> dict[str, torch.Tensor] | str:
+            mapped = self.source.mapped[(scope.path, scope.call)]
+            return replay_scope(self.gm, scope, env, entry, mapped, self.reader.load, self.reader.resolve,
+                                self.source.golden_of.get, self.inputs_same, self.memo)
+
+        judged = self.judge_alone(scope.path, scope.call, run)
+        if judged is None:
             return
-        first = self.first is None and not res.ok
-        if not (first or self.mode == "all"):
-            return
-        entry = self.golden(scope.path, scope.call)
-        mapped = self.source.mapped[(scope.path, scope.call)]
-        if entry is None:
-            return
-        entry = dataclasses.replace(entry, leaves=[g for g in entry.leaves if g.path in mapped])
-        got = replay_scope(self.gm, scope, env, entry, mapped, self.reader.load, self.reader.resolve,
-                           self.source.golden_of.get, self.inputs_same, self.memo)
-        if isinstance(got, str):
-            if first:
-                self.first = Origin(res.name, res.call, "unknown", type_name=res.type_name,
-                                    detail=f"not replayed: {got}")
-            return
-        leaves = [Leaf(path, "tensor", tensor=t) for path, t in got.items()]
-        own = LayerResult.from_leaves(res.name, res.call, res.type_name,
-                                      self.comp.compare_leaves(entry, leaves, res.name))
-        keep_own(res, own)
-        if not first and not (self.mode == "all" and self.first is None and own.status != "match"):
-            return
+        res, own, first = judged
         if own.status != "match":
             self.first = Origin(res.name, res.call, "layer", own.max_abs_diff, type_name=res.type_name,
                                 detail="re-run on the golden's values, the graph's nodes of this module call differ: "

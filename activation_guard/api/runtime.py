@@ -11,7 +11,6 @@ running it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ from ..judges.strict import Judge, StrictJudge
 from ..options.selection import Selector, nothing_selected
 from ..options.spec import CompareSpec
 from ..options.tolerances import ToleranceResolver
-from ..replay.replay import keep_own
 from ..report.report import Report
 from ..results import LayerResult, Origin
 from ..runtimes.ort import (
@@ -44,9 +42,9 @@ from ..runtimes.ort import (
     load_model,
     require_onnx,
 )
-from ..store import GoldenReader
+from ..store import CallEntry, GoldenReader
 from ..store.floors import FloorTable
-from ..values.leaves import Leaf
+from .replays import ScopeReplays
 from .run import golden_path, report_meta
 
 RUNTIME = "onnxruntime"  # the live "device" the report names: golden device -> onnxruntime
@@ -122,39 +120,22 @@ def _spec_for(spec: CompareSpec, gmeta: Mapping[str, Any]) -> CompareSpec:
     return spec
 
 
-class OnnxReplays:
+class OnnxReplays(ScopeReplays):
     """The first diverging module call re-run alone in ONNX Runtime on the golden's values."""
 
     def __init__(self, source: OrtSource, comp: Comparator, reader: GoldenReader, golden: Any,
                  model_inputs: Mapping[str, np.ndarray] | None, mode: str):
-        self.source, self.comp, self.reader, self.golden = source, comp, reader, golden
-        self.model_inputs, self.mode = model_inputs, mode
-        self.first: Origin | None = None
+        super().__init__(comp, golden, source.mapped, mode)
+        self.source, self.reader, self.model_inputs = source, reader, model_inputs
 
     def after(self, scope: OnnxScope) -> None:
-        res = self.comp.results[-1] if self.comp.results else None
-        if res is None or (res.name, res.call) != (scope.path, scope.call):
+        def run(entry: CallEntry) -> dict[str, torch.Tensor] | str:
+            return self.source.replay(scope, entry, self.reader.load, self.reader.resolve, self.model_inputs)
+
+        judged = self.judge_alone(scope.path, scope.call, run)
+        if judged is None:
             return
-        first = self.first is None and not res.ok
-        if not (first or self.mode == "all"):
-            return
-        entry = self.golden(scope.path, scope.call)
-        mapped = self.source.mapped[(scope.path, scope.call)]
-        if entry is None:
-            return
-        entry = dataclasses.replace(entry, leaves=[g for g in entry.leaves if g.path in mapped])
-        got = self.source.replay(scope, entry, self.reader.load, self.reader.resolve, self.model_inputs)
-        if isinstance(got, str):
-            if first:
-                self.first = Origin(res.name, res.call, "unknown", type_name=res.type_name,
-                                    detail=f"not replayed: {got}")
-            return
-        leaves = [Leaf(path, "tensor", tensor=t) for path, t in got.items()]
-        own = LayerResult.from_leaves(res.name, res.call, res.type_name,
-                                      self.comp.compare_leaves(entry, leaves, res.name))
-        keep_own(res, own)
-        if not first and not (self.mode == "all" and self.first is None and own.status != "match"):
-            return
+        res, own, first = judged
         outside = self.source.replayed_outside
         extra = (f"; nodes outside it computed live as well: code of {', '.join(repr(p or '<root>') for p in outside)}"
                  if outside else "")
@@ -181,7 +162,7 @@ class OnnxReplays:
             named = ", ".join(repr(k.name) for k in whole[:8])
             why = (f"the model's own code outside them, a module call that is not comparable ({named}), or "
                    if whole else "the model's own code outside them, or ")
-            return Origin("", 0, "unknown", type_name=first_divergence.type_name,
+            return Origin("", 0, "unknown", type_name=first_divergence.type_name, maybe_code=True,
                           detail=f"every compared module call matches; {why}ONNX Runtime's optimizations of the "
                                  f"unmarked run (the model's outputs come from it) made the difference")
         return self.first
