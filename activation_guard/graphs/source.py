@@ -31,7 +31,7 @@ from torch.fx import _pytree as fx_pytree
 from ..store.format import CallEntry, LeafEntry
 from ..values.calls import LiveCall
 from ..values.leaves import Leaf, flatten
-from ..values.scopes import TENSOR_KINDS, Signature, assign_outputs, common_prefix
+from ..values.scopes import TENSOR_KINDS, Signature, Skipped, assign_outputs, common_prefix, output_name
 
 STACK = "nn_module_stack"
 # the guard a flattened exported module runs on its inputs first: a node in no module's code
@@ -134,16 +134,6 @@ def scopes(gm: fx.GraphModule, around: Mapping[fx.Node, list[tuple[str, Any]]] |
     return sorted(found.values(), key=lambda s: (order[s.nodes[-1]], -s.depth))
 
 
-@dataclass
-class Skipped:
-    """A golden module call (or some of its outputs) the graph cannot be compared on, and why."""
-
-    name: str
-    call: int
-    reason: str
-    whole: bool  # no output of the call was compared
-
-
 def _sig(t: Any) -> Signature | None:
     if not isinstance(t, torch.Tensor):
         return None
@@ -154,10 +144,6 @@ def assign(golden: Sequence[LeafEntry], values: Sequence[Any]) -> tuple[dict[str
     """Which escaping value (index) is which golden tensor output (path), by shape and dtype, and
     the golden outputs left out with the reason (:func:`~activation_guard.values.scopes.assign_outputs`)."""
     return assign_outputs(golden, [_sig(v) for v in values])
-
-
-def _where(path: str) -> str:
-    return "output" if path == "" else f"output {path!r}"
 
 
 class GraphSource:
@@ -347,7 +333,7 @@ class GraphSource:
         values = [env[e] for e in s.escaping]
         mapped, left = assign(entry.leaves, values)
         for path, why in left:
-            self.skipped.append(Skipped(s.path, s.call, f"{_where(path)}: {why}", not mapped))
+            self.skipped.append(Skipped(s.path, s.call, f"{output_name(path)}: {why}", not mapped))
         if mapped:
             self.compared += 1
             self.mapped[(s.path, s.call)] = {path: s.escaping[i] for path, i in mapped.items()}

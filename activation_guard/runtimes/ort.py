@@ -41,7 +41,7 @@ from .._core.errors import UnsupportedModelError
 from ..store.format import CallEntry, LeafEntry
 from ..values.calls import LiveCall
 from ..values.leaves import Leaf, flatten
-from ..values.scopes import TENSOR_KINDS, Signature, assign_outputs, common_prefix
+from ..values.scopes import TENSOR_KINDS, Signature, Skipped, assign_outputs, common_prefix, output_name
 
 EXTRA = "activation_guard[onnx]"
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
@@ -370,20 +370,6 @@ def _sig(a: Any) -> Signature | None:
     return tuple(int(s) for s in arr.shape), str(dtype).removeprefix("torch.")
 
 
-@dataclass
-class Skipped:
-    """A golden module call (or some of its outputs) the ONNX model cannot be compared on, and why."""
-
-    name: str
-    call: int
-    reason: str
-    whole: bool  # no output of the call was compared
-
-
-def _where(path: str) -> str:
-    return "output" if path == "" else f"output {path!r}"
-
-
 class OrtSource:
     """A :class:`~activation_guard.values.calls.LiveSource` over an ONNX model in ONNX Runtime
     (module docstring). ``feeds`` are the model's inputs by ONNX input name; ``golden`` answers a
@@ -528,7 +514,7 @@ class OrtSource:
             return LiveCall(s.path, s.call, s.type_name, lambda: leaves)
         mapped, left = assign_outputs(entry.leaves, [_sig(self.values.get(v)) for v in s.escaping], self.same_dtype)
         for path, why in left:
-            self.skipped.append(Skipped(s.path, s.call, f"{_where(path)}: {why}", not mapped))
+            self.skipped.append(Skipped(s.path, s.call, f"{output_name(path)}: {why}", not mapped))
         if mapped:
             self.compared += 1
             self.mapped[(s.path, s.call)] = {path: s.escaping[i] for path, i in mapped.items()}
@@ -563,7 +549,7 @@ class OrtSource:
         else:
             mapped, left = assign_outputs(entry.leaves, sigs, self.same_dtype)
         for path, why in left:
-            self.skipped.append(Skipped("", 0, f"{_where(path)}: {why}", not mapped))
+            self.skipped.append(Skipped("", 0, f"{output_name(path)}: {why}", not mapped))
         self.compared += 1
         leaves = [Leaf(path, "tensor", tensor=tensors[i]) for path, i in mapped.items()]
         return LiveCall("", 0, entry.type_name or root_type, lambda: leaves, only=frozenset(mapped))

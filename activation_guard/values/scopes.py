@@ -10,6 +10,7 @@ which value leaving a module call's scope is which of the golden's recorded outp
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 # the golden leaf kinds that hold a tensor's values (or its fingerprint): those a graph value can be
@@ -83,3 +84,18 @@ def assign_outputs(golden: Sequence[GoldenOutput], sigs: Sequence[Signature | No
             left.append((g.path, f"{len(hits)} values leaving the module's scope and {len(peers)} outputs have its "
                                  f"{what}: they cannot be told apart"))
     return out, left
+
+
+@dataclass
+class Skipped:
+    """A golden module call (or some of its outputs) a graph source cannot be compared on, and why."""
+
+    name: str
+    call: int
+    reason: str
+    whole: bool  # no output of the call was compared
+
+
+def output_name(path: str) -> str:
+    """How a skipped output is named: the call's only output, or the one at ``path``."""
+    return "output" if path == "" else f"output {path!r}"
