@@ -31,7 +31,14 @@ from torch.fx import _pytree as fx_pytree
 from ..store.format import CallEntry, LeafEntry
 from ..values.calls import LiveCall
 from ..values.leaves import Leaf, flatten
-from ..values.scopes import TENSOR_KINDS, Signature, Skipped, assign_outputs, common_prefix, output_name
+from ..values.scopes import (
+    TENSOR_KINDS,
+    Signature,
+    Skipped,
+    assign_outputs,
+    book_outputs,
+    common_prefix,
+)
 
 STACK = "nn_module_stack"
 # the guard a flattened exported module runs on its inputs first: a node in no module's code
@@ -332,14 +339,9 @@ class GraphSource:
             return LiveCall(s.path, s.call, s.type_name, lambda: leaves)
         values = [env[e] for e in s.escaping]
         mapped, left = assign(entry.leaves, values)
-        for path, why in left:
-            self.skipped.append(Skipped(s.path, s.call, f"{output_name(path)}: {why}", not mapped))
-        if mapped:
+        if book_outputs(s.path, s.call, s.escaping, entry.leaves, mapped, left, self.skipped, self.mapped,
+                        self.golden_of):
             self.compared += 1
-            self.mapped[(s.path, s.call)] = {path: s.escaping[i] for path, i in mapped.items()}
-            by_path = {g.path: g for g in entry.leaves}
-            for path, i in mapped.items():
-                self.golden_of.setdefault(s.escaping[i], by_path[path])
         leaves = [Leaf(path, "tensor", tensor=values[i]) for path, i in mapped.items()]
         only = frozenset(mapped)
         return LiveCall(s.path, s.call, s.type_name, lambda: leaves, only=only)

@@ -41,7 +41,15 @@ from .._core.errors import UnsupportedModelError
 from ..store.format import CallEntry, LeafEntry
 from ..values.calls import LiveCall
 from ..values.leaves import Leaf, flatten
-from ..values.scopes import TENSOR_KINDS, Signature, Skipped, assign_outputs, common_prefix, output_name
+from ..values.scopes import (
+    TENSOR_KINDS,
+    Signature,
+    Skipped,
+    assign_outputs,
+    book_outputs,
+    common_prefix,
+    output_name,
+)
 
 EXTRA = "activation_guard[onnx]"
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
@@ -513,14 +521,9 @@ class OrtSource:
             leaves = flatten(vals[0] if len(vals) == 1 else tuple(vals), fields=True)
             return LiveCall(s.path, s.call, s.type_name, lambda: leaves)
         mapped, left = assign_outputs(entry.leaves, [_sig(self.values.get(v)) for v in s.escaping], self.same_dtype)
-        for path, why in left:
-            self.skipped.append(Skipped(s.path, s.call, f"{output_name(path)}: {why}", not mapped))
-        if mapped:
+        if book_outputs(s.path, s.call, s.escaping, entry.leaves, mapped, left, self.skipped, self.mapped,
+                        self.golden_of):
             self.compared += 1
-            self.mapped[(s.path, s.call)] = {path: s.escaping[i] for path, i in mapped.items()}
-            by_path = {g.path: g for g in entry.leaves}
-            for path, i in mapped.items():
-                self.golden_of.setdefault(s.escaping[i], by_path[path])
         leaves = [Leaf(path, "tensor", tensor=to_tensor(self.values[s.escaping[i]])) for path, i in mapped.items()]
         return LiveCall(s.path, s.call, s.type_name, lambda: leaves, only=frozenset(mapped))
 

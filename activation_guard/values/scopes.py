@@ -9,7 +9,7 @@ which value leaving a module call's scope is which of the golden's recorded outp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -18,6 +18,8 @@ TENSOR_KINDS = ("tensor", "fingerprint")
 
 Signature = tuple[tuple[int, ...], str]  # (shape, dtype name without "torch.")
 T = TypeVar("T")
+K = TypeVar("K")  # what names a live value in a source: an FX node, an ONNX value name
+G = TypeVar("G", bound="GoldenOutput")
 
 
 class GoldenOutput(Protocol):
@@ -99,3 +101,20 @@ class Skipped:
 def output_name(path: str) -> str:
     """How a skipped output is named: the call's only output, or the one at ``path``."""
     return "output" if path == "" else f"output {path!r}"
+
+
+def book_outputs(path: str, call: int, escaping: Sequence[K], golden: Sequence[G], mapped: Mapping[str, int],
+                 left: Sequence[tuple[str, str]], skipped: list[Skipped],
+                 mapped_of: dict[tuple[str, int], dict[str, K]], golden_of: dict[K, G]) -> bool:
+    """One call's pairing (:func:`assign_outputs`) written into a source's books: each output left
+    out, with why, in ``skipped``; the paired ones under (``path``, ``call``) in ``mapped_of``; each
+    live value's golden output in ``golden_of`` (its first). True when an output was paired."""
+    for out, why in left:
+        skipped.append(Skipped(path, call, f"{output_name(out)}: {why}", not mapped))
+    if not mapped:
+        return False
+    mapped_of[(path, call)] = {out: escaping[i] for out, i in mapped.items()}
+    by_path = {g.path: g for g in golden}
+    for out, i in mapped.items():
+        golden_of.setdefault(escaping[i], by_path[out])
+    return True
