@@ -21,7 +21,9 @@ unmarked run with every ONNX Runtime optimization on: the deployed computation i
 marking values as outputs changes what the optimizer may fuse.
 
 ``onnx`` and ``onnxruntime`` are imported only here, lazily: without them :func:`require_onnx`
-names the extra that installs them.
+names the extra that installs them. The graph reading (:class:`OnnxGraph`), the sessions, the
+source and a call's re-run alone stay in this one module: all four work on the same parsed
+scopes and value names, and nothing outside ONNX Runtime uses them.
 """
 
 from __future__ import annotations
