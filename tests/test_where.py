@@ -387,3 +387,13 @@ def test_diverged_rows_without_a_picture_say_how_to_get_one(tmp_path: Path) -> N
     assert page.count('title="click: heatmap of this output"') == 2  # the first two diverged calls
     assert page.count("no heatmap drawn for this call") == 4  # layers 2, 3, 4 and the root
     assert 'name 4 in the where option' in page
+
+
+def test_a_1d_output_over_several_slabs_is_described(monkeypatch: pytest.MonkeyPatch) -> None:
+    from activation_guard.judges import where as wmod
+
+    monkeypatch.setattr(wmod, "SLAB", 100)  # a 1-D output larger than one slab (a flattened logits vector)
+    g = torch.randn(250, generator=torch.Generator().manual_seed(3))
+    w = describe(g, g * 1.01, 1e-5, 1e-6)
+    assert w.relation == "scale" and w.factor == pytest.approx(1.01, rel=1e-5)
+    assert w.dims[0].text == "all positions"

@@ -51,9 +51,9 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
     real = not cdt.is_complex
     any_bad = [torch.zeros(s, dtype=torch.bool, device=live.device) for s in golden.shape]
     sums = torch.zeros(len(_TOTALS), dtype=torch.float64, device=live.device)
-    last = int(golden.shape[-1])
+    last = int(golden.shape[-1]) if nd >= 2 else None  # per-slice factors need slices
     rows: list[torch.Tensor] = []  # per slice along the last dim: n, gg, dg, dd over its mismatched elements
-    cols = torch.zeros(4, last, dtype=torch.float64, device=live.device)  # the same per position of the last dim
+    cols = None if last is None else torch.zeros(4, last, dtype=torch.float64, device=live.device)  # per position
     nonfinite = 0  # mismatched elements where either side is NaN/Inf: outside the relations
     rows_cols = golden.shape[-2:] if nd >= 2 else (1, golden.shape[0])
     cells = min(int(rows_cols[1]), MAX_CELLS)
@@ -77,8 +77,9 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
                 part = _slab_sums(torch.where(fin, gc, 0), torch.where(fin, lc, 0), ga, bad & fin, rtol, atol, last,
                                   exact=True)
             sums += part[0]
-            rows.append(part[1])
-            cols += part[2]
+            if part[1] is not None and part[2] is not None and cols is not None:
+                rows.append(part[1])
+                cols += part[2]
         if heat:
             dd = torch.nan_to_num(d, nan=math.inf)
             gv = gc if real else gc.abs()
@@ -105,7 +106,7 @@ def describe(golden: torch.Tensor, live: torch.Tensor, rtol: float, atol: float,
     # a permutation keeps the sum and the sum of squares (the slices' own sums are looked at only then)
     perm_candidate = math.isclose(gs, ls, rel_tol=1e-4, abs_tol=1e-6 * math.sqrt(gss * golden.numel()) + atol) \
         and math.isclose(gss, lss, rel_tol=1e-4, abs_tol=1e-12)
-    per = {"row": torch.cat(rows, dim=1) if rows else None, "column": cols if real else None}
+    per = {"row": torch.cat(rows, dim=1) if rows else None, "column": cols if real and rows else None}
     where = _relation(golden, live, rtol, atol, real, totals, perm_candidate, any_bad, golden.numel(), per)
     where.dims = dims
     if nonfinite:
@@ -125,9 +126,10 @@ _TOTALS = ("n", "gg", "dg", "ll", "dd", "d", "flips", "g", "l", "gg_all", "ll_al
 
 
 def _slab_sums(gc: torch.Tensor, lc: torch.Tensor, ga: torch.Tensor, bad: torch.Tensor, rtol: float, atol: float,
-               last: int, *, exact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               last: int | None, *, exact: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One slab's totals (``_TOTALS``), its per-row sums (n, gg, dg, dd per slice along the last
-    dimension) and per-column sums (the same per position of the last dimension).
+    dimension) and per-column sums (the same per position of the last dimension); ``last``: that
+    dimension's size, None for a 1-D or 0-D tensor (no slices: no per-row or per-column sums).
 
     Sums run in the values' own float32 (torch's reductions sum pairwise: their error is far below
     the 1e-4 share of the difference a relation may leave unexplained) and are only widened to
@@ -135,26 +137,28 @@ def _slab_sums(gc: torch.Tensor, lc: torch.Tensor, ga: torch.Tensor, bad: torch.
     f64 = torch.float64
     if exact:
         gc, lc = gc.to(f64), lc.to(f64)
-    n = int(bad.sum())
-    if n == bad.numel():  # every element mismatched (the usual diverged layer): no masking
-        bg, bl = gc, lc
-    else:
-        bg, bl = gc * bad, lc * bad
+    every = int(bad.sum()) == bad.numel()
+    bg, bl = (gc, lc) if every else (gc * bad, lc * bad)  # every element mismatched (usual): no masking
     bd = bl - bg
     flip = ((bl + bg).abs() <= atol + rtol * ga) & bad
-    p_gg, p_dg, p_dd = bg * bg, bd * bg, bd * bd
-    ll = (bl * bl).sum()
-    gg_all = p_gg.sum() if bg is gc else (gc * gc).sum()
-    ll_all = ll if bl is lc else (lc * lc).sum()
-    b2 = bad.reshape(-1, last)
-    if bg is gc:
-        rn, cn = gc.new_full((b2.shape[0],), last), gc.new_full((last,), b2.shape[0])
+    products = (bg * bg, bd * bg, bd * bd)
+    row = col = None
+    if last is None:
+        n, gg, dg, dd = bad.sum(), *(x.sum() for x in products)
     else:
-        rn, cn = b2.sum(-1).to(gc.dtype), b2.sum(0).to(gc.dtype)
-    row = torch.stack([rn, *(x.reshape(-1, last).sum(-1) for x in (p_gg, p_dg, p_dd))]).to(f64)
-    col = torch.stack([cn, *(x.reshape(-1, last).sum(0) for x in (p_gg, p_dg, p_dd))]).to(f64)
-    tot = torch.stack([row[0].sum(), row[1].sum(), row[2].sum(), ll.to(f64), row[3].sum(), bd.sum().to(f64),
-                       flip.sum().to(f64), gc.sum().to(f64), lc.sum().to(f64), gg_all.to(f64), ll_all.to(f64)])
+        b2 = bad.reshape(-1, last)
+        if every:
+            rn, cn = gc.new_full((b2.shape[0],), last), gc.new_full((last,), b2.shape[0])
+        else:
+            rn, cn = b2.sum(-1).to(gc.dtype), b2.sum(0).to(gc.dtype)
+        row = torch.stack([rn, *(x.reshape(-1, last).sum(-1) for x in products)]).to(f64)
+        col = torch.stack([cn, *(x.reshape(-1, last).sum(0) for x in products)]).to(f64)
+        n, gg, dg, dd = row.sum(1)
+    ll = (bl * bl).sum()
+    gg_all = gg if every else (gc * gc).sum()
+    ll_all = ll if every else (lc * lc).sum()
+    tot = torch.stack([x.to(f64) for x in (n, gg, dg, ll, dd, bd.sum(), flip.sum(), gc.sum(), lc.sum(), gg_all,
+                                           ll_all)])
     return tot, row, col
 
 
