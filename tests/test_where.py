@@ -397,3 +397,20 @@ def test_a_1d_output_over_several_slabs_is_described(monkeypatch: pytest.MonkeyP
     w = describe(g, g * 1.01, 1e-5, 1e-6)
     assert w.relation == "scale" and w.factor == pytest.approx(1.01, rel=1e-5)
     assert w.dims[0].text == "all positions"
+
+
+def test_fingerprinted_rows_never_promise_a_picture(tmp_path: Path) -> None:
+    from activation_guard.report.visual import html_page
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    x = torch.randn(32, 64)
+    p = tmp_path / "g.h5"
+    with torch.no_grad():
+        ag.record(m, (x,), path=p, fingerprint=["2", "3"])
+        m[0].weight += 0.1
+        r = ag.compare(m, (x,), path=p, replay="off")
+    assert any(leaf.sampled for layer in r.layers if layer.name == "3" for leaf in layer.leaves)
+    page = html_page([r])
+    assert "name 3 in the where option" not in page  # its values were never stored: nothing to draw
+    assert "name 2 in the where option" not in page

@@ -413,7 +413,7 @@ def _layer_rows(report: ReportLike, fd_id: str, calibrated: bool, heats: Mapping
         attrs += f' data-name="{_e(name)}" data-bad="{0 if x.ok else 1}"'
         if heats and id(x) in heats:  # a click shows its heatmap
             attrs += f' data-heat="{heats[id(x)]}" title="click: heatmap of this output"'
-        elif heats and not x.ok and x.phase == "forward" and any(leaf.numel for leaf in x.leaves):
+        elif heats and not x.ok and x.phase == "forward" and any(leaf.numel and not leaf.sampled for leaf in x.leaves):
             # pictures cost a pass over the output: say how to get this one rather than stay silent
             attrs += (f' title="no heatmap drawn for this call: name {_e(name or "(root)")} in the where option '
                       f'(where=[...] in compare, the marker or check()) to draw it"')
