@@ -704,3 +704,45 @@ def test_element_rule_is_the_documented_rule(pairs: list[tuple[float, float]], r
     nan = torch.tensor([complex(float("nan"), 0.0)], dtype=g.dtype)  # forces the path that masks non-finite values
     slow = element_rule(torch.cat([g, nan]), torch.cat([lv, nan]), g.dtype, rtol, atol)[5].tolist()[:-1]
     assert ok == slow
+
+
+_VALUES = st.sampled_from(_SPECIAL) | st.floats(-1e6, 1e6, width=32) | st.sampled_from([1e-7, 2e-7, -1e-7])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_VALUES, _VALUES), min_size=1, max_size=40),
+       st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64]),
+       st.sampled_from([None, torch.float32, torch.float64]), st.sampled_from([0.0, 1e-5, 0.1]),
+       st.sampled_from([0.0, 1e-6, 1.0, 1e39]), st.sampled_from([4, 7, 1 << 18]))
+@example([(1.0, 1.0), (2.0, 2.0 + 1e-7), (3.0, 3.0 + 1e-7), (0.0, 0.0)], torch.float32, None, 0.0, 1e-6, 1 << 18)
+@example([(0.0, 0.0), (0.0, 1e-7), (3e38, -3e38), (1.0, 1.0)], torch.float32, None, 0.0, 1e39, 2)  # overflow, widened
+@example([(0.0, 0.0)] * 5 + [(1.0, 1.0 + 1e-6)] * 5, torch.float64, torch.float32, 0.0, 1.0, 4)  # ties across chunks
+def test_one_pass_search_gives_what_the_second_search_gave(pairs: list[tuple[float, float]], dtype: torch.dtype,
+                                                           live_dtype: torch.dtype | None, rtol: float, atol: float,
+                                                           chunk: int) -> None:
+    """The kernel's one-pass position of a passing tensor's largest difference (numpy's argmax on
+    the CPU) changes nothing: every statistic, the worst element's position and both its values
+    are those of the second search, for any values (NaN, infinities, ties, zeros), dtypes, chunk
+    boundaries and tolerances, passing or not."""
+    from activation_guard._core import kernel
+
+    g = torch.tensor([a for a, _ in pairs], dtype=torch.float64)
+    lv = torch.tensor([b for _, b in pairs], dtype=torch.float64)
+    if dtype.is_complex:
+        g, lv = torch.complex(g, g.flip(0)), torch.complex(lv, g.flip(0))
+    g, lv = g.to(dtype), lv.to(live_dtype if live_dtype is not None and not dtype.is_complex else dtype)
+    old = kernel.CHUNK
+    kernel.CHUNK = chunk  # several chunks: the best one is chosen as before
+    try:
+        fast = kernel.compare_tensors(g, lv, rtol, atol)
+        slow = kernel.compare_tensors(g, lv, rtol, atol, one_pass=False)
+    finally:
+        kernel.CHUNK = old
+
+    def same(a: object, b: object) -> bool:
+        return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)) or (
+            isinstance(a, complex) and isinstance(b, complex) and same(a.real, b.real) and same(a.imag, b.imag))
+
+    for f in ("numel", "mismatched", "nonfinite_new", "max_abs_diff", "max_rel_diff", "worst_flat", "golden_value",
+              "live_value"):
+        assert same(getattr(fast, f), getattr(slow, f)), (f, fast, slow)
