@@ -191,26 +191,59 @@ def _literal_list(raw: str, key: str, where: str) -> list[str]:
     return value
 
 
-def node_stack(node: Any, index: int) -> Stack | None:
+def _head(raw: str, key: str, where: str, memo: dict[str, list[str]]) -> list[str]:
+    """A metadata list without its last item (the FX node's own name), parsed once per graph for
+    every node sharing the items before it: ``"['', 'h.0', 'view_3']"`` is read as the list
+    ``"['', 'h.0']"`` (memoized) plus a plain last item; anything else is parsed whole."""
+    cut = raw.rfind(", '")
+    tail = raw[cut + 3:]
+    if cut > 0 and tail.endswith("']") and "'" not in tail[:-2] and "\\" not in tail:
+        head = raw[:cut]
+        got = memo.get(head)
+        if got is None:
+            try:
+                got = memo[head] = _literal_list(head + "]", key, where)
+            except UnsupportedModelError:  # named by the whole value
+                got = _literal_list(raw, key, where)[:-1]
+        return got
+    return _literal_list(raw, key, where)[:-1]
+
+
+def node_stack(node: Any, index: int, memo: dict[str, Any] | None = None) -> Stack | None:
     """The module calls a node's metadata names (root first, the node's own name dropped), or None
-    when it has none."""
-    md = {p.key: p.value for p in node.metadata_props}
-    raw = md.get(SCOPES_KEY)
+    when it has none. ``memo``: one dict per graph, shared by its nodes (most repeat their
+    module path's items)."""
+    memo = {} if memo is None else memo
+    raw = classes_raw = None
+    for p in node.metadata_props:
+        if p.key == SCOPES_KEY:
+            raw = p.value
+        elif p.key == CLASSES_KEY:
+            classes_raw = p.value
     if raw is None:
         return None
     where = f"ONNX node {node.name or index!r} ({node.op_type})"
-    scopes = _literal_list(raw, SCOPES_KEY, where)[:-1]
-    classes_raw = md.get(CLASSES_KEY)
-    classes = _literal_list(classes_raw, CLASSES_KEY, where)[:-1] if classes_raw is not None else []
-    if len(classes) != len(scopes):
-        classes = [""] * len(scopes)
-    return [(p, _short(c)) for p, c in zip(scopes, classes)]
+    scopes = _head(raw, SCOPES_KEY, where, memo.setdefault(SCOPES_KEY, {}))
+    classes = _head(classes_raw, CLASSES_KEY, where, memo.setdefault(CLASSES_KEY, {})) if classes_raw is not None else []
+    key = (tuple(scopes), tuple(classes))
+    stacks = memo.setdefault("stacks", {})
+    got = stacks.get(key)
+    if got is None:
+        if len(classes) != len(scopes):
+            classes = [""] * len(scopes)
+        got = stacks[key] = [(p, _short(c)) for p, c in zip(scopes, classes)]
+    return list(got)
+
+
+_GRAPH_ATTRS = (5, 10)  # AttributeProto.GRAPH, GRAPHS
 
 
 def _reads(node: Any) -> list[str]:
     """The values a node reads: its inputs and the outer values its subgraphs (If, Loop) read."""
     out = [v for v in node.input if v]
     for attr in node.attribute:
+        if attr.type not in _GRAPH_ATTRS and not attr.graphs and not attr.HasField("g"):
+            continue
         graphs = ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
         for g in graphs:
             local = {i.name for i in g.input} | {t.name for t in g.initializer}
@@ -256,7 +289,8 @@ class OnnxGraph:
                     self.producer[v] = i
             for v in self.reads[i]:
                 self.readers.setdefault(v, []).append(i)
-        own = [node_stack(n, i) for i, n in enumerate(self.nodes)]
+        memo: dict[str, Any] = {}
+        own = [node_stack(n, i, memo) for i, n in enumerate(self.nodes)]
         self.with_metadata = sum(1 for s in own if s is not None)
         self.root_type = next((s[0][1] for s in own if s and s[0][0] == ""), "")
         self.stacks = self._resolve(own)
@@ -304,24 +338,44 @@ class OnnxGraph:
             cls, depth = info[path]
             for k, nodes in enumerate(groups):
                 found.append(OnnxScope(path, k, cls, depth, nodes))
-        for s in found:
-            inside = set(s.nodes)
-            seen: dict[str, None] = {}
-            handed: list[str] = []
+        # which calls each node is inside (by index in found); a value leaves call k when a node in
+        # k reads it from a node outside k, or a node in k makes it and a node outside k (or the
+        # graph's outputs) reads it: one pass over the nodes, each value's readers intersected once
+        within: list[set[int]] = [set() for _ in self.nodes]
+        for k, s in enumerate(found):
             for i in s.nodes:
-                node = self.nodes[i]
-                for v in self.reads[i]:
-                    if v not in self.initializers and self.producer.get(v, -1) not in inside:
-                        seen.setdefault(v, None)
-                passthrough = (node.op_type == "Identity" and bool(node.input)
-                               and self.producer.get(node.input[0], -1) not in inside)
-                for v in node.output:
-                    if v and (v in outputs or any(r not in inside for r in self.readers.get(v, ()))):
-                        # an input handed on (a residual) is not a value the call computed
-                        (handed if passthrough else s.escaping).append(v)
+                within[i].add(k)
+        none: set[int] = set()
+        seen: list[dict[str, None]] = [{} for _ in found]
+        handed: list[list[str]] = [[] for _ in found]
+        for i, node in enumerate(self.nodes):
+            mine = within[i]
+            if not mine:
+                continue
+            for v in self.reads[i]:
+                if v not in self.initializers:
+                    q = self.producer.get(v)
+                    for k in (mine if q is None else mine - within[q]):
+                        seen[k].setdefault(v, None)
+            # an input handed on (a residual) is not a value the call computed
+            passing: set[int] = none
+            if node.op_type == "Identity" and node.input:
+                q = self.producer.get(node.input[0])
+                passing = mine if q is None else mine - within[q]
+            for v in node.output:
+                if not v:
+                    continue
+                if v in outputs:
+                    leaves = mine
+                else:
+                    rs = self.readers.get(v, ())
+                    leaves = mine.difference(set.intersection(*(within[r] for r in rs))) if rs else none
+                for k in leaves:
+                    (handed[k] if k in passing else found[k].escaping).append(v)
+        for k, s in enumerate(found):
             if not s.escaping:  # a call that only hands its input on (an eval-mode dropout): that is its output
-                s.escaping = handed
-            s.external = [v for v in seen if not self._constant(v, self._const_memo)]
+                s.escaping = handed[k]
+            s.external = [v for v in seen[k] if not self._constant(v, self._const_memo)]
         return sorted(found, key=lambda s: (s.nodes[-1], -s.depth))
 
     def _constant(self, value: str, memo: dict[str, bool] | None = None) -> bool:
