@@ -224,7 +224,7 @@ def node_stack(node: Any, index: int, memo: dict[str, Any] | None = None) -> Sta
         return None
     where = f"ONNX node {node.name or index!r} ({node.op_type})"
     scopes = _head(raw, SCOPES_KEY, where, memo.setdefault(SCOPES_KEY, {}))
-    classes = _head(classes_raw, CLASSES_KEY, where, memo.setdefault(CLASSES_KEY, {})) if classes_raw is not None else []
+    classes = [] if classes_raw is None else _head(classes_raw, CLASSES_KEY, where, memo.setdefault(CLASSES_KEY, {}))
     key = (tuple(scopes), tuple(classes))
     stacks = memo.setdefault("stacks", {})
     got = stacks.get(key)
