@@ -369,7 +369,7 @@ class OnnxGraph:
                     leaves = mine
                 else:
                     rs = self.readers.get(v, ())
-                    leaves = mine.difference(set.intersection(*(within[r] for r in rs))) if rs else none
+                    leaves = mine.difference(within[rs[0]].intersection(*(within[r] for r in rs[1:]))) if rs else none
                 for k in leaves:
                     (handed[k] if k in passing else found[k].escaping).append(v)
         for k, s in enumerate(found):
