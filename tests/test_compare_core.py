@@ -746,3 +746,6 @@ def test_one_pass_search_gives_what_the_second_search_gave(pairs: list[tuple[flo
     for f in ("numel", "mismatched", "nonfinite_new", "max_abs_diff", "max_rel_diff", "worst_flat", "golden_value",
               "live_value"):
         assert same(getattr(fast, f), getattr(slow, f)), (f, fast, slow)
+    assert fast.worst_flat is not None  # and the values shown are the elements at that position
+    assert same(fast.golden_value, g.reshape(-1)[fast.worst_flat].item())
+    assert same(fast.live_value, lv.reshape(-1)[fast.worst_flat].item())

@@ -107,12 +107,14 @@ def optimization_level(ort: Any, optimization: str) -> Any:
         optimization]
 
 
-def session(model: Any, optimization: str) -> Any:
-    """An ONNX Runtime CPU session over a ModelProto (or its bytes) at an optimization level."""
+def session(model: Any, optimization: str, threads: int = 0) -> Any:
+    """An ONNX Runtime CPU session over a ModelProto (or its bytes) at an optimization level, with
+    ``threads`` intra-op threads (0: ONNX Runtime's default, one per core)."""
     _, ort = require_onnx()
     so = ort.SessionOptions()
     so.graph_optimization_level = optimization_level(ort, optimization)
     so.log_severity_level = 3
+    so.intra_op_num_threads = threads
     try:
         data = model if isinstance(model, bytes) else model.SerializeToString()
         return ort.InferenceSession(data, so, providers=[PROVIDER])
@@ -120,15 +122,30 @@ def session(model: Any, optimization: str) -> Any:
         raise UnsupportedModelError(f"ONNX Runtime cannot load the model: {type(e).__name__}: {e}") from e
 
 
+def split_cores() -> tuple[int, int]:
+    """Intra-op threads for the marked session and the unmarked one, which build and run at the
+    same time: the cores this process may use, split between them (at least one each), so that
+    neither's thread pool waits for cores the other holds (on two cores, two default pools made
+    a small model's sessions 2x slower than one thread each)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    final = max(1, n // 2)
+    return max(1, n - final), final
+
+
 class FinalRun:
     """The model as deployed: a session with every optimization on and no value marked, built in a
     second thread from the moment the model is read (ONNX Runtime releases the GIL while it builds
     and runs a session, so this overlaps the scope analysis, the golden's opening and the marked
-    run), then run on the feeds once they are known (:meth:`start`); :meth:`outputs` waits for it."""
+    run), then run on the feeds once they are known (:meth:`start`); :meth:`outputs` waits for it.
+    ``data``: the model serialized, when the caller has it; :attr:`data` keeps it for the marked
+    session (:meth:`OrtSource.run` appends its outputs to it) until :meth:`take_data`."""
 
-    def __init__(self, proto: Any):
+    def __init__(self, proto: Any, data: bytes | None = None, threads: int | None = None):
         self.names = [o.name for o in proto.graph.output]
-        self._model = proto.SerializeToString()
+        self._proto = proto
+        self.data = proto.SerializeToString() if data is None else data
+        self._model = self.data
+        self._threads = split_cores()[1] if threads is None else threads
         self._feeds: Mapping[str, np.ndarray] | None = None
         self._go = threading.Event()
         self._out: list[Any] | None = None
@@ -138,7 +155,7 @@ class FinalRun:
 
     def _work(self) -> None:
         try:
-            sess = session(self._model, "default")
+            sess = session(self._model, "default", self._threads)
             self._model = b""
             self._go.wait()
             if self._feeds is not None:
@@ -149,6 +166,12 @@ class FinalRun:
     def start(self, feeds: Mapping[str, np.ndarray]) -> None:
         self._feeds = feeds
         self._go.set()
+
+    def take_data(self) -> bytes:
+        """The serialized model, handed over (this run no longer holds it; serialized again if
+        asked twice)."""
+        data, self.data = self.data, b""
+        return data or self._proto.SerializeToString()
 
     def cancel(self) -> None:
         self._go.set()
@@ -494,16 +517,15 @@ class OrtSource:
         if self.final_run is None:
             self.final_run = FinalRun(self.graph.proto)
         self.final_run.start(self.feeds)
-        proto = self.graph.proto
-        outputs = proto.graph.output
-        n = len(outputs)
-        outputs.extend(onnx.ValueInfoProto(name=v) for v in extra)
-        try:  # the given model is never left changed: its added outputs are removed again
-            marked = proto.SerializeToString()
-        finally:
-            del outputs[n:]
+        # the model with the values added as outputs, without serializing it again (nor touching
+        # the given ModelProto): a second graph record holding only those outputs, appended to the
+        # serialized model; protobuf merges a repeated message field's records, appending their
+        # repeated fields, so this parses as the model with the outputs appended
+        more = onnx.ModelProto(graph=onnx.GraphProto(output=[onnx.ValueInfoProto(name=v) for v in extra]))
+        marked = self.final_run.take_data() + more.SerializeToString()
         names = [*self.graph.outputs, *extra]
-        sess = session(marked, self.optimization)
+        sess = session(marked, self.optimization, split_cores()[0])
+        del marked
         try:
             got = sess.run(names, self.feeds)
         except Exception as e:
