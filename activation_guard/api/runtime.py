@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .._core.errors import UnsupportedModelError
+from .._core.gcpause import with_frozen_gc
 from ..calibration.borrowed import BorrowedFloors
 from ..calibration.calibrate import CalibratedJudge
 from ..calibration.shadow import ShadowRun
@@ -245,6 +246,7 @@ def compare_onnx_spec(model: Any, inputs: Any = None, *, path: str | os.PathLike
     return _compare(model, inputs, path, spec, optimization)[0]
 
 
+@with_frozen_gc  # as every compare: collections do not rescan the model, torch and onnx (gcpause)
 def _compare(model: Any, inputs: Any, path: str | os.PathLike[str], spec: CompareSpec,
              optimization: str) -> tuple[Report, OrtSource]:
     opt = _optimization(optimization)
