@@ -408,6 +408,48 @@ def test_no_metadata_is_listed_not_silently_skipped(exported: Callable[[str], Ex
     assert "not comparable" in " ".join(report.notes)
 
 
+def _node(op: str, ins: list[str], outs: list[str], scopes: list[str] | None, **attrs: Any) -> Any:
+    n = onnx.helper.make_node(op, ins, outs, name=outs[0], **attrs)
+    if scopes is not None:
+        for key, value in ((SCOPES_KEY, repr(scopes)), ("pkg.torch.onnx.class_hierarchy",
+                                                       repr(["M"] * (len(scopes) - 1) + [f"aten.{op}"]))):
+            entry = n.metadata_props.add()
+            entry.key, entry.value = key, value
+    return n
+
+
+def test_scope_analysis_on_a_hand_built_graph() -> None:
+    """Which values leave each module call, read from the name scopes of a graph built by hand: a
+    value read only inside a subgraph (If) leaves the call making it and is external to the call
+    reading it; an input handed on unchanged (Identity, a residual) is not the call's output; a
+    module path holding a quote or backslash is read as Python reads it; a node without metadata
+    belongs to the calls its neighbours share; and each call's outputs come in graph order."""
+    h = onnx.helper
+    f = onnx.TensorProto.FLOAT
+    then = h.make_graph([h.make_node("Identity", ["a"], ["t"])], "then", [], [h.make_tensor_value_info("t", f, [2])])
+    other = h.make_graph([h.make_node("Neg", ["a"], ["e"])], "else", [], [h.make_tensor_value_info("e", f, [2])])
+    odd = "blocks.0.it's \\ odd"
+    nodes = [
+        _node("Relu", ["x"], ["a"], ["", "m1", "relu"]),
+        _node("Sigmoid", ["a"], ["b"], ["", "m1", "m1.inner", "sigmoid"]),
+        _node("Identity", ["x"], ["handed"], ["", "m1", "identity"]),
+        _node("Constant", [], ["c"], None, value=h.make_tensor("cv", onnx.TensorProto.BOOL, [], [True])),
+        _node("If", ["c"], ["y"], ["", "m2", "cond"], then_branch=then, else_branch=other),
+        _node("Add", ["y", "b"], ["z"], ["", odd, "add"]),
+        _node("Mul", ["z", "handed"], ["out"], ["", "mul"]),
+    ]
+    graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", f, [2])], [h.make_tensor_value_info("out", f, [2])])
+    g = OnnxGraph(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]))
+    by = {s.path: s for s in g.scopes}
+    assert g.reads[4] == ["c", "a", "a"]  # the If's own input, then the outer value each branch reads
+    assert by["m1"].escaping == ["a", "b"]  # "handed" is x handed on: not m1's value
+    assert by["m1.inner"].escaping == ["b"] and by["m1.inner"].external == ["a"]
+    assert by["m2"].external == ["a"] and by["m2"].escaping == ["y"]  # c is a constant: not external
+    assert by[odd].escaping == ["z"] and g.stacks[5] == [("", "M"), (odd, "M")]
+    assert g.stacks[3] == [("", "M"), ("m2", "M")]  # the Constant, without metadata: its one reader's
+    assert [s.path for s in g.scopes] == ["m1.inner", "m1", "m2", odd]
+
+
 def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     import builtins
 

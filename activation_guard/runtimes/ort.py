@@ -258,14 +258,14 @@ def node_stack(node: Any, index: int, memo: dict[str, Any] | None = None) -> Sta
     return list(got)
 
 
-_GRAPH_ATTRS = (5, 10)  # AttributeProto.GRAPH, GRAPHS
+_GRAPH_ATTRS = (0, 5, 10)  # AttributeProto.UNDEFINED (untyped: looked into), GRAPH, GRAPHS
 
 
 def _reads(node: Any) -> list[str]:
     """The values a node reads: its inputs and the outer values its subgraphs (If, Loop) read."""
     out = [v for v in node.input if v]
     for attr in node.attribute:
-        if attr.type not in _GRAPH_ATTRS and not attr.graphs and not attr.HasField("g"):
+        if attr.type not in _GRAPH_ATTRS:  # typed as another kind: ONNX Runtime runs no subgraph of it
             continue
         graphs = ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
         for g in graphs:
