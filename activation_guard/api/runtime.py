@@ -259,9 +259,7 @@ def _compare(model: Any, inputs: Any, path: str | os.PathLike[str], spec: Compar
             raise UnsupportedModelError(f"comparing an ONNX model: {why}")
     proto, label = load_model(model)
     path = golden_path(path)
-    # serialized once: the deployed model's session, built while the rest is prepared, and the
-    # marked session (the same bytes with the added outputs appended)
-    final = FinalRun(proto)
+    final = FinalRun(proto)  # the deployed model's session, built while the rest is prepared
     try:
         return _compare_with(proto, label, inputs, path, spec, opt, final)
     finally:

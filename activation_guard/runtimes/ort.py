@@ -137,15 +137,15 @@ class FinalRun:
     second thread from the moment the model is read (ONNX Runtime releases the GIL while it builds
     and runs a session, so this overlaps the scope analysis, the golden's opening and the marked
     run), then run on the feeds once they are known (:meth:`start`); :meth:`outputs` waits for it.
-    ``data``: the model serialized, when the caller has it; :attr:`data` keeps it for the marked
-    session (:meth:`OrtSource.run` appends its outputs to it) until :meth:`take_data`."""
+    The model is serialized once, here: :meth:`take_data` hands the bytes to the marked session
+    (:meth:`OrtSource.run` appends its added outputs to them)."""
 
-    def __init__(self, proto: Any, data: bytes | None = None, threads: int | None = None):
+    def __init__(self, proto: Any):
         self.names = [o.name for o in proto.graph.output]
         self._proto = proto
-        self.data = proto.SerializeToString() if data is None else data
+        self.data = proto.SerializeToString()
         self._model = self.data
-        self._threads = split_cores()[1] if threads is None else threads
+        self._threads = split_cores()[1]
         self._feeds: Mapping[str, np.ndarray] | None = None
         self._go = threading.Event()
         self._out: list[Any] | None = None
