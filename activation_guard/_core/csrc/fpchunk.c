@@ -13,7 +13,8 @@
  * (-ffp-contract=off: no fused multiply-add either). Tests build with -DAG_NO_AVX512,
  * -DAG_NO_AVX2 and -DAG_NO_CONVERT to compare the builds.
  *
- * Built at run time by native.py with the system C compiler. Scratch memory comes from the
+ * Built at install time (setup.py) or, where that library is missing or stale, at run time by
+ * native.py with the system C compiler. Scratch memory comes from the
  * caller (B doubles): no large array on the stack, which a thread with a small stack would not
  * survive. Nothing here calls back into Python, and ctypes releases the GIL around the call, so
  * a fingerprint worker thread runs beside the forward.
@@ -325,3 +326,15 @@ void ag_copy(void *dst, const void *src, int64_t n) {
 
 /* The build's interface version: native.py refuses a library whose number differs. */
 int ag_version(void) { return 7; }
+
+/* What the library was built from, as the build passed it (nativebuild.py): the SHA-256 of this
+ * file and the compiler flags. native.py uses a library built at install time only while both
+ * equal this file's hash and the flags it would build with now; "" where the build gave none. */
+#ifndef AG_SOURCE_SHA
+#define AG_SOURCE_SHA ""
+#endif
+#ifndef AG_FLAGS
+#define AG_FLAGS ""
+#endif
+const char *ag_source_sha(void) { return AG_SOURCE_SHA; }
+const char *ag_flags(void) { return AG_FLAGS; }
