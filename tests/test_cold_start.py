@@ -99,7 +99,7 @@ def test_start_never_blocks_and_builds_once(slow_build: dict[str, object]) -> No
     assert slow_build["threads"] == ["activation_guard-native-build"]
 
 
-def test_the_avx512_functions_are_built_only_where_the_cpu_has_them(monkeypatch: pytest.MonkeyPatch,
+def test_a_build_at_run_time_leaves_out_the_widths_the_cpu_cannot_use(monkeypatch: pytest.MonkeyPatch,
                                                                      tmp_path: Path) -> None:
     import builtins
 
@@ -111,9 +111,11 @@ def test_the_avx512_functions_are_built_only_where_the_cpu_has_them(monkeypatch:
 
     monkeypatch.setattr(builtins, "open", fake_open)
     cpuinfo.write_text("processor : 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
-    assert native._unused_widths() == ("-DAG_NO_AVX512",)
+    assert native._unused_widths() == ("-DAG_NO_BASELINE", "-DAG_NO_AVX512")
     cpuinfo.write_text("processor : 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512bw\n")
-    assert native._unused_widths() == ()
+    assert native._unused_widths() == ("-DAG_NO_BASELINE",)
+    cpuinfo.write_text("processor : 0\nflags\t\t: fpu sse2 sse4_2\n")
+    assert native._unused_widths() == ("-DAG_NO_AVX512",)
     cpuinfo.unlink()
     assert native._unused_widths() == ()  # unreadable: everything is built, ag_simd picks
 
@@ -268,3 +270,27 @@ def test_an_installed_tree_uses_its_prebuilt_library() -> None:
                     "python setup.py build_ext --inplace builds one)")
     native.reset()
     assert native.status().startswith(f"compiled C pass (prebuilt {native.PREBUILT}"), native.status()
+
+
+def test_a_build_at_run_time_on_an_avx2_cpu_leaves_the_baseline_out() -> None:
+    """Half the compiler's work: the two-lane functions never run on a CPU with AVX2 (their bits
+    are the same: test_native's every build)."""
+    cc_or_skip()
+    if "-DAG_NO_BASELINE" not in native._unused_widths():
+        pytest.skip("this CPU has no AVX2 (or Linux's /proc/cpuinfo cannot be read): the baseline is built")
+    lib, why = native.build()
+    assert lib is not None and lib.simd >= 1, why
+    assert hasattr(lib.lib, "ag_chunk_f32_avx2") and not hasattr(lib.lib, "ag_chunk_f32")
+
+
+def test_a_library_with_no_functions_for_this_cpu_is_refused() -> None:
+    """A build without the baseline on a CPU without AVX2 (ag_simd() is -1): refused, never called."""
+    class Fake:
+        def ag_version(self) -> int:
+            return native.VERSION
+
+        def ag_simd(self) -> int:
+            return -1
+
+    with pytest.raises(native._Refused, match=r"it has no functions this CPU runs \(ag_simd\(\) = -1\)"):
+        native._bind(Fake())  # type: ignore[arg-type]

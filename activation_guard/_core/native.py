@@ -120,6 +120,8 @@ def _bind(dll: ctypes.CDLL) -> Native:
     if dll.ag_version() != VERSION:
         raise _Refused(f"it speaks version {dll.ag_version()}, this module {VERSION}")
     simd = dll.ag_simd()
+    if simd not in _SIMD_SUFFIX:
+        raise _Refused(f"it has no functions this CPU runs (ag_simd() = {simd})")
     fns = []
     for name in ("ag_chunk_f32", "ag_chunk_f64"):
         fn = getattr(dll, name + _SIMD_SUFFIX[simd])
@@ -218,14 +220,17 @@ _SIMD_SUFFIX = {0: "", 1: "_avx2", 2: "_avx512"}
 _SIMD_SAYS = {0: "", 1: ", AVX2", 2: ", AVX-512"}
 
 def _unused_widths() -> tuple[str, ...]:
-    """``-DAG_NO_AVX512`` where the CPU (Linux's /proc/cpuinfo) has no AVX-512: those functions
-    could never run here, and compiling them was a quarter of the build's CPU time. Anywhere the
-    flags cannot be read, everything is built (``ag_simd`` picks at run time, as before)."""
+    """The vector functions a build at run time leaves out because they could never run on this
+    CPU (Linux's /proc/cpuinfo): ``-DAG_NO_BASELINE`` where it has AVX2 (the two-lane functions
+    were half the build's CPU time), ``-DAG_NO_AVX512`` where it has no AVX-512 (a quarter).
+    Anywhere the flags cannot be read, everything is built (``ag_simd`` picks at run time)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return () if "avx512f" in line.split() else ("-DAG_NO_AVX512",)
+                    flags = line.split()
+                    return ((("-DAG_NO_BASELINE",) if "avx2" in flags else ())
+                            + (() if "avx512f" in flags else ("-DAG_NO_AVX512",)))
     except OSError:
         pass
     return ()
