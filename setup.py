@@ -13,9 +13,12 @@ native.py builds the library per process, as it does in a source tree.
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -34,6 +37,21 @@ def _nativebuild() -> ModuleType:
 
 
 class BuildFingerprintPass(build_ext):
+    def copy_file(self, infile: str, outfile: str, *args: Any, **kwargs: Any) -> tuple[str, bool]:  # type: ignore[override]
+        """The library into the source tree (``--inplace``, ``pip install -e``) by an atomic rename:
+        a process that has the old one loaded keeps its mapping instead of reading a file being
+        rewritten under it."""
+        if Path(outfile).name != _nativebuild().PREBUILT_NAME or self.dry_run:
+            return super().copy_file(infile, outfile, *args, **kwargs)  # type: ignore[no-any-return]
+        tmp = Path(outfile).with_name(f".{Path(outfile).name}.{os.getpid()}.tmp")
+        try:
+            shutil.copyfile(infile, tmp)
+            tmp.chmod(0o755)
+            os.replace(tmp, outfile)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return outfile, True
+
     def get_ext_filename(self, fullname: str) -> str:
         # a plain library, not a Python module: no ABI tag (asked with the full dotted name, or the last part only)
         if fullname in (NAME, NAME.rsplit(".", 1)[1]):

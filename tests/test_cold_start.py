@@ -222,16 +222,26 @@ def test_a_prebuilt_library_of_another_version_or_flags_is_refused(
     assert f"; the prebuilt {installed} is not used: {says}" in native.status()
 
 
-def test_a_library_that_records_no_source_is_refused(prebuilt_at: Callable[[Path], None], tmp_path: Path) -> None:
-    """A library built some other way (no embedded hash): not used, whatever it computes."""
+@pytest.mark.parametrize("older", [False, True])
+def test_a_library_that_records_no_source_is_refused(prebuilt_at: Callable[[Path], None], tmp_path: Path,
+                                                     older: bool) -> None:
+    """A library built some other way (no embedded hash), or by a version before libraries
+    recorded their source (no such function): not used, whatever it computes."""
     cc_or_skip()
+    source = nativebuild.SOURCE
+    if older:
+        source = tmp_path / "fpchunk.c"
+        source.write_text("".join(line for line in nativebuild.SOURCE.read_text().splitlines(keepends=True)
+                                  if "ag_source_sha(void)" not in line and "ag_flags(void)" not in line))
     plain = tmp_path / native.PREBUILT.name
-    r = subprocess.run([*nativebuild.compiler(), *nativebuild.FLAGS, "-o", str(plain), str(nativebuild.SOURCE),
-                        "-lm"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([*nativebuild.compiler(), *nativebuild.FLAGS, "-o", str(plain), str(source), "-lm"],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     prebuilt_at(plain)
     lib, why = native.prebuilt()
-    assert lib is None and "it was built from another fpchunk.c (sha256 not recorded" in why, why
+    said = ("it has no ag_source_sha() (built before libraries recorded their source)" if older
+            else "it was built from another fpchunk.c (sha256 not recorded")
+    assert lib is None and f"the prebuilt {plain} is not used: {said}" in why, why
 
 
 def test_the_env_switch_disables_the_prebuilt_library_too(installed: Path, prebuilt_at: Callable[[Path], None],
@@ -294,3 +304,27 @@ def test_a_library_with_no_functions_for_this_cpu_is_refused() -> None:
 
     with pytest.raises(native._Refused, match=r"it has no functions this CPU runs \(ag_simd\(\) = -1\)"):
         native._bind(Fake())  # type: ignore[arg-type]
+
+
+def test_an_in_place_build_replaces_the_library_by_a_rename(tmp_path: Path) -> None:
+    """``build_ext --inplace`` (and ``pip install -e``) never rewrites in place the library a
+    running process has mapped (the old file stays intact; the new one is copied under a temporary
+    name and renamed, so no process ever loads a half-written one), and leaves nothing beside it."""
+    cc_or_skip()
+    tree = tmp_path / "tree"
+    core = tree / "activation_guard" / "_core"
+    (core / "csrc").mkdir(parents=True)
+    shutil.copy(ROOT / "setup.py", tree)
+    shutil.copy(nativebuild.SOURCE, core / "csrc")
+    shutil.copy(Path(nativebuild.__file__), core)
+    (tree / "activation_guard" / "__init__.py").write_text("")
+    (core / "__init__.py").write_text("")
+    lib = core / native.PREBUILT.name
+    lib.write_bytes(b"the library a running process has mapped")
+    os.link(lib, tmp_path / "mapped")
+    r = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, capture_output=True,
+                       text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "CC"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "mapped").read_bytes() == b"the library a running process has mapped"
+    assert lib.read_bytes()[:4] == b"\x7fELF" or sys.platform == "darwin"
+    assert sorted(p.name for p in core.iterdir()) == sorted(["__init__.py", "csrc", "nativebuild.py", lib.name])

@@ -180,6 +180,8 @@ def prebuilt() -> tuple[Native | None, str]:
     try:
         dll = ctypes.CDLL(str(path))
         for name in ("ag_source_sha", "ag_flags"):
+            if not hasattr(dll, name):
+                raise _Refused(f"it has no {name}() (built before libraries recorded their source)")
             getattr(dll, name).restype = ctypes.c_char_p
         built_from, flags = dll.ag_source_sha().decode(), dll.ag_flags().decode()
         try:
