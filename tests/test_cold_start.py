@@ -2,9 +2,9 @@
 
 An install builds the library once (setup.py): a process loads it in a millisecond, if it was
 built from this tree's fpchunk.c with native.py's flags, and refuses it otherwise, saying why.
-Without one, a build costs about a CPU-second (more than a 271M-parameter model's forward); a
-recording starts it on a thread of its own and the forward goes on, its leaves held by the
-fingerprint worker until the library is there. The golden is the one a process with the library
+Without one, a build can cost more than a 271M-parameter model's forward; a recording starts it
+on a thread of its own and the forward goes on, its leaves held by the fingerprint worker until
+the library is there. The golden is the one a process with the library
 already built writes, byte for byte. Figures: docs/performance.md (benchmarks/scale.py).
 """
 

@@ -16,10 +16,11 @@ It is an accelerator, never a requirement:
   tree, or a library left from an older install, is refused, and :func:`status` says why);
 - without one (no compiler at install time, a refused one, a source tree), the library is built
   into a fresh private temporary folder per process and unlinked once loaded: no shared cache to
-  go stale, to race on under xdist, or for another user to plant a library in. That build takes
-  0.5-1 s of CPU (plain C, no torch headers; the AVX-512 functions only where the CPU has
-  AVX-512), so :func:`start` begins it on a thread of its own as a recording starts, and the
-  fingerprint worker holds leaves until it is done (:mod:`..fingerprints.worker`).
+  go stale, to race on under xdist, or for another user to plant a library in. That build
+  compiles only the vector widths this CPU runs (plain C, no torch headers; a third of a second
+  of CPU to a second, docs/performance.md), so :func:`start` begins it on a thread of its own as
+  a recording starts, and the fingerprint worker holds leaves until it is done
+  (:mod:`..fingerprints.worker`).
 
 The call goes through ctypes, which releases the GIL: the fingerprint worker thread then runs
 beside the forward on another core.
@@ -262,10 +263,11 @@ _builder: list[threading.Thread] = []
 
 
 def start() -> bool:
-    """Begin the build on a thread of its own, if it has not run and is not running, so the
-    compiler works while the recording gets going (a build costs about a CPU-second, more than a
-    271M-parameter model's forward: docs/performance.md). True when there is nothing to wait
-    for (built, or known unavailable); never blocks."""
+    """Settle the process's library: the prebuilt one (or the switch) at once, else begin the
+    build on a thread of its own, if it has not run and is not running, so the compiler works
+    while the recording gets going (a build can cost more than a 271M-parameter model's forward:
+    docs/performance.md). True when there is nothing to wait for (loaded, built, or known
+    unavailable); never blocks."""
     if ready():
         return True
     with _starting:
