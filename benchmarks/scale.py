@@ -317,6 +317,26 @@ def report_cold(out: Callable[[str], None], label: str, c: dict[str, Any], model
         targets.append(Target(f"cold, {label}: fingerprint record vs the forward", q, TARGETS["fingerprint record"]))
 
 
+def bytecode(compile_first: bool) -> str:
+    """Whether the cold processes read activation_guard's modules as bytecode or compile them from
+    source: ``pip install`` compiles the bytecode, and a process writes what it compiled unless
+    ``PYTHONDONTWRITEBYTECODE`` is set, in which case an editable install or a source tree without
+    ``__pycache__`` compiles every module again in every process (0.17 s of CPU on the benchmark
+    machine: docs/performance.md). ``compile_first``: compile it now, as an install does."""
+    import compileall
+    import importlib.util
+
+    pkg = os.path.dirname(os.path.abspath(ag.__file__))
+    if compile_first:
+        compileall.compile_dir(pkg, quiet=1)
+    sources = [os.path.join(r, f) for r, _, fs in os.walk(pkg) for f in fs if f.endswith(".py")]
+    cached = sum(1 for f in sources if os.path.exists(importlib.util.cache_from_source(f))
+                 and os.path.getmtime(importlib.util.cache_from_source(f)) >= os.path.getmtime(f))
+    said = "compiled first, as pip install does" if compile_first else "not compiled first (--no-compile)"
+    return (f"activation_guard's bytecode {said}: {cached} of {len(sources)} modules cached"
+            + ("; PYTHONDONTWRITEBYTECODE is set" if sys.flags.dont_write_bytecode else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = ap.add_mutually_exclusive_group()
@@ -330,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--no-warm", action="store_true")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--no-compile", action="store_true",
+                    help="do not compile activation_guard's bytecode before the cold processes (an install does)")
     ap.add_argument("--cold-child", default=None, help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
     if ns.cold_child is not None:
@@ -349,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     from activation_guard._core import native
 
     print(f"threads: default = torch.get_num_threads() = {default_threads}; fingerprint pass: {native.status()}")
+    if not ns.no_cold:
+        print(f"cold processes: {bytecode(compile_first=not ns.no_compile)}")
     targets: list[Target] = []
     try:
         for th in ns.threads.split(","):

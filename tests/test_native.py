@@ -42,6 +42,17 @@ def torch_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     native.reset()
 
 
+@pytest.fixture
+def no_prebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """As in a source tree or an install that had no compiler: no library built at install time,
+    so the process builds its own (what these tests are about)."""
+    monkeypatch.setattr(native, "PREBUILT", tmp_path / "absent" / native.PREBUILT.name)
+    native.reset()
+    yield
+    monkeypatch.undo()
+    native.reset()
+
+
 def both(t: torch.Tensor, params: FingerprintParams | None = None, chunk: int = sketch.CHUNK
          ) -> tuple[Fingerprint, Fingerprint]:
     """The fingerprint of ``t`` by the compiled pass, then by torch ops."""
@@ -170,12 +181,12 @@ def test_nonfinite_values_take_the_masked_torch_pass_and_agree() -> None:
 
 @pytest.mark.slow
 @needs_native
-def test_status_names_the_compiled_pass_and_the_env_switch_turns_it_off(torch_path: None) -> None:
+def test_status_names_the_compiled_pass_and_the_env_switch_turns_it_off(no_prebuilt: None, torch_path: None) -> None:
     assert native.get() is None
     assert native.status() == f"torch ops (disabled by {native.ENV}=0)"
     native.reset()
     os.environ[native.ENV] = "1"
-    assert native.status().startswith("compiled C pass (built with ")
+    assert native.status().startswith("compiled C pass (built at run time with ")
 
 
 @pytest.mark.parametrize(("value", "built"), [("off", False), ("No", False), ("auto", True), ("on", True),
@@ -215,7 +226,7 @@ def test_a_bad_native_switch_is_refused_on_the_callers_thread(monkeypatch: pytes
 
 
 def test_without_a_compiler_the_torch_path_runs_and_says_why(monkeypatch: pytest.MonkeyPatch,
-                                                              tmp_path: Path) -> None:
+                                                              tmp_path: Path, no_prebuilt: None) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.delenv(native.ENV, raising=False)
     native.reset()
@@ -249,10 +260,11 @@ def test_cc_may_carry_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert found is not None
     monkeypatch.setenv("CC", f"{Path(found[0]).name} -DAG_NO_AVX2")
     lib, why = native.build()
-    assert lib is not None and why == f"built with {found[0]} -DAG_NO_AVX2", why
+    assert lib is not None and why == f"built at run time with {found[0]} -DAG_NO_AVX2", why
 
 
-def test_a_failing_build_falls_back_and_names_the_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_failing_build_falls_back_and_names_the_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                           no_prebuilt: None) -> None:
     cc = tmp_path / "broken-cc"
     cc.write_text("#!/bin/sh\necho 'broken-cc: cannot build' >&2\nexit 3\n")
     cc.chmod(0o755)

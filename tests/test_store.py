@@ -373,6 +373,7 @@ def test_store_imports_only_core_and_the_fingerprint_type():
         "activation_guard.fingerprints.plan",  # its prepared calls (sketch, native, numpy)
         "activation_guard._core.lru",  # the kernel's caches (standard library only)
         "activation_guard._core.switches",  # the compiled pass's environment switch (errors only)
+        "activation_guard._core.nativebuild",  # the compiled pass's compiler and flags (standard library only)
         "activation_guard.fingerprints.hashing",
         "activation_guard._core.mapping",  # private memory mappings for the pack (standard library only)
     }

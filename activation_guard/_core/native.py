@@ -1,4 +1,4 @@
-"""The optional compiled fingerprint pass: built at first use with the system C compiler.
+"""The optional compiled fingerprint pass: built at install time, else at first use with the system C compiler.
 
 Fingerprinting in torch ops reads every element ~15 times (a float64 copy, min/max, three sums,
 and per sketch row a signed copy and an ``index_add_`` of 64-element slices); one fused C pass
@@ -9,11 +9,18 @@ It is an accelerator, never a requirement:
 - no compiler, a failed build or ``ACTIVATION_GUARD_NATIVE=0`` leaves the torch path, which
   computes the same fingerprint (the sketch bit for bit, the statistics within their rounding
   bound); :func:`status` says which path runs and why;
-- the library is built into a fresh private temporary folder per process and unlinked once
-  loaded: no shared cache to go stale, to race on under xdist, or for another user to plant a
-  library in. A build takes 0.5-1 s of CPU (plain C, no torch headers; the AVX-512 functions only
-  where the CPU has AVX-512), so :func:`start` begins it on a thread of its own as a recording
-  starts, and the fingerprint worker holds leaves until it is done (:mod:`..fingerprints.worker`).
+- an install (``pip install``, a wheel, ``python setup.py build_ext --inplace``) builds the library
+  next to this file (``_fpchunk.so``: every vector width, ``ag_simd`` picks at run time). It is
+  package code, as trusted as the .py files beside it, and used only while the SHA-256 of
+  ``csrc/fpchunk.c`` and the flags it embeds equal this tree's (an edited source in a development
+  tree, or a library left from an older install, is refused, and :func:`status` says why);
+- without one (no compiler at install time, a refused one, a source tree), the library is built
+  into a fresh private temporary folder per process and unlinked once loaded: no shared cache to
+  go stale, to race on under xdist, or for another user to plant a library in. That build
+  compiles only the vector widths this CPU runs (plain C, no torch headers; a third of a second
+  of CPU to a second, docs/performance.md), so :func:`start` begins it on a thread of its own as
+  a recording starts, and the fingerprint worker holds leaves until it is done
+  (:mod:`..fingerprints.worker`).
 
 The call goes through ctypes, which releases the GIL: the fingerprint worker thread then runs
 beside the forward on another core.
@@ -23,9 +30,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shlex
-import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,11 +40,12 @@ from pathlib import Path
 import torch
 
 from . import switches
+from .nativebuild import FLAGS, PREBUILT_NAME, SOURCE, compile_library, compiler, source_sha
+from .nativebuild import BuildError as _BuildError
 
-SOURCE = Path(__file__).with_name("csrc") / "fpchunk.c"
 VERSION = 7  # ag_version() of the source this module speaks to
 ENV = "ACTIVATION_GUARD_NATIVE"
-FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu99", "-Wno-psabi"]
+PREBUILT = Path(__file__).with_name(PREBUILT_NAME)  # the library an install built (setup.py)
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _ARGTYPES = [_P, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P]
@@ -107,45 +112,43 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-class _BuildError(Exception):
-    """Why there is no library: the message ends up in :func:`status`."""
+class _Refused(Exception):
+    """Why a loaded library is not used: the message ends up in :func:`status`."""
 
 
-# Flags that make GCC link crtfastmath.o, whose constructor turns on flush-to-zero for the thread
-# that loads the library: the model's own subnormal arithmetic would change after the first
-# fingerprint (a false alarm against a golden recorded without it).
-FAST_MATH = ("-ffast-math", "-Ofast", "-funsafe-math-optimizations")
-
-
-def compiler() -> list[str]:
-    """The C compiler's command line: ``$CC`` (which may carry arguments: ``ccache gcc``), else
-    ``cc``, ``gcc`` or ``clang`` on the PATH. Raises :class:`_BuildError` saying what is wrong."""
-    cc = os.environ.get("CC", "").strip()
-    if not cc:
-        found = next((p for p in (shutil.which(c) for c in ("cc", "gcc", "clang")) if p), None)
-        if found is None:
-            raise _BuildError("no C compiler found ($CC, cc, gcc, clang)")
-        return [found]
-    try:
-        argv = shlex.split(cc)
-    except ValueError as e:
-        raise _BuildError(f"cannot read $CC={cc!r}: {e}") from e
-    found = shutil.which(argv[0])
-    if found is None:
-        raise _BuildError(f"$CC={cc!r}: {argv[0]!r} was not found on the PATH")
-    bad = [a for a in argv[1:] if a in FAST_MATH]
-    if bad:
-        raise _BuildError(f"$CC={cc!r} carries {' '.join(bad)}, which would turn on flush-to-zero for the "
-                          "thread that loads the library (maybe the model's own): not built")
-    return [found, *argv[1:]]
+def _bind(dll: ctypes.CDLL) -> Native:
+    """The entry points of a loaded library; :class:`_Refused` if it speaks another version."""
+    if dll.ag_version() != VERSION:
+        raise _Refused(f"it speaks version {dll.ag_version()}, this module {VERSION}")
+    simd = dll.ag_simd()
+    if simd not in _SIMD_SUFFIX:
+        raise _Refused(f"it has no functions this CPU runs (ag_simd() = {simd})")
+    fns = []
+    for name in ("ag_chunk_f32", "ag_chunk_f64"):
+        fn = getattr(dll, name + _SIMD_SUFFIX[simd])
+        fn.argtypes = _ARGTYPES
+        fn.restype = None
+        fns.append(fn)
+    fold = dll.ag_fold
+    fold.argtypes = [_I, _I, _P, _P, _P, _P]
+    fold.restype = None
+    leaf = dll.ag_leaf
+    leaf.argtypes = [_I, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P]
+    leaf.restype = None
+    address = ctypes.cast(dll.ag_copy, _P).value
+    if not address:
+        raise AttributeError("ag_copy has no address")
+    copy = ctypes.PYFUNCTYPE(None, _P, _P, _I)(address)
+    return Native(fns[0], fns[1], fold, leaf, simd, copy, dll)
 
 
 def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
-    """A fresh build (``extra_flags`` for tests: ``-DAG_NO_AVX512``, ``-DAG_NO_AVX2`` leave out the
-    wider vector functions, ``-DAG_NO_CONVERT`` converts floats through memory), and
-    what happened; :func:`get` keeps the first one of the process. Whatever goes wrong with the
-    build leaves the torch path and says why; only a value of ``ENV`` that is not on, off or auto
-    raises (an :class:`~activation_guard._core.errors.OptionError` naming it), as the worker's switch does."""
+    """A fresh build at run time, never the prebuilt library (``extra_flags`` for tests:
+    ``-DAG_NO_AVX512``, ``-DAG_NO_AVX2`` leave out the wider vector functions, ``-DAG_NO_CONVERT``
+    converts floats through memory), and what happened; :func:`get` keeps the first library of the
+    process. Whatever goes wrong with the build leaves the torch path and says why; only a value of
+    ``ENV`` that is not on, off or auto raises (an
+    :class:`~activation_guard._core.errors.OptionError` naming it), as the worker's switch does."""
     if switches.read(ENV) is False:  # unset, auto or on: build (an unknown value raises, naming ENV)
         return None, f"disabled by {ENV}={os.environ[ENV]}"
     if sys.platform == "win32":
@@ -156,31 +159,63 @@ def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
         return None, str(e)
     cc = " ".join(argv)
     try:
-        dll = _compile_and_load(argv, (*_unused_widths(), *extra_flags))
-        if dll.ag_version() != VERSION:
-            return None, f"the built library speaks version {dll.ag_version()}, this module {VERSION}"
-        simd = dll.ag_simd()
-        fns = []
-        for name in ("ag_chunk_f32", "ag_chunk_f64"):
-            fn = getattr(dll, name + _SIMD_SUFFIX[simd])
-            fn.argtypes = _ARGTYPES
-            fn.restype = None
-            fns.append(fn)
-        fold = dll.ag_fold
-        fold.argtypes = [_I, _I, _P, _P, _P, _P]
-        fold.restype = None
-        leaf = dll.ag_leaf
-        leaf.argtypes = [_I, _I, _P, _I, _I, _I, _I, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P]
-        leaf.restype = None
-        address = ctypes.cast(dll.ag_copy, _P).value
-        if not address:
-            raise AttributeError("ag_copy has no address")
-        copy = ctypes.PYFUNCTYPE(None, _P, _P, _I)(address)
+        lib = _bind(_compile_and_load(argv, (*_unused_widths(), *extra_flags)))
     except _BuildError as e:
         return None, f"the build with {cc} failed: {e}"
+    except _Refused as e:
+        return None, f"the library built with {cc} is not used: {e}"
     except (OSError, AttributeError) as e:  # no writable temporary folder, a noexec one, a missing symbol
         return None, f"the build with {cc} could not be loaded: {e}"
-    return Native(fns[0], fns[1], fold, leaf, simd, copy, dll), f"built with {cc}{_SIMD_SAYS[simd]}"
+    return lib, f"built at run time with {cc}{_SIMD_SAYS[lib.simd]}"
+
+
+def prebuilt() -> tuple[Native | None, str]:
+    """The library an install built next to this module, if it is there and was built from this
+    tree's ``csrc/fpchunk.c`` with this module's flags and version; else None and why not ("" when
+    there is none). Loading it costs a millisecond: no compiler runs."""
+    if switches.read(ENV) is False:
+        return None, f"disabled by {ENV}={os.environ[ENV]}"
+    path = PREBUILT
+    if sys.platform == "win32" or not path.is_file():
+        return None, ""
+    try:
+        dll = ctypes.CDLL(str(path))
+        for name in ("ag_source_sha", "ag_flags"):
+            if not hasattr(dll, name):
+                raise _Refused(f"it has no {name}() (built before libraries recorded their source)")
+            getattr(dll, name).restype = ctypes.c_char_p
+        built_from, flags = dll.ag_source_sha().decode(), dll.ag_flags().decode()
+        try:
+            here = source_sha()
+        except OSError as e:
+            raise _Refused(f"the source it must match cannot be read ({e})") from e
+        if built_from != here:
+            raise _Refused(f"it was built from another {SOURCE.name} (sha256 {built_from[:12] or 'not recorded'}, "
+                           f"the source here is {here[:12]})")
+        if flags != " ".join(FLAGS):
+            raise _Refused(f"it was built with the flags {flags!r}, this module builds with {' '.join(FLAGS)!r}")
+        lib = _bind(dll)
+    except _Refused as e:
+        return None, f"the prebuilt {path} is not used: {e}"
+    except (OSError, AttributeError) as e:  # not a library for this machine, a missing symbol
+        return None, f"the prebuilt {path} could not be loaded: {e}"
+    return lib, f"prebuilt {path}{_SIMD_SAYS[lib.simd]}"
+
+
+def _settle_quickly() -> None:
+    """Under ``_lock``: settle the process's library in ``_state`` (``native``, ``why``) where that
+    takes no compiler run: the switch is off, or the prebuilt library (:func:`prebuilt`, its
+    verdict kept in ``_state["prebuilt"]``) is used. Otherwise :func:`get` builds."""
+    if "native" in _state:
+        return
+    if switches.read(ENV) is False:
+        _state["native"], _state["why"] = None, f"disabled by {ENV}={os.environ[ENV]}"
+        return
+    if "prebuilt" not in _state:
+        _state["prebuilt"] = prebuilt()
+    found: tuple[Native | None, str] = _state["prebuilt"]  # type: ignore[assignment]
+    if found[0] is not None:
+        _state["native"], _state["why"] = found
 
 
 # ag_simd(): the widest vector functions the CPU runs and the build has (all compute the same bits)
@@ -188,34 +223,26 @@ _SIMD_SUFFIX = {0: "", 1: "_avx2", 2: "_avx512"}
 _SIMD_SAYS = {0: "", 1: ", AVX2", 2: ", AVX-512"}
 
 def _unused_widths() -> tuple[str, ...]:
-    """``-DAG_NO_AVX512`` where the CPU (Linux's /proc/cpuinfo) has no AVX-512: those functions
-    could never run here, and compiling them was a quarter of the build's CPU time. Anywhere the
-    flags cannot be read, everything is built (``ag_simd`` picks at run time, as before)."""
+    """The vector functions a build at run time leaves out because they could never run on this
+    CPU (Linux's /proc/cpuinfo): ``-DAG_NO_BASELINE`` where it has AVX2 (the two-lane functions
+    were half the build's CPU time), ``-DAG_NO_AVX512`` where it has no AVX-512 (a quarter).
+    Anywhere the flags cannot be read, everything is built (``ag_simd`` picks at run time)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return () if "avx512f" in line.split() else ("-DAG_NO_AVX512",)
+                    flags = line.split()
+                    return ((("-DAG_NO_BASELINE",) if "avx2" in flags else ())
+                            + (() if "avx512f" in flags else ("-DAG_NO_AVX512",)))
     except OSError:
         pass
     return ()
 
 
-BUILD_TIMEOUT = 30  # seconds: a build takes ~0.2 s; a compiler that hangs must not hold fingerprints up long
-
-
 def _compile_and_load(argv: list[str], extra_flags: tuple[str, ...]) -> ctypes.CDLL:
     with tempfile.TemporaryDirectory(prefix="activation_guard-native-") as tmp:
         lib = Path(tmp) / "fpchunk.so"
-        try:
-            r = subprocess.run([*argv, *FLAGS, *extra_flags, "-o", str(lib), str(SOURCE), "-lm"],
-                               capture_output=True, text=True, timeout=BUILD_TIMEOUT)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise _BuildError(str(e)) from e
-        if r.returncode != 0:
-            lines = r.stderr.strip().splitlines() or ["no message"]
-            said = next((x for x in lines if "error" in x.lower()), lines[-1])
-            raise _BuildError(f"exit {r.returncode}: {said.strip()}")
+        compile_library(argv, lib, extra_flags)
         return ctypes.CDLL(str(lib))  # mapped: the file can go with the folder
 
 
@@ -223,8 +250,11 @@ def get() -> Native | None:
     """The compiled pass, built on first call (once per process); None where it is not available.
     Waits for a build :func:`start` began."""
     with _lock:
+        _settle_quickly()
         if "native" not in _state:
-            _state["native"], _state["why"] = build()
+            fresh, says = build()
+            refused = _state["prebuilt"][1]  # type: ignore[index]
+            _state["native"], _state["why"] = fresh, f"{says}; {refused}" if refused else says
         return _state["native"]  # type: ignore[return-value]
 
 
@@ -233,14 +263,20 @@ _builder: list[threading.Thread] = []
 
 
 def start() -> bool:
-    """Begin the build on a thread of its own, if it has not run and is not running, so the
-    compiler works while the recording gets going (a build costs about a CPU-second, more than a
-    271M-parameter model's forward: docs/performance.md). True when there is nothing to wait
-    for (built, or known unavailable); never blocks."""
+    """Settle the process's library: the prebuilt one (or the switch) at once, else begin the
+    build on a thread of its own, if it has not run and is not running, so the compiler works
+    while the recording gets going (a build can cost more than a 271M-parameter model's forward:
+    docs/performance.md). True when there is nothing to wait for (loaded, built, or known
+    unavailable); never blocks."""
     if ready():
         return True
     with _starting:
-        if not _builder:
+        if not _builder and _lock.acquire(blocking=False):  # (held: get() is at work on another thread)
+            try:  # a prebuilt library (or the switch) settles it here and now, with no thread
+                _settle_quickly()
+            finally:
+                _lock.release()
+        if not _builder and not ready():
             t = threading.Thread(target=get, name="activation_guard-native-build", daemon=True)
             _builder.append(t)
             t.start()

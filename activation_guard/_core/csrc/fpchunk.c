@@ -11,9 +11,10 @@
  * or two (any other CPU). Each lane is its own chain of additions in a fixed order (block by block;
  * in the last, partial block its scalar tail first), so every build computes the same bits
  * (-ffp-contract=off: no fused multiply-add either). Tests build with -DAG_NO_AVX512,
- * -DAG_NO_AVX2 and -DAG_NO_CONVERT to compare the builds.
+ * -DAG_NO_AVX2, -DAG_NO_BASELINE and -DAG_NO_CONVERT to compare the builds.
  *
- * Built at run time by native.py with the system C compiler. Scratch memory comes from the
+ * Built at install time (setup.py) or, where that library is missing or stale, at run time by
+ * native.py with the system C compiler. Scratch memory comes from the
  * caller (B doubles): no large array on the stack, which a thread with a small stack would not
  * survive. Nothing here calls back into Python, and ctypes releases the GIL around the call, so
  * a fingerprint worker thread runs beside the forward.
@@ -57,6 +58,13 @@ typedef float f2 __attribute__((vector_size(8), aligned(4), may_alias));
 #endif
 #ifndef AG_AVX512
 #define AG_AVX512 0
+#endif
+/* -DAG_NO_BASELINE (native.py's build at run time, on a CPU with AVX2): no two-lane functions,
+ * which could never run there; it halves the build's CPU time. Ignored where AVX2 is left out. */
+#if AG_AVX2 && defined(AG_NO_BASELINE)
+#define AG_BASELINE 0
+#else
+#define AG_BASELINE 1
 #endif
 
 /* One vector of W values of x at xb + j, as doubles: converted in registers where the compiler has
@@ -173,8 +181,10 @@ typedef float f2 __attribute__((vector_size(8), aligned(4), may_alias));
         stats[0] = ts; stats[1] = ta; stats[2] = tq; stats[3] = tlo; stats[4] = thi;                   \
     }
 
+#if AG_BASELINE
 DEFINE_CHUNK(ag_chunk_f32, float, v2, v2i, f2, 2, )
 DEFINE_CHUNK(ag_chunk_f64, double, v2, v2i, v2, 2, )
+#endif
 #if AG_AVX2
 DEFINE_CHUNK(ag_chunk_f32_avx2, float, v4, v4i, f4, 4, AVX2_ATTR)
 DEFINE_CHUNK(ag_chunk_f64_avx2, double, v4, v4i, v4, 4, AVX2_ATTR)
@@ -224,11 +234,16 @@ static chunk_fn pick(int simd, int f64) {
 #if AG_AVX512
     if (simd >= 2) return f64 ? ag_chunk_f64_avx512 : ag_chunk_f32_avx512;
 #endif
-#if AG_AVX2
+#if AG_AVX2 && AG_BASELINE
     if (simd >= 1) return f64 ? ag_chunk_f64_avx2 : ag_chunk_f32_avx2;
+#elif AG_AVX2
+    (void)simd; /* native.py never uses a build whose ag_simd() is negative */
+    return f64 ? ag_chunk_f64_avx2 : ag_chunk_f32_avx2;
 #endif
+#if AG_BASELINE
     (void)simd;
     return f64 ? ag_chunk_f64 : ag_chunk_f32;
+#endif
 }
 
 void ag_leaf(int64_t simd, int64_t f64, const void *x, int64_t n, int64_t chunk, int64_t flush, int64_t rows,
@@ -275,14 +290,15 @@ void ag_leaf(int64_t simd, int64_t f64, const void *x, int64_t n, int64_t chunk,
 }
 
 /* The widest vector functions this CPU runs and this build has: 2 AVX-512, 1 AVX2, 0 the baseline
- * (native.py picks them; all compute the same bits). */
+ * (native.py picks them; all compute the same bits); -1: none (a build without the baseline on a
+ * CPU without AVX2), which native.py refuses. */
 int ag_simd(void) {
 #if AG_AVX2
     __builtin_cpu_init();
 #if AG_AVX512
     if (__builtin_cpu_supports("avx512f")) return 2;
 #endif
-    return __builtin_cpu_supports("avx2") ? 1 : 0;
+    return __builtin_cpu_supports("avx2") ? 1 : AG_BASELINE ? 0 : -1;
 #else
     return 0;
 #endif
@@ -325,3 +341,15 @@ void ag_copy(void *dst, const void *src, int64_t n) {
 
 /* The build's interface version: native.py refuses a library whose number differs. */
 int ag_version(void) { return 7; }
+
+/* What the library was built from, as the build passed it (nativebuild.py): the SHA-256 of this
+ * file and the compiler flags. native.py uses a library built at install time only while both
+ * equal this file's hash and the flags it would build with now; "" where the build gave none. */
+#ifndef AG_SOURCE_SHA
+#define AG_SOURCE_SHA ""
+#endif
+#ifndef AG_FLAGS
+#define AG_FLAGS ""
+#endif
+const char *ag_source_sha(void) { return AG_SOURCE_SHA; }
+const char *ag_flags(void) { return AG_FLAGS; }
