@@ -2,8 +2,9 @@
 
 The model is deep-copied to float64 (on the CPU when the live device has no float64), run once on
 the same inputs with full-precision float32 switches and autocast off, with every RNG isolated so
-the real forward sees exactly the random numbers it would have seen. Its outputs go to a
-temporary golden, so memory stays near one layer's worth as for the real golden.
+the real forward sees exactly the random numbers it would have seen. Its outputs go to a private
+scratch file (:mod:`.scratch`), so memory stays near one layer's worth as for the real golden; its
+gradients, when a backward runs, to a temporary golden.
 
 Over the ~400 lines we aim for: the float64 copy's forward, its backward, and the leaf checks that
 find a copy computing another function (an epsilon from the dtype) share the copy's state.
@@ -36,6 +37,7 @@ from ..store import GoldenReader, GoldenWriter
 from ..store.floors import CALIBRATED_DTYPES, FloorTable, NoiseFloor, diff_stats
 from ..values.leaves import Leaf, flatten
 from ..values.rebuild import clone_inputs, map_tensors
+from .scratch import Scratch
 
 # --------------------------------------------------------------------------- shadow forward
 
@@ -379,8 +381,8 @@ def _float64_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Modu
 
 
 class ShadowRun:
-    """The float64 copy of a model, run once on the inputs; its outputs kept in a temporary
-    golden file so memory stays near one layer's worth, as for the real golden."""
+    """The float64 copy of a model, run once on the inputs; its outputs kept in a private scratch
+    file so memory stays near one layer's worth, as for the real golden."""
 
     def __init__(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  include: Sequence[str] | None, exclude: Sequence[str] | None, live_device: torch.device,
@@ -393,9 +395,9 @@ class ShadowRun:
         self.keep_model = keep_model
         self.model: torch.nn.Module | None = None
         self.device = reference_device(live_device)
-        self._tmp = tempfile.TemporaryDirectory(prefix="activation_guard-shadow-")
-        self.reader: GoldenReader | None = None
-        self._calls: dict[tuple[str, int], dict[str, Any]] = {}
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None  # the gradients' golden, with a backward
+        self.scratch: Scratch | None = None  # the forward's float64 outputs
+        self.reader: GoldenReader | None = None  # the float64 gradients
         # leaf calls whose float64 copy computes another function than the model's dtype does:
         # (layer, call, departure as a share of the output's RMS)
         self.differs: list[tuple[str, int, float]] = []
@@ -425,14 +427,22 @@ class ShadowRun:
             checks.install(shadow, own, model)
             a = to_reference(args, self.device)
             kw = to_reference(kwargs, self.device)
-            path = os.path.join(self._tmp.name, "shadow.h5")
-            writer = GoldenWriter(path)
-
-            # --- gradients: the float64 backward, with the golden's loss
-            grads = None if self.backward is None else GradCapture(GradRecorder(writer))
+            scratch = self.scratch = Scratch()
+            # --- gradients: the float64 backward, with the golden's loss, into a temporary golden
+            path: str | None = None
+            writer: GoldenWriter | None = None
+            grads: GradCapture | None = None
+            if self.backward is not None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="activation_guard-shadow-")
+                path = os.path.join(self._tmp.name, "shadow.h5")
+                writer = GoldenWriter(path)
+                grads = GradCapture(GradRecorder(writer))
 
             def on_output(frame: Frame, output: Any) -> None:
-                writer.add_call(frame.name, frame.call, type(frame.module).__name__, flatten(output))
+                for leaf in flatten(output):
+                    if (leaf.kind == "tensor" and leaf.tensor is not None
+                            and dtype_name(leaf.tensor) in CALIBRATED_DTYPES):
+                        scratch.add(frame.name, frame.call, leaf.path, leaf.tensor)
                 if grads is not None:
                     grads.on_output(frame, output)
 
@@ -444,9 +454,11 @@ class ShadowRun:
                     if grads is not None and self.backward is not None:
                         grads.backward(shadow, out, self.backward, a, kw)
                 checks.recording = False  # replays of the kept copy re-check, but are not this run's calls
-                writer.commit({}, durable=False)
+                if writer is not None:
+                    writer.commit({}, durable=False)
             except BaseException:
-                writer.abort()
+                if writer is not None:
+                    writer.abort()
                 raise
             finally:
                 if grads is not None:
@@ -471,23 +483,16 @@ class ShadowRun:
         if self.keep_model:
             self.model = shadow
         del shadow
-        self.reader = GoldenReader(path)
+        if path is not None:
+            self.reader = GoldenReader(path)
 
     def reference(self, name: str, call: int, path: str) -> torch.Tensor | None:
         """The float64 output of layer ``name`` call ``call`` at ``path`` (CPU), if recorded."""
-        if self.reader is None:
-            return None
-        entry = self.reader.by_key.get((name, call))
+        entry = None if self.scratch is None else self.scratch.get(name, call, path)
         if entry is None:
             return None
-        leaves = self._calls.get((name, call))
-        if leaves is None:
-            leaves = {leaf.path: leaf for leaf in entry.leaves}
-            self._calls = {(name, call): leaves}  # keep one call's index at a time
-        leaf = leaves.get(path)
-        if leaf is None or leaf.kind != "tensor" or leaf.dtype not in CALIBRATED_DTYPES:
-            return None
-        return self.reader.load(leaf, f"shadow layer {name!r} call {call} output {path!r}")
+        assert self.scratch is not None
+        return self.scratch.load(entry)
 
     def floor(self, name: str, call: int, path: str, value: torch.Tensor) -> NoiseFloor | None:
         """``value``'s noise floor against the shadow's float64 output at the same place."""
@@ -524,7 +529,12 @@ class ShadowRun:
 
     def close(self) -> None:
         self.model = None
+        if self.scratch is not None:
+            self.scratch.close()
+            self.scratch = None
         if self.reader is not None:
             self.reader.close()
             self.reader = None
-        self._tmp.cleanup()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

@@ -1,0 +1,90 @@
+"""The float64 shadow's outputs kept on disk while a calibrated run needs them: raw bytes in a private file.
+
+The shadow forward writes every floating output once and the live run reads each back once, in
+the same process. An HDF5 golden (datasets, checksums, an index, then a verified reader) cost
+about as much as a strict record of the same bytes on top of the float64 forward; here each
+tensor is appended as raw bytes with one ``write`` and read back with one ``pread`` into a fresh
+tensor, so memory stays at one output's worth, as with the golden. The file is created in a
+directory only this user can open and unlinked at once: nobody else can open it, and it is gone
+even when the process dies. There is no checksum: the bytes never leave this process's own file,
+and a short read is an error.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .._core.dtypes import BY_NAME, info_for, tensor_bytes, tensor_from_bytes
+from .._core.errors import ActivationGuardError
+
+
+@dataclass(frozen=True)
+class ScratchEntry:
+    """Where one tensor's bytes are: offset and size in the file, its dtype name and shape."""
+
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class Scratch:
+    """An append-only private file of raw tensor bytes, keyed by (layer, call, output path)."""
+
+    def __init__(self) -> None:
+        d = tempfile.mkdtemp(prefix="activation_guard-shadow-")  # mode 0700
+        path = os.path.join(d, "outputs.bin")
+        try:
+            self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                                           0o600)
+        finally:
+            # an unlinked file: only this descriptor reaches it, and the system frees it when the
+            # descriptor closes, however the process ends
+            if os.path.exists(path):
+                os.unlink(path)
+            os.rmdir(d)
+        self.entries: dict[tuple[str, int, str], ScratchEntry] = {}
+        self.size = 0
+
+    def add(self, name: str, call: int, path: str, t: torch.Tensor) -> None:
+        """Append ``t``'s bytes (any device: copied to the CPU) under (``name``, ``call``, ``path``)."""
+        if self._fd is None:
+            raise ActivationGuardError("the float64 shadow's scratch file is closed")
+        raw = tensor_bytes(t)
+        view = raw.data
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], self.size + done)
+        self.entries[(name, call, path)] = ScratchEntry(self.size, len(view), info_for(t.dtype).name,
+                                                        tuple(int(s) for s in t.shape))
+        self.size += len(view)
+
+    def get(self, name: str, call: int, path: str) -> ScratchEntry | None:
+        return self.entries.get((name, call, path))
+
+    def load(self, entry: ScratchEntry) -> torch.Tensor:
+        """The tensor ``entry`` names, a fresh CPU tensor of its dtype."""
+        if self._fd is None:
+            raise ActivationGuardError("the float64 shadow's scratch file is closed")
+        raw = np.empty(entry.nbytes, dtype=np.uint8)
+        view = raw.data
+        done = 0
+        while done < entry.nbytes:
+            n = os.preadv(self._fd, [view[done:]], entry.offset + done)
+            if n <= 0:
+                raise ActivationGuardError(
+                    f"the float64 shadow's scratch file ends at {entry.offset + done} bytes, before the "
+                    f"{entry.nbytes} bytes at offset {entry.offset} it holds")
+            done += n
+        return tensor_from_bytes(raw, BY_NAME[entry.dtype], entry.shape)
+
+    def close(self) -> None:
+        self.entries = {}
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
