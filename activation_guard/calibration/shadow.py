@@ -211,6 +211,38 @@ def _run_dtypes(model: torch.nn.Module, args: Any, kwargs: Any) -> dict[str, tor
     return out
 
 
+# torch.nn's own leaf modules whose forward is one functional call that never branches on the
+# dtype (their epsilons and thresholds are fixed numbers, not ``torch.finfo(dtype)``): their float64
+# copy computes the very function they compute in the model's dtype, so running them again in that
+# dtype could only measure rounding, which is what the noise floors measure anyway. They do nearly
+# all of a model's arithmetic, so the check's extra run (about one forward in the model's dtype)
+# shrinks to the model's own code. A subclass, a forward replaced on the class or the instance, or
+# a parametrized weight is checked as any other leaf; so is ``nn.RMSNorm``, whose default epsilon
+# is ``torch.finfo(x.dtype).eps``.
+_SAME_IN_EVERY_DTYPE: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.Linear, torch.nn.Bilinear, torch.nn.Embedding, torch.nn.EmbeddingBag,
+    torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+    torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d,
+    torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d,
+    torch.nn.ReLU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.Identity,
+    torch.nn.Dropout,
+)
+_OWN_FORWARD = {cls: cls.forward for cls in _SAME_IN_EVERY_DTYPE}
+
+
+def same_in_every_dtype(mod: torch.nn.Module) -> bool:
+    """Whether ``mod`` is one of torch.nn's own leaves whose function does not depend on the dtype,
+    as torch defines it: its exact class, torch's own forward, plain parameters and buffers."""
+    cls = type(mod)
+    fwd = _OWN_FORWARD.get(cls)
+    if fwd is None or cls.forward is not fwd or not getattr(fwd, "__module__", "").startswith("torch.nn.modules."):
+        return False
+    if "forward" in mod.__dict__:
+        return False
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+               for t in (*mod._parameters.values(), *mod._buffers.values()) if t is not None)
+
+
 class LeafChecks:
     """Every leaf module of the float64 copy, checked call by call against itself run in the
     model's own dtype on its inputs rounded to that dtype. A call that departs by more than
@@ -230,6 +262,8 @@ class LeafChecks:
         originals = {} if model is None else dict(model.named_modules())
         for name, mod in shadow.named_modules():
             if next(iter(mod.children()), None) is not None or "forward" in mod.__dict__:
+                continue
+            if same_in_every_dtype(mod):
                 continue
             dt = dtypes.get(name, torch.float32)
             if dt == torch.float64:
