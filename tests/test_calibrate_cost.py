@@ -300,6 +300,8 @@ def test_the_scratch_file_gives_back_every_value_bit_for_bit(shape: list[int], s
             back = s.load(e)
             assert back.dtype == t.dtype and back.shape == t.shape and back.is_contiguous()
             assert back.reshape(-1).view(torch.uint8).tolist() == t.reshape(-1).view(torch.uint8).tolist()
+            shared = s.load(e, shared=True)  # the floors' read: one buffer, reused
+            assert shared.reshape(-1).view(torch.uint8).tolist() == t.reshape(-1).view(torch.uint8).tolist()
         assert s.get("layer", 3, "") is None
     finally:
         s.close()

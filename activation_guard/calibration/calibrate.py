@@ -294,7 +294,7 @@ def _all_finite_rms(golden: torch.Tensor) -> float | None:
     g = golden.detach()
     if g.is_complex() or g.numel() == 0:
         return None
-    m = g.to(torch.float64).square().reshape(-1).mean()
+    m = g.to(torch.float64, copy=True).square_().reshape(-1).mean()  # one float64 buffer, squared in place
     return float(m.sqrt()) if bool(torch.isfinite(m)) else None
 
 

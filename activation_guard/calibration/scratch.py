@@ -50,6 +50,7 @@ class Scratch:
             os.rmdir(d)
         self.entries: dict[tuple[str, int, str], ScratchEntry] = {}
         self.size = 0
+        self._buf: np.ndarray | None = None  # load(shared=True)'s buffer: the largest output read so far
 
     def add(self, name: str, call: int, path: str, t: torch.Tensor) -> None:
         """Append ``t``'s bytes (any device: copied to the CPU) under (``name``, ``call``, ``path``)."""
@@ -67,11 +68,19 @@ class Scratch:
     def get(self, name: str, call: int, path: str) -> ScratchEntry | None:
         return self.entries.get((name, call, path))
 
-    def load(self, entry: ScratchEntry) -> torch.Tensor:
-        """The tensor ``entry`` names, a fresh CPU tensor of its dtype."""
+    def load(self, entry: ScratchEntry, *, shared: bool = False) -> torch.Tensor:
+        """The tensor ``entry`` names, a CPU tensor of its dtype: a fresh one, or with ``shared``
+        one in a buffer the next shared load overwrites (for a caller done with it before then:
+        a fresh float64 output's worth of pages per output cost about as much as reading it)."""
         if self._fd is None:
             raise ActivationGuardError("the float64 shadow's scratch file is closed")
-        raw = np.empty(entry.nbytes, dtype=np.uint8)
+        if not shared:
+            raw = np.empty(entry.nbytes, dtype=np.uint8)
+        else:
+            if self._buf is None or self._buf.size < entry.nbytes:
+                self._buf = None  # the old buffer goes before the larger one comes
+                self._buf = np.empty(entry.nbytes, dtype=np.uint8)
+            raw = self._buf[: entry.nbytes]
         view = raw.data
         done = 0
         while done < entry.nbytes:
@@ -85,6 +94,7 @@ class Scratch:
 
     def close(self) -> None:
         self.entries = {}
+        self._buf = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

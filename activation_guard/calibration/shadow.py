@@ -520,17 +520,18 @@ class ShadowRun:
         if path is not None:
             self.reader = GoldenReader(path)
 
-    def reference(self, name: str, call: int, path: str) -> torch.Tensor | None:
-        """The float64 output of layer ``name`` call ``call`` at ``path`` (CPU), if recorded."""
+    def reference(self, name: str, call: int, path: str, *, shared: bool = False) -> torch.Tensor | None:
+        """The float64 output of layer ``name`` call ``call`` at ``path`` (CPU), if recorded.
+        ``shared``: in the scratch file's one buffer, overwritten by the next shared read."""
         entry = None if self.scratch is None else self.scratch.get(name, call, path)
         if entry is None:
             return None
         assert self.scratch is not None
-        return self.scratch.load(entry)
+        return self.scratch.load(entry, shared=shared)
 
     def floor(self, name: str, call: int, path: str, value: torch.Tensor) -> NoiseFloor | None:
         """``value``'s noise floor against the shadow's float64 output at the same place."""
-        ref = self.reference(name, call, path)
+        ref = self.reference(name, call, path, shared=True)  # read, measured and let go here
         if ref is None or tuple(ref.shape) != tuple(value.shape):
             return None
         f = diff_stats(value, ref)
