@@ -355,3 +355,66 @@ def test_the_rms_taken_once_is_both_masked_definitions_bit_for_bit(shape: list[i
     if fast is not None:
         assert bits(fast) == bits(masked_rms(g))
         assert bits(cal.abs_term(g, fast)) == bits(masked_abs_term(g))
+
+
+# --------------------------------------------------------------------------- the float64 copy's memory
+
+
+class _Mixed(nn.Module):
+    """Big enough for the huge-page block; a transposed (not row-major) weight, a size-1 dimension,
+    a frozen parameter, an integer buffer and a weight shared by two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(256, 1024)
+        self.b = nn.Linear(1024, 256)
+        self.t = nn.Parameter(torch.randn(64, 256).t())  # strides (1, 256)
+        self.one = nn.Parameter(torch.randn(1, 256))
+        self.frozen = nn.Parameter(torch.randn(256), requires_grad=False)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.c = nn.Linear(256, 256)
+        self.d = nn.Linear(256, 256)
+        self.d.weight = self.c.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.relu(self.a(x))) * self.one + self.frozen
+        return self.d(self.c(h)) + (h @ self.t).sum(-1, keepdim=True)
+
+
+def test_the_float64_copy_in_one_huge_page_block_is_what_double_makes(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row-major parameters share one block; every parameter has ``.double()``'s values, strides
+    and requires_grad, a shared weight stays shared; goldens and reports, backward included, are
+    those of one tensor per parameter."""
+    from activation_guard.calibration import shadow
+
+    m = _Mixed().eval()
+    copied = shadow._float64_copy(m, torch.device("cpu"))
+    ref = copy.deepcopy(m).double()
+    bases = set()
+    for (name, p), (_, q) in zip(copied.named_parameters(), ref.named_parameters(), strict=True):
+        assert p.dtype == torch.float64 and p.stride() == q.stride() and p.requires_grad == q.requires_grad, name
+        assert torch.equal(p, q), name
+        if name in ("a.weight", "b.weight", "c.weight", "one"):
+            bases.add(p.untyped_storage().data_ptr())
+    assert len(bases) == (1 if hasattr(__import__("mmap"), "MADV_HUGEPAGE") else 4)
+    assert copied.d.weight is copied.c.weight
+    assert copied.steps.dtype == torch.long
+
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(1))
+    changed = copy.deepcopy(m)
+    with torch.no_grad():
+        changed.c.weight.mul_(1.001)
+    out = {}
+    for block in (True, False):
+        if not block:
+            monkeypatch.setattr(shadow, "HUGE_PAGE_BLOCK_MIN", 1 << 62)
+        p = tmp_path / f"g{block}.h5"
+        ag.record(m, (x,), path=p, calibrate=True, backward=True)
+        with ag.read_golden(p) as r:
+            floors = r.meta["calibration"]
+        reps = [ag.compare(mm, (x,), path=p, tolerance="calibrated").to_dict() for mm in (m, changed)]
+        out[block] = (floors, [{k: v for k, v in rep.items() if k not in ("golden_meta", "golden")} for rep in reps])
+    assert out[True][1][0]["ok"] and not out[True][1][1]["ok"]
+    assert out[True] == out[False]
