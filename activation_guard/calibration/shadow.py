@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-import mmap
 import os
 import random
 import tempfile
@@ -29,7 +28,6 @@ from torch.overrides import TorchFunctionMode
 from .._core.devices import reference_device
 from .._core.dtypes import dtype_name
 from .._core.errors import ActivationGuardError
-from .._core.mapping import private_anonymous
 from .._core.numerics import full_fp32_precision
 from ..capture.hooks import Frame, hooked, rng_state, run_forward, set_rng_state
 from ..gradients.hooks import GradCapture
@@ -403,61 +401,16 @@ def _departure(out: Any, low: Any, dt: torch.dtype) -> tuple[float | None, Any]:
     return worst, torch.utils._pytree.tree_unflatten([swap.get(id(x), x) for x in flat], spec)
 
 
-# a float64 copy of at least this many bytes goes into one mapping backed by huge pages, where the
-# system offers them: a fresh float64 tensor per parameter faulted its memory in 4 KiB at a time,
-# which cost about three times the conversion itself (271M parameters: most of the copy's time)
-HUGE_PAGE_BLOCK_MIN = 2 << 20
-_ALIGN = 8  # elements: each parameter starts on a 64-byte boundary of the block
-
-
-def _float64_block(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """One float64 CPU buffer for ``params`` (contiguous), in a private mapping advised to use huge
-    pages; None where that is not available or not worth it (the parameters then get a tensor each)."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return None
-    n = sum(-(-p.numel() // _ALIGN) * _ALIGN for p in params)
-    if n * 8 < HUGE_PAGE_BLOCK_MIN:
-        return None
-    try:
-        mm = private_anonymous(n * 8)
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    except (OSError, ValueError):
-        return None
-    return torch.frombuffer(mm, dtype=torch.float64)  # (the tensor keeps the mapping alive)
-
-
-def _row_major(shape: torch.Size) -> tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(out))
-
-
 def _float64_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """``copy.deepcopy(model)`` whose plain floating parameters on ``device`` are made float64
     as they are copied, as ``.double()`` of the copy makes them (the same values, strides and
     ``requires_grad``): a float32 clone of every parameter first cost a model's worth of memory
-    and a pass over it. On the CPU the contiguous ones share one huge-page block (:func:`_float64_block`).
-    Parameter subclasses, buffers and the rest are deep-copied as they are."""
+    and a pass over it. Parameter subclasses, buffers and the rest are deep-copied as they are."""
     memo: dict[int, Any] = {}
-    todo = [p for p in model.parameters()
-            if (type(p) is torch.nn.Parameter and p.is_floating_point() and p.dtype != torch.float64
-                and p.device == device and p.layout == torch.strided)]
-    # exactly row-major strides (``.to`` keeps a dense tensor's strides, size-1 dimensions' too)
-    packed = [p for p in todo if p.device.type == "cpu" and p.numel() > 0 and p.stride() == _row_major(p.shape)]
-    block = _float64_block(packed) if packed else None
-    into = {id(p) for p in packed} if block is not None else set()
-    off = 0
-    for p in todo:
-        if id(p) in into:
-            assert block is not None
-            t = block[off : off + p.numel()].view(p.shape)
-            t.copy_(p.detach())
-            off += -(-p.numel() // _ALIGN) * _ALIGN
-        else:
-            t = p.detach().to(torch.float64)
-        memo[id(p)] = torch.nn.Parameter(t, p.requires_grad)
+    for p in model.parameters():
+        if (type(p) is torch.nn.Parameter and p.is_floating_point() and p.dtype != torch.float64
+                and p.device == device and p.layout == torch.strided):
+            memo[id(p)] = torch.nn.Parameter(p.detach().to(torch.float64), p.requires_grad)
     return copy.deepcopy(model, memo)
 
 
