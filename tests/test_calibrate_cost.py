@@ -355,3 +355,26 @@ def test_the_rms_taken_once_is_both_masked_definitions_bit_for_bit(shape: list[i
     if fast is not None:
         assert bits(fast) == bits(masked_rms(g))
         assert bits(cal.abs_term(g, fast)) == bits(masked_abs_term(g))
+
+
+def test_a_full_disk_under_the_scratch_file_names_the_layer_and_the_fix(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from activation_guard.calibration import scratch
+
+    m = probe_model()
+    x = torch.randn(4, 32)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p, calibrate=True)
+    before = p.read_bytes()
+
+    def full(fd: int, data: object, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(scratch.os, "pwrite", full)
+    with pytest.raises(ag.ActivationGuardError, match=r"layer '0' call 0 .*No space left.*set TMPDIR"):
+        ag.record(m, x, path=p, calibrate=True)
+    assert p.read_bytes() == before  # the golden already there is untouched
+    with pytest.raises(ag.ActivationGuardError, match="No space left"):
+        ag.compare(m, x, path=p, tolerance="calibrated")

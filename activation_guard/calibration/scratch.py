@@ -37,7 +37,13 @@ class Scratch:
     """An append-only private file of raw tensor bytes, keyed by (layer, call, output path)."""
 
     def __init__(self) -> None:
-        d = tempfile.mkdtemp(prefix="activation_guard-shadow-")  # mode 0700
+        try:
+            d = tempfile.mkdtemp(prefix="activation_guard-shadow-")  # mode 0700
+        except OSError as e:
+            raise ActivationGuardError(
+                f"calibrated tolerances keep the float64 shadow's outputs in a private file under "
+                f"{tempfile.gettempdir()!r}, which could not be created ({e}); set TMPDIR to a writable "
+                f"directory") from e
         path = os.path.join(d, "outputs.bin")
         try:
             self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
@@ -59,8 +65,14 @@ class Scratch:
         raw = tensor_bytes(t)
         view = raw.data
         done = 0
-        while done < len(view):
-            done += os.pwrite(self._fd, view[done:], self.size + done)
+        try:
+            while done < len(view):
+                done += os.pwrite(self._fd, view[done:], self.size + done)
+        except OSError as e:  # disk full, file size limit: the run's setting, not the model
+            raise ActivationGuardError(
+                f"could not write the float64 output of layer {name or '<root>'!r} call {call} to the "
+                f"calibrated shadow's scratch file under {tempfile.gettempdir()!r} ({e}; "
+                f"{self.size + done:,} bytes written so far); free space there or set TMPDIR") from e
         self.entries[(name, call, path)] = ScratchEntry(self.size, len(view), info_for(t.dtype).name,
                                                         tuple(int(s) for s in t.shape))
         self.size += len(view)
