@@ -378,3 +378,21 @@ def test_a_full_disk_under_the_scratch_file_names_the_layer_and_the_fix(tmp_path
     assert p.read_bytes() == before  # the golden already there is untouched
     with pytest.raises(ag.ActivationGuardError, match="No space left"):
         ag.compare(m, x, path=p, tolerance="calibrated")
+
+
+def test_the_scratch_file_without_positioned_io(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the OS has no pwrite/preadv (Windows) the file object seeks, with the same bytes."""
+    from activation_guard.calibration.scratch import Scratch
+
+    monkeypatch.delattr(os, "pwrite", raising=False)
+    monkeypatch.delattr(os, "preadv", raising=False)
+    s = Scratch()
+    try:
+        a, b = torch.randn(300, dtype=torch.float64), torch.randn(7, 5).to(torch.bfloat16)
+        s.add("x", 0, "", a)
+        s.add("x", 1, "0", b)
+        ea, eb = s.get("x", 0, ""), s.get("x", 1, "0")
+        assert ea is not None and eb is not None
+        assert torch.equal(s.load(eb), b) and torch.equal(s.load(ea, shared=True), a)
+    finally:
+        s.close()

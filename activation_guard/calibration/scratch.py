@@ -3,11 +3,11 @@
 The shadow forward writes every floating output once and the live run reads each back once, in
 the same process. An HDF5 golden (datasets, checksums, an index, then a verified reader) cost
 about as much as a strict record of the same bytes on top of the float64 forward; here each
-tensor is appended as raw bytes with one ``write`` and read back with one ``pread`` into a fresh
-tensor, so memory stays at one output's worth, as with the golden. The file is created in a
-directory only this user can open and unlinked at once: nobody else can open it, and it is gone
-even when the process dies. There is no checksum: the bytes never leave this process's own file,
-and a short read is an error.
+tensor is appended as raw bytes with one ``pwrite`` and read back with one ``pread``, so memory
+stays at one output's worth, as with the golden. The file has no name (``tempfile.TemporaryFile``:
+created 0600 and unlinked at once): nobody else can open it, and it is gone even when the
+process dies. There is no checksum: the bytes never leave this process's own file, and a short
+read is an error.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,22 +39,15 @@ class Scratch:
 
     def __init__(self) -> None:
         try:
-            d = tempfile.mkdtemp(prefix="activation_guard-shadow-")  # mode 0700
+            # a file without a name: created 0600 and unlinked at once (on Linux never named), so
+            # no other process can open it and the system frees it however this process ends
+            self._file: Any = tempfile.TemporaryFile(prefix="activation_guard-shadow-", buffering=0)  # noqa: SIM115 (closed by close())
         except OSError as e:
             raise ActivationGuardError(
                 f"calibrated tolerances keep the float64 shadow's outputs in a private file under "
                 f"{tempfile.gettempdir()!r}, which could not be created ({e}); set TMPDIR to a writable "
                 f"directory") from e
-        path = os.path.join(d, "outputs.bin")
-        try:
-            self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
-                                           0o600)
-        finally:
-            # an unlinked file: only this descriptor reaches it, and the system frees it when the
-            # descriptor closes, however the process ends
-            if os.path.exists(path):
-                os.unlink(path)
-            os.rmdir(d)
+        self._fd: int | None = self._file.fileno()
         self.entries: dict[tuple[str, int, str], ScratchEntry] = {}
         self.size = 0
         self._buf: np.ndarray | None = None  # load(shared=True)'s buffer: the largest output read so far
@@ -67,7 +61,7 @@ class Scratch:
         done = 0
         try:
             while done < len(view):
-                done += os.pwrite(self._fd, view[done:], self.size + done)
+                done += self._write(view[done:], self.size + done)
         except OSError as e:  # disk full, file size limit: the run's setting, not the model
             raise ActivationGuardError(
                 f"could not write the float64 output of layer {name or '<root>'!r} call {call} to the "
@@ -96,7 +90,7 @@ class Scratch:
         view = raw.data
         done = 0
         while done < entry.nbytes:
-            n = os.preadv(self._fd, [view[done:]], entry.offset + done)
+            n = self._read(view[done:], entry.offset + done)
             if n <= 0:
                 raise ActivationGuardError(
                     f"the float64 shadow's scratch file ends at {entry.offset + done} bytes, before the "
@@ -104,9 +98,23 @@ class Scratch:
             done += n
         return tensor_from_bytes(raw, BY_NAME[entry.dtype], entry.shape)
 
+    def _write(self, view: memoryview, offset: int) -> int:
+        assert self._fd is not None
+        if hasattr(os, "pwrite"):
+            return os.pwrite(self._fd, view, offset)
+        self._file.seek(offset)  # Windows: no positioned writes
+        return int(self._file.write(view))
+
+    def _read(self, view: memoryview, offset: int) -> int:
+        assert self._fd is not None
+        if hasattr(os, "preadv"):
+            return os.preadv(self._fd, [view], offset)
+        self._file.seek(offset)
+        return int(self._file.readinto(view) or 0)
+
     def close(self) -> None:
         self.entries = {}
         self._buf = None
         if self._fd is not None:
-            os.close(self._fd)
+            self._file.close()
             self._fd = None
