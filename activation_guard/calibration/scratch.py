@@ -61,7 +61,10 @@ class Scratch:
         done = 0
         try:
             while done < len(view):
-                done += self._write(view[done:], self.size + done)
+                n = self._write(view[done:], self.size + done)
+                if n <= 0:
+                    raise OSError("the write made no progress")
+                done += n
         except OSError as e:  # disk full, file size limit: the run's setting, not the model
             raise ActivationGuardError(
                 f"could not write the float64 output of layer {name or '<root>'!r} call {call} to the "
