@@ -66,6 +66,28 @@ def test_diff_stats_is_the_masked_definition_bit_for_bit(n: int, seed: int, spec
     assert np.array([got.max_abs, got.rms]).tobytes() == np.array([want.max_abs, want.rms]).tobytes()
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 2 * CHUNK + 7), seed=st.integers(0, 2**31 - 1),
+       xdt=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+       rdt=st.sampled_from([torch.float16, torch.float32, torch.float64]), zeros=st.booleans(),
+       specials=st.lists(st.tuples(st.integers(0, 10**7), st.sampled_from(SPECIALS)), max_size=3))
+def test_diff_stats_of_every_dtype_pair_is_the_masked_definition(n: int, seed: int, xdt: torch.dtype,
+                                                                 rdt: torch.dtype, zeros: bool, specials: list) -> None:
+    """Either side narrower or wider (a cast's rounding measures a narrow value against a wide
+    one), several chunks, all-equal values (a -0.0 maximum), and NaN or Inf anywhere."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64).to(xdt)
+    noise = 1e-3 * torch.randn(n, generator=g, dtype=torch.float64)
+    ref = x.to(rdt) if zeros else (x.to(torch.float64) + noise).to(rdt)
+    if zeros and n:
+        x[0], ref[0] = -0.0, 0.0
+    for i, v in specials:
+        if n:
+            x[i % n] = v
+    got, want = diff_stats(x, ref), masked_stats(x, ref)
+    assert np.array([got.max_abs, got.rms]).tobytes() == np.array([want.max_abs, want.rms]).tobytes()
+
+
 def test_diff_stats_over_several_chunks_with_a_late_nan() -> None:
     x = torch.randn(3 * CHUNK + 5, dtype=torch.float32)
     ref = x.double() + 1e-6
@@ -164,3 +186,213 @@ def test_the_shadows_scratch_file_is_not_fsynced(tmp_path: Path, monkeypatch: py
     synced.clear()
     ag.record(m, x, path=tmp_path / "cal.h5", calibrate=True)
     assert len(synced) == plain and not any("activation_guard-shadow" in s for s in synced), synced
+
+
+# --------------------------------------------------------------------------- the leaf checks' reach
+
+
+class _EpsNorm(nn.Module):
+    """Branches on the dtype: its float64 copy computes another function."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (x.abs().mean() + torch.finfo(x.dtype).eps ** 0.5)
+
+
+def test_only_leaves_that_can_compute_differently_per_dtype_are_run_again(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.nn's own Linear, GELU, LayerNorm and Embedding compute one function in every dtype:
+    the leaf checks skip them. The model's own code, a subclass with its own forward, a forward
+    replaced on the instance and nn.RMSNorm (its default epsilon follows the dtype) are re-run."""
+    from activation_guard.calibration import shadow
+
+    ran: list[str] = []
+    real = shadow._run_low
+
+    def spy(mod: nn.Module, *args: object, **kwargs: object) -> object:
+        ran.append(type(mod).__name__)
+        return real(mod, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(shadow, "_run_low", spy)
+    torch.manual_seed(0)
+    patched = nn.Tanh()
+    patched.forward = lambda x: torch.tanh(x)  # type: ignore[method-assign]
+    m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), _EpsNorm(), Probe("p", 64, 64), patched,
+                      nn.RMSNorm(64), nn.Linear(64, 8)).eval()
+    ag.record(m, torch.randn(4, 32), path=tmp_path / "g.h5", calibrate=True)
+    assert sorted(ran) == ["Probe", "RMSNorm", "_EpsNorm"], ran
+
+
+def test_a_default_epsilon_rmsnorm_is_still_found_computing_differently(tmp_path: Path) -> None:
+    """nn.RMSNorm(eps=None) adds torch.finfo(x.dtype).eps: on small activations its float64 copy is
+    another function, found by the leaf check, and a later 1% weight change still fails."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64, bias=False), nn.RMSNorm(64), nn.Linear(64, 16), nn.Tanh(),
+                      nn.Linear(16, 8)).eval()
+    x = torch.randn(8, 32) * 3e-4
+    p = tmp_path / "g.h5"
+    ag.record(m, (x,), path=p, calibrate=True)
+    with ag.read_golden(p) as r:
+        assert [row[:2] for row in r.meta["calibration"]["computes_differently"]] == [["1", 0]]
+    assert ag.compare(m, (x,), path=p, tolerance="calibrated").ok
+    changed = copy.deepcopy(m)
+    with torch.no_grad():
+        changed[4].weight.mul_(1.01)
+    rep = ag.compare(changed, (x,), path=p, tolerance="calibrated")
+    assert not rep.ok and rep.first_divergence is not None and rep.first_divergence.name == "4", rep
+    assert any("'1'[0]" in n and "computes differently" in n for n in rep.notes), rep.notes
+
+
+# --------------------------------------------------------------------------- the scratch file
+
+
+def test_the_shadows_outputs_never_have_a_path_and_are_gone_after(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float64 outputs go to a file that is unlinked as it is created (no other process can
+    open it, nothing is left even if this one dies) and closed when the run ends."""
+    import tempfile
+
+    from activation_guard.calibration import scratch
+
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    seen: list[list[str]] = []
+    opened: list[scratch.Scratch] = []
+    real_add = scratch.Scratch.add
+
+    def add(self: scratch.Scratch, name: str, call: int, path: str, t: torch.Tensor) -> None:
+        seen.append([str(q) for q in private.rglob("*")])
+        if self not in opened:
+            opened.append(self)
+        real_add(self, name, call, path, t)
+
+    monkeypatch.setattr(scratch.Scratch, "add", add)
+    m = probe_model()
+    x = torch.randn(4, 32)
+    ag.record(m, x, path=tmp_path / "g.h5", calibrate=True)
+    assert ag.compare(m, x, path=tmp_path / "g.h5", tolerance="calibrated").ok
+    assert seen and all(s == [] for s in seen), seen  # no name on disk while it is written
+    assert len(opened) == 2 and all(s._fd is None for s in opened)  # one per run, closed after
+    assert list(private.iterdir()) == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=3), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.complex128]),
+       transpose=st.booleans())
+def test_the_scratch_file_gives_back_every_value_bit_for_bit(shape: list[int], seed: int, dtype: torch.dtype,
+                                                             transpose: bool) -> None:
+    from activation_guard.calibration.scratch import Scratch
+
+    g = torch.Generator().manual_seed(seed)
+    s = Scratch()
+    try:
+        kept = []
+        for k in range(3):
+            t = torch.randn(tuple(shape), generator=g, dtype=torch.float64).to(dtype)
+            if transpose and t.dim() >= 2:
+                t = t.transpose(0, -1)  # not contiguous
+            s.add("layer", k, "", t)
+            kept.append(t)
+        for k, t in enumerate(kept):
+            e = s.get("layer", k, "")
+            assert e is not None
+            back = s.load(e)
+            assert back.dtype == t.dtype and back.shape == t.shape and back.is_contiguous()
+            assert back.reshape(-1).view(torch.uint8).tolist() == t.reshape(-1).view(torch.uint8).tolist()
+            shared = s.load(e, shared=True)  # the floors' read: one buffer, reused
+            assert shared.reshape(-1).view(torch.uint8).tolist() == t.reshape(-1).view(torch.uint8).tolist()
+        assert s.get("layer", 3, "") is None
+    finally:
+        s.close()
+
+
+# --------------------------------------------------------------------------- one RMS per output
+
+
+VALUE_SPECIALS = [math.nan, math.inf, -math.inf, 0.0, -0.0, 3e38, 1e-40]
+
+
+@settings(max_examples=80, deadline=None)
+@given(shape=st.lists(st.integers(0, 40), min_size=0, max_size=3), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64]),
+       specials=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from([*VALUE_SPECIALS, 1e200])), max_size=3),
+       transpose=st.booleans())
+def test_the_rms_taken_once_is_both_masked_definitions_bit_for_bit(shape: list[int], seed: int, dtype: torch.dtype,
+                                                                  specials: list, transpose: bool) -> None:
+    """values_rms and abs_term (the allowance's absolute term) mask non-finite values; the judge
+    takes the RMS once without masks where every square is finite: the same bits as both."""
+    from activation_guard.calibration import calibrate as cal
+
+    g = torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+    flat = g.view(-1)
+    for i, v in specials:
+        if flat.numel():
+            flat[i % flat.numel()] = torch.tensor(v, dtype=torch.float64).to(dtype)  # 1e200: inf below float64
+    if transpose and g.dim() >= 2:
+        g = g.transpose(0, -1)
+
+    def masked_rms(x: torch.Tensor) -> float | None:
+        wide = torch.view_as_real(x).to(torch.float64) if x.is_complex() else x.to(torch.float64)
+        sq = wide.square().sum(-1) if x.is_complex() else wide.square()
+        sq = sq[torch.isfinite(sq)]
+        return None if sq.numel() == 0 else float(sq.mean().sqrt())
+
+    def masked_abs_term(x: torch.Tensor) -> float:
+        y = (x.abs() if x.is_complex() else x).to(torch.float64)
+        y = y[torch.isfinite(y)]
+        if y.numel() == 0:
+            return cal.ABS_TERM
+        scale = float(y.square().mean().sqrt())
+        return cal.ABS_TERM * min(1.0, scale) if scale > 0 else cal.ABS_TERM
+
+    def bits(v: float | None) -> bytes | None:
+        return None if v is None else np.float64(v).tobytes()
+
+    fast = cal._all_finite_rms(g)
+    assert bits(cal.values_rms(g)) == bits(masked_rms(g))
+    assert bits(cal.abs_term(g)) == bits(masked_abs_term(g))
+    if fast is not None:
+        assert bits(fast) == bits(masked_rms(g))
+        assert bits(cal.abs_term(g, fast)) == bits(masked_abs_term(g))
+
+
+def test_a_full_disk_under_the_scratch_file_names_the_layer_and_the_fix(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from activation_guard.calibration import scratch
+
+    m = probe_model()
+    x = torch.randn(4, 32)
+    p = tmp_path / "g.h5"
+    ag.record(m, x, path=p, calibrate=True)
+    before = p.read_bytes()
+
+    def full(fd: int, data: object, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(scratch.os, "pwrite", full)
+    with pytest.raises(ag.ActivationGuardError, match=r"layer '0' call 0 .*No space left.*set TMPDIR"):
+        ag.record(m, x, path=p, calibrate=True)
+    assert p.read_bytes() == before  # the golden already there is untouched
+    with pytest.raises(ag.ActivationGuardError, match="No space left"):
+        ag.compare(m, x, path=p, tolerance="calibrated")
+
+
+def test_the_scratch_file_without_positioned_io(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the OS has no pwrite/preadv (Windows) the file object seeks, with the same bytes."""
+    from activation_guard.calibration.scratch import Scratch
+
+    monkeypatch.delattr(os, "pwrite", raising=False)
+    monkeypatch.delattr(os, "preadv", raising=False)
+    s = Scratch()
+    try:
+        a, b = torch.randn(300, dtype=torch.float64), torch.randn(7, 5).to(torch.bfloat16)
+        s.add("x", 0, "", a)
+        s.add("x", 1, "0", b)
+        ea, eb = s.get("x", 0, ""), s.get("x", 1, "0")
+        assert ea is not None and eb is not None
+        assert torch.equal(s.load(eb), b) and torch.equal(s.load(ea, shared=True), a)
+    finally:
+        s.close()

@@ -176,12 +176,17 @@ class CalibratedJudge:
         return res
 
     def judge(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
-        d = self.decide(ctx, lambda gf: (gf, self.shadow.floor(ctx.name, ctx.call, ctx.path, live)),
-                        lambda: values_rms(golden))
+        fast: list[float | None] = [None]  # the golden's RMS, taken once for the scale and the absolute term
+
+        def scale() -> float | None:
+            fast[0] = _all_finite_rms(golden)
+            return fast[0] if fast[0] is not None else values_rms(golden)
+
+        d = self.decide(ctx, lambda gf: (gf, self.shadow.floor(ctx.name, ctx.call, ctx.path, live)), scale)
         if not d.calibrated:
             return self.strict_verdict(ctx, golden, live, d)
         assert d.golden_floor is not None and d.live_floor is not None
-        return calibrated_verdict(ctx, golden, live, d.golden_floor, d.live_floor)
+        return calibrated_verdict(ctx, golden, live, d.golden_floor, d.live_floor, fast[0])
 
     def identical_tolerance(self, name: str, dtype: str) -> None:
         return None  # it counts what it judged, in order, for its notes
@@ -281,8 +286,23 @@ def implausible_floor(golden: torch.Tensor, gf: NoiseFloor, lf: NoiseFloor, dtyp
     return None if rms is None else floor_beyond_rounding(rms, gf, lf, dtype)
 
 
+def _all_finite_rms(golden: torch.Tensor) -> float | None:
+    """The RMS of a real tensor whose every square is finite, else None: then both masked
+    definitions below (:func:`values_rms`, :func:`abs_term`) keep every element, and this is
+    their value bit for bit (the same elements, in order, through the same reduction) without
+    their masks and copies."""
+    g = golden.detach()
+    if g.is_complex() or g.numel() == 0:
+        return None
+    m = g.to(torch.float64, copy=True).square_().reshape(-1).mean()  # one float64 buffer, squared in place
+    return float(m.sqrt()) if bool(torch.isfinite(m)) else None
+
+
 def values_rms(golden: torch.Tensor) -> float | None:
     """The RMS of the finite values (a complex value's magnitude), or None when there are none."""
+    fast = _all_finite_rms(golden)
+    if fast is not None:
+        return fast
     g = golden.detach()
     # a complex value's scale is its magnitude: its real part alone (what a cast to float64 keeps)
     # is 0 for imaginary values, and a floor can never be implausible against a scale of 0
@@ -304,11 +324,15 @@ def floor_beyond_rounding(scale: float, gf: NoiseFloor, lf: NoiseFloor, dtype: s
             f"branch on the dtype), so it was judged strictly")
 
 
-def abs_term(golden: torch.Tensor) -> float:
+def abs_term(golden: torch.Tensor, rms: float | None = None) -> float:
     """The rule's absolute term for these values: ``ABS_TERM`` times their RMS, at most
     ``ABS_TERM``. It covers the two float64 references' own difference, which is relative to the
     values; a fixed 1e-5 against activations of RMS 0.01 allowed 0.1% of them, and a GELU swapped
-    for its tanh approximation (6e-6 there) passed under TF32."""
+    for its tanh approximation (6e-6 there) passed under TF32. ``rms``: these values'
+    :func:`_all_finite_rms`, when the caller has it."""
+    fast = _all_finite_rms(golden) if rms is None else rms
+    if fast is not None:
+        return ABS_TERM * min(1.0, fast) if fast > 0 else ABS_TERM
     g = golden.detach()
     if g.is_complex():
         g = g.abs()
@@ -321,8 +345,9 @@ def abs_term(golden: torch.Tensor) -> float:
 
 
 def calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor,
-                        gf: NoiseFloor, lf: NoiseFloor) -> LeafResult:
-    """The calibrated rule's verdict on two tensors, given the floors :meth:`CalibratedJudge.decide` chose."""
+                        gf: NoiseFloor, lf: NoiseFloor, rms: float | None = None) -> LeafResult:
+    """The calibrated rule's verdict on two tensors, given the floors :meth:`CalibratedJudge.decide` chose.
+    ``rms``: ``golden``'s :func:`_all_finite_rms` when the caller took it (None: taken here if needed)."""
     gdt, ldt = ctx.golden_dtype, ctx.live_dtype
     shape = tuple(int(s) for s in live.shape)
     dev = stats_device(live)
@@ -337,12 +362,14 @@ def calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tenso
     elif PRECISION.get(gdt, 0) < PRECISION.get(ldt, 0):  # the reverse: the golden was stored rounded
         rf = cast_rounding(lv, g.dtype)
         gf = NoiseFloor(gf.max_abs + rf.max_abs, gf.rms + rf.rms)
-    a = allowance(gdt, ldt, live.numel(), gf, lf, abs_term(g))
+    # the caller's RMS was taken where the golden is: on another device a reduction may round otherwise
+    a = allowance(gdt, ldt, live.numel(), gf, lf, abs_term(g, rms if g.device == golden.device else None))
     allow_max, allow_rms = a.max_abs, a.rms
     if g.dtype != lv.dtype:
         g, lv = g.to(torch.float64), lv.to(torch.float64)
     st = compare_tensors(g, lv, 0.0, allow_max)
-    err = diff_stats(lv, g)
+    # equal values (NaN is never equal) subtract to zeros: the statistics diff_stats would give
+    err = NoiseFloor(0.0, 0.0) if g.dtype == lv.dtype and torch.equal(g, lv) else diff_stats(lv, g)
     multiple = max(_ratio(err.max_abs, allow_max), _ratio(err.rms, allow_rms))
     res = leaf_from_stats(ctx.path, gdt, ldt, shape, st, 0.0, allow_max, rule_text(a.multiplier))
     res.error_multiple = multiple

@@ -2,8 +2,9 @@
 
 The model is deep-copied to float64 (on the CPU when the live device has no float64), run once on
 the same inputs with full-precision float32 switches and autocast off, with every RNG isolated so
-the real forward sees exactly the random numbers it would have seen. Its outputs go to a
-temporary golden, so memory stays near one layer's worth as for the real golden.
+the real forward sees exactly the random numbers it would have seen. Its outputs go to a private
+scratch file (:mod:`.scratch`), so memory stays near one layer's worth as for the real golden; its
+gradients, when a backward runs, to a temporary golden.
 
 Over the ~400 lines we aim for: the float64 copy's forward, its backward, and the leaf checks that
 find a copy computing another function (an epsilon from the dtype) share the copy's state.
@@ -36,6 +37,7 @@ from ..store import GoldenReader, GoldenWriter
 from ..store.floors import CALIBRATED_DTYPES, FloorTable, NoiseFloor, diff_stats
 from ..values.leaves import Leaf, flatten
 from ..values.rebuild import clone_inputs, map_tensors
+from .scratch import Scratch
 
 # --------------------------------------------------------------------------- shadow forward
 
@@ -209,6 +211,38 @@ def _run_dtypes(model: torch.nn.Module, args: Any, kwargs: Any) -> dict[str, tor
     return out
 
 
+# torch.nn's own leaf modules whose forward is one functional call that never branches on the
+# dtype (their epsilons and thresholds are fixed numbers, not ``torch.finfo(dtype)``): their float64
+# copy computes the very function they compute in the model's dtype, so running them again in that
+# dtype could only measure rounding, which is what the noise floors measure anyway. They do nearly
+# all of a model's arithmetic, so the check's extra run (about one forward in the model's dtype)
+# shrinks to the model's own code. A subclass, a forward replaced on the class or the instance, or
+# a parametrized weight is checked as any other leaf; so is ``nn.RMSNorm``, whose default epsilon
+# is ``torch.finfo(x.dtype).eps``.
+_SAME_IN_EVERY_DTYPE: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.Linear, torch.nn.Bilinear, torch.nn.Embedding, torch.nn.EmbeddingBag,
+    torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+    torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d,
+    torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d,
+    torch.nn.ReLU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.Identity,
+    torch.nn.Dropout,
+)
+_OWN_FORWARD = {cls: cls.forward for cls in _SAME_IN_EVERY_DTYPE}
+
+
+def same_in_every_dtype(mod: torch.nn.Module) -> bool:
+    """Whether ``mod`` is one of torch.nn's own leaves whose function does not depend on the dtype,
+    as torch defines it: its exact class, torch's own forward, plain parameters and buffers."""
+    cls = type(mod)
+    fwd = _OWN_FORWARD.get(cls)
+    if fwd is None or cls.forward is not fwd or not getattr(fwd, "__module__", "").startswith("torch.nn.modules."):
+        return False
+    if "forward" in mod.__dict__:
+        return False
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+               for t in (*mod._parameters.values(), *mod._buffers.values()) if t is not None)
+
+
 class LeafChecks:
     """Every leaf module of the float64 copy, checked call by call against itself run in the
     model's own dtype on its inputs rounded to that dtype. A call that departs by more than
@@ -228,6 +262,8 @@ class LeafChecks:
         originals = {} if model is None else dict(model.named_modules())
         for name, mod in shadow.named_modules():
             if next(iter(mod.children()), None) is not None or "forward" in mod.__dict__:
+                continue
+            if same_in_every_dtype(mod):
                 continue
             dt = dtypes.get(name, torch.float32)
             if dt == torch.float64:
@@ -379,8 +415,8 @@ def _float64_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Modu
 
 
 class ShadowRun:
-    """The float64 copy of a model, run once on the inputs; its outputs kept in a temporary
-    golden file so memory stays near one layer's worth, as for the real golden."""
+    """The float64 copy of a model, run once on the inputs; its outputs kept in a private scratch
+    file so memory stays near one layer's worth, as for the real golden."""
 
     def __init__(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  include: Sequence[str] | None, exclude: Sequence[str] | None, live_device: torch.device,
@@ -393,9 +429,9 @@ class ShadowRun:
         self.keep_model = keep_model
         self.model: torch.nn.Module | None = None
         self.device = reference_device(live_device)
-        self._tmp = tempfile.TemporaryDirectory(prefix="activation_guard-shadow-")
-        self.reader: GoldenReader | None = None
-        self._calls: dict[tuple[str, int], dict[str, Any]] = {}
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None  # the gradients' golden, with a backward
+        self.scratch: Scratch | None = None  # the forward's float64 outputs
+        self.reader: GoldenReader | None = None  # the float64 gradients
         # leaf calls whose float64 copy computes another function than the model's dtype does:
         # (layer, call, departure as a share of the output's RMS)
         self.differs: list[tuple[str, int, float]] = []
@@ -425,14 +461,22 @@ class ShadowRun:
             checks.install(shadow, own, model)
             a = to_reference(args, self.device)
             kw = to_reference(kwargs, self.device)
-            path = os.path.join(self._tmp.name, "shadow.h5")
-            writer = GoldenWriter(path)
-
-            # --- gradients: the float64 backward, with the golden's loss
-            grads = None if self.backward is None else GradCapture(GradRecorder(writer))
+            scratch = self.scratch = Scratch()
+            # --- gradients: the float64 backward, with the golden's loss, into a temporary golden
+            path: str | None = None
+            writer: GoldenWriter | None = None
+            grads: GradCapture | None = None
+            if self.backward is not None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="activation_guard-shadow-")
+                path = os.path.join(self._tmp.name, "shadow.h5")
+                writer = GoldenWriter(path)
+                grads = GradCapture(GradRecorder(writer))
 
             def on_output(frame: Frame, output: Any) -> None:
-                writer.add_call(frame.name, frame.call, type(frame.module).__name__, flatten(output))
+                for leaf in flatten(output):
+                    if (leaf.kind == "tensor" and leaf.tensor is not None
+                            and dtype_name(leaf.tensor) in CALIBRATED_DTYPES):
+                        scratch.add(frame.name, frame.call, leaf.path, leaf.tensor)
                 if grads is not None:
                     grads.on_output(frame, output)
 
@@ -444,9 +488,11 @@ class ShadowRun:
                     if grads is not None and self.backward is not None:
                         grads.backward(shadow, out, self.backward, a, kw)
                 checks.recording = False  # replays of the kept copy re-check, but are not this run's calls
-                writer.commit({}, durable=False)
+                if writer is not None:
+                    writer.commit({}, durable=False)
             except BaseException:
-                writer.abort()
+                if writer is not None:
+                    writer.abort()
                 raise
             finally:
                 if grads is not None:
@@ -471,27 +517,21 @@ class ShadowRun:
         if self.keep_model:
             self.model = shadow
         del shadow
-        self.reader = GoldenReader(path)
+        if path is not None:
+            self.reader = GoldenReader(path)
 
-    def reference(self, name: str, call: int, path: str) -> torch.Tensor | None:
-        """The float64 output of layer ``name`` call ``call`` at ``path`` (CPU), if recorded."""
-        if self.reader is None:
-            return None
-        entry = self.reader.by_key.get((name, call))
+    def reference(self, name: str, call: int, path: str, *, shared: bool = False) -> torch.Tensor | None:
+        """The float64 output of layer ``name`` call ``call`` at ``path`` (CPU), if recorded.
+        ``shared``: in the scratch file's one buffer, overwritten by the next shared read."""
+        entry = None if self.scratch is None else self.scratch.get(name, call, path)
         if entry is None:
             return None
-        leaves = self._calls.get((name, call))
-        if leaves is None:
-            leaves = {leaf.path: leaf for leaf in entry.leaves}
-            self._calls = {(name, call): leaves}  # keep one call's index at a time
-        leaf = leaves.get(path)
-        if leaf is None or leaf.kind != "tensor" or leaf.dtype not in CALIBRATED_DTYPES:
-            return None
-        return self.reader.load(leaf, f"shadow layer {name!r} call {call} output {path!r}")
+        assert self.scratch is not None
+        return self.scratch.load(entry, shared=shared)
 
     def floor(self, name: str, call: int, path: str, value: torch.Tensor) -> NoiseFloor | None:
         """``value``'s noise floor against the shadow's float64 output at the same place."""
-        ref = self.reference(name, call, path)
+        ref = self.reference(name, call, path, shared=True)  # read, measured and let go here
         if ref is None or tuple(ref.shape) != tuple(value.shape):
             return None
         f = diff_stats(value, ref)
@@ -524,7 +564,12 @@ class ShadowRun:
 
     def close(self) -> None:
         self.model = None
+        if self.scratch is not None:
+            self.scratch.close()
+            self.scratch = None
         if self.reader is not None:
             self.reader.close()
             self.reader = None
-        self._tmp.cleanup()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

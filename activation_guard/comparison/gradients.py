@@ -70,6 +70,7 @@ class GradNoise(ShadowRun):
         self.live_device = shadow.live_device
         self.model = None
         self.reader = None
+        self.scratch = None
         self.differs = shadow.differs
 
     def floor(self, name: str, call: int, path: str, value: torch.Tensor) -> NoiseFloor | None:
