@@ -396,3 +396,15 @@ def test_the_scratch_file_without_positioned_io(monkeypatch: pytest.MonkeyPatch)
         assert torch.equal(s.load(eb), b) and torch.equal(s.load(ea, shared=True), a)
     finally:
         s.close()
+
+
+def test_a_dropout_in_training_is_still_run_again() -> None:
+    """A training-mode Dropout draws its mask from the generator, and one stream per dtype is not
+    promised on every device: it is re-run like the model's own code; in eval mode (the identity)
+    or with p=0 it is not."""
+    from activation_guard.calibration.shadow import same_in_every_dtype
+
+    assert not same_in_every_dtype(nn.Dropout(0.1).train())
+    assert same_in_every_dtype(nn.Dropout(0.1).eval())
+    assert same_in_every_dtype(nn.Dropout(0.0).train())
+    assert same_in_every_dtype(nn.Linear(2, 2).train())

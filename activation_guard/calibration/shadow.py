@@ -239,6 +239,10 @@ def same_in_every_dtype(mod: torch.nn.Module) -> bool:
         return False
     if "forward" in mod.__dict__:
         return False
+    if cls is torch.nn.Dropout and mod.training and mod.p > 0:
+        # its mask comes from the generator: one stream per dtype is not promised (a device's
+        # kernel may draw per vector of elements), and a different mask is another function
+        return False
     return all(type(t) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
                for t in (*mod._parameters.values(), *mod._buffers.values()) if t is not None)
 
