@@ -11,7 +11,8 @@ TORCH = "torch==2.13.0"  # the CPU build available on this team's machines; user
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff==0.17.6", "mypy==2.4.1", TORCH, "numpy", "h5py", "pytest")
-    session.run("ruff", "check", "activation_guard", "tests", "benchmarks", "docs", "conftest.py", "noxfile.py", "setup.py")
+    session.run("ruff", "check", "activation_guard", "tests", "benchmarks", "docs", "conftest.py", "noxfile.py",
+                "setup.py")
     session.run("mypy", "activation_guard")
 
 
