@@ -239,7 +239,7 @@ def same_in_every_dtype(mod: torch.nn.Module) -> bool:
         return False
     if "forward" in mod.__dict__:
         return False
-    if cls is torch.nn.Dropout and mod.training and mod.p > 0:
+    if cls is torch.nn.Dropout and mod.training and getattr(mod, "p", 1.0) > 0:
         # its mask comes from the generator: one stream per dtype is not promised (a device's
         # kernel may draw per vector of elements), and a different mask is another function
         return False
