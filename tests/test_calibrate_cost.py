@@ -408,3 +408,48 @@ def test_a_dropout_in_training_is_still_run_again() -> None:
     assert same_in_every_dtype(nn.Dropout(0.1).eval())
     assert same_in_every_dtype(nn.Dropout(0.0).train())
     assert same_in_every_dtype(nn.Linear(2, 2).train())
+
+
+@pytest.mark.parametrize("dt", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("swap", [False, True])
+def test_diff_stats_of_a_float8_value_against_its_float64_reference(dt: str, swap: bool) -> None:
+    """diff_stats' one-buffer pass leaves torch to promote a narrow side to float64 inside the
+    subtraction, which torch does not do for float8: those are widened first."""
+    import torch
+
+    from activation_guard.store.floors import diff_stats
+
+    x = torch.randn(64, dtype=torch.float64)
+    lo = x.to(getattr(torch, dt))
+    a, b = (x, lo) if swap else (lo, x)
+    got = diff_stats(a, b)
+    want = (lo.to(torch.float64) - x).abs()
+    assert got.max_abs == float(want.max())
+
+
+def test_a_calibrated_record_of_a_model_with_a_float8_output(tmp_path: Path) -> None:
+    """End to end: a calibrated record of a model whose last layer returns float8 activations
+    measures its floors (torch does not promote float8 with float64 by itself): it records, compares OK
+    unchanged and fails a 20% weight change at layer '0'."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    import activation_guard as ag
+
+    class Cast8(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.to(torch.float8_e4m3fn)
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), Cast8()).eval()
+    x = torch.randn(4, 8)
+    p = tmp_path / "g.h5"
+    ag.record(m, (x,), path=p, calibrate=True)
+    assert ag.compare(m, (x,), path=p, tolerance="calibrated").ok
+    ch = copy.deepcopy(m)
+    with torch.no_grad():
+        ch[0].weight.mul_(1.2)
+    rep = ag.compare(ch, (x,), path=p, tolerance="calibrated")
+    assert not rep.ok and rep.first_divergence is not None and rep.first_divergence.name == "0"

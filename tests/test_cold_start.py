@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -328,3 +329,60 @@ def test_an_in_place_build_replaces_the_library_by_a_rename(tmp_path: Path) -> N
     assert (tmp_path / "mapped").read_bytes() == b"the library a running process has mapped"
     assert lib.read_bytes()[:4] == b"\x7fELF" or sys.platform == "darwin"
     assert sorted(p.name for p in core.iterdir()) == sorted(["__init__.py", "csrc", "nativebuild.py", lib.name])
+
+
+def _a_compiler() -> list[str]:
+    try:
+        return nativebuild.compiler()
+    except nativebuild.BuildError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.skipif(sys.platform in ("win32", "darwin"), reason="GCC's crtfastmath (Linux)")
+def test_loading_a_library_leaves_the_floating_point_environment_as_it_was(tmp_path: Path) -> None:
+    """Whatever a library's constructors do to the loading thread's floating-point environment
+    (flush-to-zero from crtfastmath.o) is undone as it is loaded, before any check can run."""
+    lib = tmp_path / "fast.so"
+    nativebuild.compile_library(_a_compiler(), lib, flags=[*nativebuild.FLAGS, "-ffast-math"])
+    code = f"""
+import ctypes, torch
+from pathlib import Path
+from activation_guard._core import native
+x = torch.tensor([1e-40])
+native._load(Path({str(lib)!r}))
+print((x * 1.0).item(), 1e-310 * 1.0)
+ctypes.CDLL({str(lib)!r})  # (a second dlopen of a loaded library runs no constructor)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert all(float(v) != 0.0 for v in r.stdout.split()), r.stdout
+    plain = subprocess.run([sys.executable, "-c", f"import ctypes, torch; ctypes.CDLL({str(lib)!r}); "
+                            "print((torch.tensor([1e-40]) * 1.0).item())"], capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0 and float(plain.stdout) == 0.0, "the library does not flush: the test proves nothing"
+
+
+@pytest.mark.skipif(sys.platform == "win32" or sys.platform == "darwin", reason="GCC's crtfastmath (Linux)")
+def test_a_refused_prebuilt_library_leaves_the_floating_point_environment_alone(tmp_path: Path) -> None:
+    """A prebuilt library built with other flags (-ffast-math links crtfastmath.o, whose constructor
+    turns on flush-to-zero for the loading thread) is refused before it is loaded: the model's own
+    subnormal values stay what they are."""
+    lib = tmp_path / "_fpchunk.so"
+    nativebuild.compile_library(_a_compiler(), lib, flags=[*nativebuild.FLAGS, "-ffast-math"])
+    code = textwrap.dedent(f"""
+        import torch
+        from pathlib import Path
+        from activation_guard._core import native
+        native.PREBUILT = Path({str(lib)!r})
+        x = torch.tensor([1e-40], dtype=torch.float32)
+        assert (x * 1.0).item() != 0.0
+        got, why = native.prebuilt()
+        assert got is None and "flags" in why, why
+        print((x * 1.0).item(), 1e-310 * 1.0)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    torch_value, python_value = (float(v) for v in r.stdout.split())
+    assert torch_value != 0.0 and python_value != 0.0, (
+        f"after refusing the library, subnormals flush to zero: torch {torch_value}, python {python_value}")
+
+

@@ -29,6 +29,8 @@ beside the forward on another core.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import functools
 import os
 import sys
 import tempfile
@@ -116,6 +118,50 @@ class _Refused(Exception):
     """Why a loaded library is not used: the message ends up in :func:`status`."""
 
 
+def _load(path: Path) -> ctypes.CDLL:
+    """``ctypes.CDLL(path)`` with the loading thread's floating-point environment put back after:
+    a library's constructors run at load, before anything in it can be checked, and one linked
+    with ``crtfastmath.o`` (built with -ffast-math) turns on flush-to-zero for this thread, which
+    would change the model's own subnormal arithmetic even if the library is then refused."""
+    libm = _libm()
+    if libm is None:
+        return ctypes.CDLL(str(path))
+    env = ctypes.create_string_buffer(_FENV_BYTES)
+    saved = libm.fegetenv(env) == 0
+    try:
+        return ctypes.CDLL(str(path))
+    finally:
+        if saved:
+            libm.fesetenv(env)
+
+
+_FENV_BYTES = 512  # more than any C library's fenv_t (glibc x86-64: 32 bytes, aarch64: 8)
+
+
+@functools.lru_cache(maxsize=1)
+def _libm() -> ctypes.CDLL | None:
+    """The C math library with ``fegetenv``/``fesetenv``, where there is one."""
+    for name in (None, ctypes.util.find_library("m")):  # the process's own symbols first: Python links libm
+        try:
+            lib = ctypes.CDLL(name)
+        except (OSError, TypeError):
+            continue
+        if hasattr(lib, "fegetenv") and hasattr(lib, "fesetenv"):
+            return lib
+    return None
+
+
+def _names_itself(path: Path, sha: str, flags: str) -> bool:
+    """Whether the file holds the source hash and the flags this module expects as whole C strings,
+    read before the library is loaded, so that a stale or foreign build's constructors never run.
+    (After loading, :func:`prebuilt` asks the library itself: that check is the one relied on.)"""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    return all(b"\0" + s.encode() + b"\0" in data for s in (sha, flags))
+
+
 def _bind(dll: ctypes.CDLL) -> Native:
     """The entry points of a loaded library; :class:`_Refused` if it speaks another version."""
     if dll.ag_version() != VERSION:
@@ -179,16 +225,19 @@ def prebuilt() -> tuple[Native | None, str]:
     if sys.platform == "win32" or not path.is_file():
         return None, ""
     try:
-        dll = ctypes.CDLL(str(path))
+        try:
+            here = source_sha()
+        except OSError as e:
+            raise _Refused(f"the source it must match cannot be read ({e})") from e
+        if not _names_itself(path, here, " ".join(FLAGS)):
+            raise _Refused(f"it does not name the source here (sha256 {here[:12]}) and this module's flags "
+                           f"{' '.join(FLAGS)!r}: not loaded")
+        dll = _load(path)
         for name in ("ag_source_sha", "ag_flags"):
             if not hasattr(dll, name):
                 raise _Refused(f"it has no {name}() (built before libraries recorded their source)")
             getattr(dll, name).restype = ctypes.c_char_p
         built_from, flags = dll.ag_source_sha().decode(), dll.ag_flags().decode()
-        try:
-            here = source_sha()
-        except OSError as e:
-            raise _Refused(f"the source it must match cannot be read ({e})") from e
         if built_from != here:
             raise _Refused(f"it was built from another {SOURCE.name} (sha256 {built_from[:12] or 'not recorded'}, "
                            f"the source here is {here[:12]})")
@@ -243,7 +292,7 @@ def _compile_and_load(argv: list[str], extra_flags: tuple[str, ...]) -> ctypes.C
     with tempfile.TemporaryDirectory(prefix="activation_guard-native-") as tmp:
         lib = Path(tmp) / "fpchunk.so"
         compile_library(argv, lib, extra_flags)
-        return ctypes.CDLL(str(lib))  # mapped: the file can go with the folder
+        return _load(lib)  # mapped: the file can go with the folder
 
 
 def get() -> Native | None:

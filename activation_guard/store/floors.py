@@ -65,6 +65,9 @@ class NoiseFloor:
         return math.isfinite(self.max_abs) and math.isfinite(self.rms)
 
 
+_PROMOTES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def diff_stats(x: torch.Tensor, ref: torch.Tensor) -> NoiseFloor:
     """Max abs and RMS of ``x - ref`` in float64, on ``x``'s device (CPU if it lacks float64).
 
@@ -94,6 +97,9 @@ def diff_stats(x: torch.Tensor, ref: torch.Tensor) -> NoiseFloor:
                 # subtraction may widen its operands itself; max |d| is max(max d, -min d); and
                 # d * d is |d| * |d| (a -0.0 maximum is made +0.0 below)
                 a, b = xs[i : i + CHUNK], rs[i : i + CHUNK]
+                # torch promotes these with float64 inside the subtraction; float8 it does not
+                a = a if a.dtype in _PROMOTES else a.to(wide)
+                b = b if b.dtype in _PROMOTES else b.to(wide)
                 d = torch.sub(a if wide in (a.dtype, b.dtype) else a.to(wide), b, out=buf[: a.numel()])
                 lo, hi = torch.aminmax(d)
                 mx = torch.maximum(mx, torch.maximum(hi, lo.neg()))
