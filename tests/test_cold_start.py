@@ -364,7 +364,8 @@ ctypes.CDLL({str(lib)!r})  # (a second dlopen of a loaded library runs no constr
 @pytest.mark.skipif(sys.platform == "win32" or sys.platform == "darwin", reason="GCC's crtfastmath (Linux)")
 def test_a_refused_prebuilt_library_leaves_the_floating_point_environment_alone(tmp_path: Path) -> None:
     """A prebuilt library built with other flags (-ffast-math links crtfastmath.o, whose constructor
-    turns on flush-to-zero for the loading thread) is refused before it is loaded: the model's own
+    turns on flush-to-zero for the loading thread as it is loaded, before it can be checked) is
+    refused, and the loading thread's floating-point environment is as it was: the model's own
     subnormal values stay what they are."""
     lib = tmp_path / "_fpchunk.so"
     nativebuild.compile_library(_a_compiler(), lib, flags=[*nativebuild.FLAGS, "-ffast-math"])

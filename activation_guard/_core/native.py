@@ -151,17 +151,6 @@ def _libm() -> ctypes.CDLL | None:
     return None
 
 
-def _names_itself(path: Path, sha: str, flags: str) -> bool:
-    """Whether the file holds the source hash and the flags this module expects as whole C strings,
-    read before the library is loaded, so that a stale or foreign build's constructors never run.
-    (After loading, :func:`prebuilt` asks the library itself: that check is the one relied on.)"""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return False
-    return all(b"\0" + s.encode() + b"\0" in data for s in (sha, flags))
-
-
 def _bind(dll: ctypes.CDLL) -> Native:
     """The entry points of a loaded library; :class:`_Refused` if it speaks another version."""
     if dll.ag_version() != VERSION:
@@ -229,9 +218,6 @@ def prebuilt() -> tuple[Native | None, str]:
             here = source_sha()
         except OSError as e:
             raise _Refused(f"the source it must match cannot be read ({e})") from e
-        if not _names_itself(path, here, " ".join(FLAGS)):
-            raise _Refused(f"it does not name the source here (sha256 {here[:12]}) and this module's flags "
-                           f"{' '.join(FLAGS)!r}: not loaded")
         dll = _load(path)
         for name in ("ag_source_sha", "ag_flags"):
             if not hasattr(dll, name):
