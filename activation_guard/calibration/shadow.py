@@ -216,9 +216,10 @@ def _run_dtypes(model: torch.nn.Module, args: Any, kwargs: Any) -> dict[str, tor
 # copy computes the very function they compute in the model's dtype, so running them again in that
 # dtype could only measure rounding, which is what the noise floors measure anyway. They do nearly
 # all of a model's arithmetic, so the check's extra run (about one forward in the model's dtype)
-# shrinks to the model's own code. A subclass, a forward replaced on the class or the instance, or
-# a parametrized weight is checked as any other leaf; so is ``nn.RMSNorm``, whose default epsilon
-# is ``torch.finfo(x.dtype).eps``.
+# shrinks to the model's own code. A subclass, a forward replaced on the class, a parametrized
+# weight or a training-mode Dropout is checked as any other leaf; so is ``nn.RMSNorm``, whose
+# default epsilon is ``torch.finfo(x.dtype).eps``. (A forward replaced on the instance is never
+# checked, in this list or not: LeafChecks.install leaves such leaves alone.)
 _SAME_IN_EVERY_DTYPE: tuple[type[torch.nn.Module], ...] = (
     torch.nn.Linear, torch.nn.Bilinear, torch.nn.Embedding, torch.nn.EmbeddingBag,
     torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
