@@ -180,7 +180,7 @@ class CalibratedJudge:
 
         def scale() -> float | None:
             fast[0] = _all_finite_rms(golden)
-            return fast[0] if fast[0] is not None else values_rms(golden)
+            return fast[0] if fast[0] is not None else _masked_rms(golden)
 
         d = self.decide(ctx, lambda gf: (gf, self.shadow.floor(ctx.name, ctx.call, ctx.path, live)), scale)
         if not d.calibrated:
@@ -301,8 +301,12 @@ def _all_finite_rms(golden: torch.Tensor) -> float | None:
 def values_rms(golden: torch.Tensor) -> float | None:
     """The RMS of the finite values (a complex value's magnitude), or None when there are none."""
     fast = _all_finite_rms(golden)
-    if fast is not None:
-        return fast
+    return fast if fast is not None else _masked_rms(golden)
+
+
+def _masked_rms(golden: torch.Tensor) -> float | None:
+    """:func:`values_rms` where :func:`_all_finite_rms` found a value whose square is not finite
+    (or a complex tensor): the RMS of the finite squares only."""
     g = golden.detach()
     # a complex value's scale is its magnitude: its real part alone (what a cast to float64 keeps)
     # is 0 for imaginary values, and a floor can never be implausible against a scale of 0
