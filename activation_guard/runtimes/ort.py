@@ -168,8 +168,8 @@ class FinalRun:
         self._go.set()
 
     def take_data(self) -> bytes:
-        """The serialized model, handed over (this run no longer holds it; serialized again if
-        asked twice)."""
+        """The serialized model, handed over (serialized again if asked twice); the unmarked
+        session's own reference to the same bytes goes once that session is built."""
         data, self.data = self.data, b""
         return data or self._proto.SerializeToString()
 
