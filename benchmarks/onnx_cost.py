@@ -11,7 +11,7 @@ times each, in one process, so a busy machine slows them alike; the ratio of the
 least disturbed) is printed next to the ratio of the medians, and the ratio of CPU time (every
 thread's: what the ratio tends to when no core is free for the second thread). Models: a GPT-2
 and a Llama (transformers, random weights from a config), tiny (4 layers, hidden 128, 2x64
-tokens, the issue's) and realistic (GPT-2 hidden 768 x 6 layers, Llama hidden 512 x 8 layers,
+tokens, the size the ONNX tests use) and realistic (GPT-2 hidden 768 x 6 layers, Llama hidden 512 x 8 layers,
 1x128 tokens), each recorded and exported once with ``torch.onnx.export(..., dynamo=True)`` into
 a temporary directory.
 
@@ -62,7 +62,7 @@ def llama(hidden: int = 128, layers: int = 4, heads: int = 4, vocab: int = 512) 
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-# (name, builder, tokens' shape): the issue's tiny models, and models at a realistic size (hidden
+# (name, builder, tokens' shape): tiny models (the ONNX tests' size), and models at a realistic size (hidden
 # 512-768, 6-8 layers, 128 tokens)
 MODELS: dict[str, list[tuple[str, Callable[[], torch.nn.Module], tuple[int, int]]]] = {
     "tiny": [("gpt2", gpt2, (2, 64)), ("llama", llama, (2, 64))],
