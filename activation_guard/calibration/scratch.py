@@ -8,12 +8,18 @@ stays at one output's worth, as with the golden. The file has no name (``tempfil
 created 0600 and unlinked at once): nobody else can open it, and it is gone even when the
 process dies. There is no checksum: the bytes never leave this process's own file, and a short
 read is an error.
+
+When the float64 copy's parameters are widened per call (:mod:`.widen`), most of the memory a
+whole copy would take is free: outputs are then kept in memory, as copies, while they and the
+copy's buffers stay within what the whole copy would have held (``budget``), and only the rest
+goes to the file (created on the first such output).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,36 +32,58 @@ from .._core.errors import ActivationGuardError
 
 @dataclass(frozen=True)
 class ScratchEntry:
-    """Where one tensor's bytes are: offset and size in the file, its dtype name and shape."""
+    """Where one tensor's bytes are: offset and size in the file, its dtype name and shape; or the
+    tensor itself (``held``), kept in memory."""
 
     offset: int
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
+    held: torch.Tensor | None = None
 
 
 class Scratch:
     """An append-only private file of raw tensor bytes, keyed by (layer, call, output path)."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: Callable[[], int] | None = None) -> None:
+        """``budget()``: how many bytes may be kept in memory now (None: none, all to the file)."""
+        self.budget = budget
+        self.held = 0  # bytes kept in memory
+        self._file: Any = None
+        self._fd: int | None = None
+        self.closed = False
+        self.entries: dict[tuple[str, int, str], ScratchEntry] = {}
+        self.size = 0
+        self._buf: np.ndarray | None = None  # load(shared=True)'s buffer: the largest output read so far
+
+    def _open(self) -> int:
         try:
             # a file without a name: created 0600 and unlinked at once (on Linux never named), so
             # no other process can open it and the system frees it however this process ends
-            self._file: Any = tempfile.TemporaryFile(prefix="activation_guard-shadow-", buffering=0)  # noqa: SIM115 (closed by close())
+            self._file = tempfile.TemporaryFile(prefix="activation_guard-shadow-", buffering=0)  # noqa: SIM115 (closed by close())
         except OSError as e:
             raise ActivationGuardError(
                 f"calibrated tolerances keep the float64 shadow's outputs in a private file under "
                 f"{tempfile.gettempdir()!r}, which could not be created ({e}); set TMPDIR to a writable "
                 f"directory") from e
-        self._fd: int | None = self._file.fileno()
-        self.entries: dict[tuple[str, int, str], ScratchEntry] = {}
-        self.size = 0
-        self._buf: np.ndarray | None = None  # load(shared=True)'s buffer: the largest output read so far
+        self._fd = self._file.fileno()
+        return self._fd
 
     def add(self, name: str, call: int, path: str, t: torch.Tensor) -> None:
-        """Append ``t``'s bytes (any device: copied to the CPU) under (``name``, ``call``, ``path``)."""
-        if self._fd is None:
+        """Keep a copy of ``t`` (any device: copied to the CPU) under (``name``, ``call``, ``path``):
+        in memory while the budget allows, else appended to the file."""
+        if self.closed:
             raise ActivationGuardError("the float64 shadow's scratch file is closed")
+        nbytes = t.numel() * t.element_size()
+        if self.budget is not None and self.held + nbytes <= self.budget():
+            kept = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            kept.copy_(t.detach())
+            self.entries[(name, call, path)] = ScratchEntry(-1, nbytes, info_for(t.dtype).name,
+                                                            tuple(int(s) for s in t.shape), kept)
+            self.held += nbytes
+            return
+        if self._fd is None:
+            self._open()
         raw = tensor_bytes(t)
         view = raw.data
         done = 0
@@ -81,8 +109,10 @@ class Scratch:
         """The tensor ``entry`` names, a CPU tensor of its dtype: a fresh one, or with ``shared``
         one in a buffer the next shared load overwrites (for a caller done with it before then:
         a fresh float64 output's worth of pages per output cost about as much as reading it)."""
-        if self._fd is None:
+        if self.closed:
             raise ActivationGuardError("the float64 shadow's scratch file is closed")
+        if entry.held is not None:  # the caller only reads it (a shared load) or gets its own copy
+            return entry.held if shared else entry.held.clone()
         if not shared:
             raw = np.empty(entry.nbytes, dtype=np.uint8)
         else:
@@ -116,7 +146,9 @@ class Scratch:
         return int(self._file.readinto(view) or 0)
 
     def close(self) -> None:
+        self.closed = True
         self.entries = {}
+        self.held = 0
         self._buf = None
         if self._fd is not None:
             self._file.close()

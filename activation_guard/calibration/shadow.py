@@ -38,6 +38,7 @@ from ..store.floors import CALIBRATED_DTYPES, FloorTable, NoiseFloor, diff_stats
 from ..values.leaves import Leaf, flatten
 from ..values.rebuild import clone_inputs, map_tensors
 from .scratch import Scratch
+from .widen import LazyFloat64, check_call, lazy_float64_copy
 
 # --------------------------------------------------------------------------- shadow forward
 
@@ -91,6 +92,7 @@ class float32_random(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = dict(kwargs or {})
+        check_call(func, args, kwargs)
         f64 = torch.float64
         wide = _keep_float64(func, args, kwargs)
         if wide is not None:
@@ -261,9 +263,10 @@ class LeafChecks:
         self.calls: dict[str, int] = {}
 
     def install(self, shadow: torch.nn.Module, dtypes: dict[str, torch.dtype],
-                model: torch.nn.Module | None = None) -> None:
+                model: torch.nn.Module | None = None, lazy: LazyFloat64 | None = None) -> None:
         """``model``: the model ``shadow`` was copied from, whose parameters the checks read in
-        place of converting the copy's back (:class:`_Narrowed`)."""
+        place of converting the copy's back (:class:`_Narrowed`); ``lazy``: the copy's parameters
+        widened per call, from those same parameters."""
         originals = {} if model is None else dict(model.named_modules())
         for name, mod in shadow.named_modules():
             if next(iter(mod.children()), None) is not None or "forward" in mod.__dict__:
@@ -273,7 +276,7 @@ class LeafChecks:
             dt = dtypes.get(name, torch.float32)
             if dt == torch.float64:
                 continue
-            narrowed = _Narrowed(mod, originals.get(name), dt)
+            narrowed = _Narrowed(mod, originals.get(name), dt, lazy)
             mod.forward = self._wrap(name, mod, mod.forward, dt, narrowed)  # type: ignore[method-assign]
 
     def _wrap(self, name: str, mod: torch.nn.Module, orig: Any, dt: torch.dtype, narrowed: _Narrowed) -> Any:
@@ -316,10 +319,13 @@ class _Narrowed:
     (the same tensor objects, version counters and storage). Converting 271M parameters back
     per shadow forward cost about a float32 forward's time; reading the originals costs nothing."""
 
-    __slots__ = ("same",)
+    __slots__ = ("lazy", "mod", "same")
 
-    def __init__(self, mod: torch.nn.Module, original: torch.nn.Module | None, dt: torch.dtype):
+    def __init__(self, mod: torch.nn.Module, original: torch.nn.Module | None, dt: torch.dtype,
+                 lazy: LazyFloat64 | None = None):
         self.same: dict[str, tuple[torch.Tensor, int, int, torch.Tensor, int]] = {}
+        self.mod = mod
+        self.lazy = lazy  # a parameter widened per call holds the original's values while unchanged
         if original is None:
             return
         for k, v in mod._parameters.items():
@@ -334,6 +340,8 @@ class _Narrowed:
         if kept is None:
             return None
         sv, sver, sptr, o, over = kept
+        if self.lazy is not None and sv is not v and self.lazy.widened(self.mod, k, v) and o._version == over:
+            return o.detach()
         if sv is not v or v._version != sver or v.data_ptr() != sptr or o._version != over:
             return None
         return o.detach()  # shares o's version counter: an in-place change shows (restored in _run_low)
@@ -423,6 +431,8 @@ class ShadowRun:
     """The float64 copy of a model, run once on the inputs; its outputs kept in a private scratch
     file so memory stays near one layer's worth, as for the real golden."""
 
+    widen_per_call = True  # False: always a whole float64 copy (tests compare the two)
+
     def __init__(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  include: Sequence[str] | None, exclude: Sequence[str] | None, live_device: torch.device,
                  *, grad: bool = False, keep_model: bool = False, backward: LossRule | None = None):
@@ -436,6 +446,7 @@ class ShadowRun:
         self.device = reference_device(live_device)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None  # the gradients' golden, with a backward
         self.scratch: Scratch | None = None  # the forward's float64 outputs
+        self.lazy: LazyFloat64 | None = None  # the copy's parameters, when widened per call
         self.reader: GoldenReader | None = None  # the float64 gradients
         # leaf calls whose float64 copy computes another function than the model's dtype does:
         # (layer, call, departure as a share of the output's RMS)
@@ -448,25 +459,57 @@ class ShadowRun:
 
     def _run(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              include: Sequence[str] | None, exclude: Sequence[str] | None) -> None:
+        # without gradients, on the model's own device, the copy's parameters are widened per
+        # module call (:mod:`.widen`); a model that uses a parameter outside its module's call
+        # trips that, and it all runs again with a whole float64 copy
+        if self.widen_per_call and not self.grad and self.backward is None and self.device == self.live_device:
+            try:
+                self._attempt(model, args, kwargs, include, exclude, lazy=True)
+                if self.lazy is not None and self.lazy.tripped is None:
+                    return
+            except Exception:  # the whole copy's run says whether the model itself raises, and how
+                pass
+            self._reset()
+        self._attempt(model, args, kwargs, include, exclude, lazy=False)
+
+    def _reset(self) -> None:
+        """Drop a lazily widened attempt: its outputs, copy and notes."""
+        self.close()
+        self.differs.clear()
+
+    def _attempt(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 include: Sequence[str] | None, exclude: Sequence[str] | None, *, lazy: bool) -> None:
+        def convert(copied: torch.nn.Module) -> None:
+            for m in copied.modules():  # `m.compile()` in place: its compiled call runs the original
+                if getattr(m, "_compiled_call_impl", None) is not None:
+                    m._compiled_call_impl = None
+            if self.device != self.live_device:
+                copied.to(self.device)
+            copied.double()
+
         try:
-            shadow = _float64_copy(model, self.device)
+            if lazy:
+                shadow, self.lazy = lazy_float64_copy(model, self.device, convert)
+            else:
+                shadow = _float64_copy(model, self.device)
         except Exception as e:
+            if lazy:
+                raise
             raise ActivationGuardError(
                 f"calibrated tolerances need a float64 copy of the model, but copy.deepcopy({type(model).__name__}) "
                 f"failed ({type(e).__name__}: {e}); use tolerance='strict' for this model") from e
         try:
-            for m in shadow.modules():  # `m.compile()` in place: its compiled call runs the original
-                if getattr(m, "_compiled_call_impl", None) is not None:
-                    m._compiled_call_impl = None
-            if self.device != self.live_device:
-                shadow.to(self.device)
+            if not lazy:
+                convert(shadow)
             own = _run_dtypes(model, args, kwargs)
-            shadow.double()
             checks = LeafChecks(self.differs)
-            checks.install(shadow, own, model)
+            checks.install(shadow, own, model, self.lazy)
             a = to_reference(args, self.device)
             kw = to_reference(kwargs, self.device)
-            scratch = self.scratch = Scratch()
+            lazy_copy = self.lazy
+            # outputs kept in memory within what the whole copy would have held beyond the copy's buffers
+            scratch = self.scratch = Scratch(None if lazy_copy is None else
+                                             lambda: lazy_copy.nbytes - lazy_copy.pool.nbytes)
             # --- gradients: the float64 backward, with the golden's loss, into a temporary golden
             path: str | None = None
             writer: GoldenWriter | None = None
@@ -506,6 +549,8 @@ class ShadowRun:
         except ActivationGuardError:
             raise
         except Exception as e:
+            if lazy:  # the whole copy runs next, and its error (if any) is the one to show
+                raise
             if _fails_as_is(model, args, kwargs, self.live_device):  # the model's own error: it keeps its type
                 if hasattr(e, "add_note"):
                     e.add_note("activation_guard: raised in the float64 copy of the model that calibrated "
@@ -569,6 +614,9 @@ class ShadowRun:
 
     def close(self) -> None:
         self.model = None
+        if self.lazy is not None:
+            self.lazy.close()
+            self.lazy = None
         if self.scratch is not None:
             self.scratch.close()
             self.scratch = None

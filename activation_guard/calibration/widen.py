@@ -1,0 +1,213 @@
+"""The float64 copy's parameters, widened per module call into reused buffers instead of all at once.
+
+A float64 copy of a 271M-parameter model is 2.17 GB of fresh pages: making it cost about half a
+float64 forward (page faults, not arithmetic), and holding it is most of a calibrated run's memory.
+Yet a module's parameters are needed only while that module runs. Here the copy's plain floating
+parameters are *placeholders* (float64, the right shape and device, no data: one NaN broadcast), and
+a forward pre-hook on each module widens the model's own parameters into buffers taken from a pool
+kept by size, swapped in for the call and returned when it ends. Modules of one shape (every layer
+of a transformer) share one buffer, so the pages are faulted once and the copy's memory is about
+one layer's parameters plus the largest matrix.
+
+This is only right while every use of a parameter's values happens inside its own module's call.
+The copy's torch-function mode (:class:`.shadow.float32_random`) calls :func:`check_call` on every
+operation, and any operation on a placeholder's data (anything but reading its shape, dtype or
+device) trips the copy: it raises :class:`PlaceholderUsed` and records it, so that the caller runs
+the model again with a whole float64 copy (:func:`.shadow._float64_copy`). A module that writes
+into its own parameter during its call trips it too (the whole copy would keep that write). The
+placeholders' NaN makes any use the check could miss show up as a non-finite noise floor (judged
+strictly, never more leniently).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["LazyFloat64", "PlaceholderUsed", "check_call", "lazy_float64_copy"]
+
+
+class PlaceholderUsed(RuntimeError):
+    """A float64 copy's placeholder parameter was used outside its own module's call."""
+
+
+# reading these of a placeholder is reading what the whole copy's parameter would say
+_METADATA: frozenset[Any] = frozenset({
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.requires_grad.__get__, torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_cuda.__get__, torch.Tensor.is_leaf.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex, torch.Tensor.nelement, torch.Tensor.get_device, torch.Tensor.__hash__,
+})
+
+# the copies whose placeholders are live in this process: id(placeholder) -> (copy, "module.name")
+_LIVE: dict[int, tuple[LazyFloat64, str]] = {}
+
+
+def check_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
+    """Raise :class:`PlaceholderUsed` when ``func`` would read a placeholder's data. Called for
+    every operation under the float64 copy's torch-function mode while a lazy copy is alive."""
+    if not _LIVE or func in _METADATA:
+        return
+    for a in (*args, *(kwargs or {}).values()):
+        found = _LIVE.get(id(a)) if isinstance(a, torch.Tensor) else None
+        if found is None and isinstance(a, (list, tuple)):
+            found = next((_LIVE[id(x)] for x in a if isinstance(x, torch.Tensor) and id(x) in _LIVE), None)
+        if found is not None:
+            owner, name = found
+            owner.trip(f"{name} used outside its module's call ({getattr(func, '__name__', func)!s})")
+
+
+class _Pool:
+    """Buffers by (element count, device), taken for a module call and given back after it."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
+        self.nbytes = 0
+
+    def take(self, numel: int, device: torch.device) -> torch.Tensor:
+        kept = self.free.get((numel, device))
+        if kept:
+            return kept.pop()
+        self.nbytes += numel * 8
+        return torch.empty(numel, dtype=torch.float64, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        self.free.setdefault((buf.numel(), buf.device), []).append(buf)
+
+
+class LazyFloat64:
+    """The pre- and post-hooks that give a float64 copy's modules their parameters per call."""
+
+    def __init__(self) -> None:
+        self.pool = _Pool()
+        self.tripped: str | None = None  # why a placeholder was used, if one was
+        self.nbytes = 0  # what the whole copy's placeholders stand for, in bytes
+        # module of the copy -> [(key, placeholder, the model's own parameter)]
+        self.own: dict[int, list[tuple[str, torch.nn.Parameter, torch.Tensor]]] = {}
+        # id(module) -> [(key, the parameter swapped in, its version then, its buffer)] while it runs
+        self.active: dict[int, list[tuple[str, torch.nn.Parameter, int, torch.Tensor]]] = {}
+        self.handles: list[Any] = []
+
+    def trip(self, why: str) -> None:
+        if self.tripped is None:
+            self.tripped = why
+        raise PlaceholderUsed(f"the lazily widened float64 copy needs a whole copy: {why}")
+
+    def install(self, shadow: torch.nn.Module, names: dict[int, str]) -> None:
+        for mod in shadow.modules():
+            entries = self.own.get(id(mod))
+            if not entries:
+                continue
+            self.handles.append(mod.register_forward_pre_hook(self._pre, prepend=True))
+            self.handles.append(mod.register_forward_hook(self._post, always_call=True))
+            for key, ph, _ in entries:
+                _LIVE[id(ph)] = (self, f"parameter {key!r} of {names.get(id(mod)) or '<root>'!r}")
+
+    def widened(self, mod: torch.nn.Module, key: str, p: torch.Tensor) -> bool:
+        """Whether ``p`` is parameter ``key`` of ``mod`` as widened for the call now running,
+        unchanged since (so it holds the model's own parameter's values exactly)."""
+        for k, q, version, _ in self.active.get(id(mod), ()):
+            if k == key:
+                return q is p and q._version == version
+        return False
+
+    def _pre(self, mod: torch.nn.Module, args: Any) -> None:
+        if id(mod) in self.active:  # re-entered (a module calling itself): its buffers are in place
+            self.trip("a module re-entered while running")
+        swapped = []
+        with torch.no_grad():
+            for key, ph, orig in self.own[id(mod)]:
+                buf = self.pool.take(ph.numel(), ph.device)
+                view = buf.view(ph.shape)
+                view.copy_(orig.detach())
+                # requires_grad as the whole copy's: matmul folds a strided input by it (other bits)
+                p = torch.nn.Parameter(view, requires_grad=ph.requires_grad)
+                mod._parameters[key] = p
+                swapped.append((key, p, p._version, buf))
+        self.active[id(mod)] = swapped
+
+    def _post(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
+        swapped = self.active.pop(id(mod), None)
+        if swapped is None:
+            return
+        phs = {key: ph for key, ph, _ in self.own[id(mod)]}
+        changed = None
+        bufs = []
+        for key, p, version, buf in swapped:
+            if mod._parameters.get(key) is p and p._version != version:
+                changed = key
+            mod._parameters[key] = phs[key]
+            bufs.append(buf)
+        del swapped, p
+        for buf in bufs:
+            # a buffer something still refers to (an output that is a view of the parameter, a
+            # cache of it on the module) is left to it, never handed to the next module
+            if _alone(buf):
+                self.pool.give(buf)
+        if changed is not None:
+            self.trip(f"a module wrote into its own parameter {changed!r} during its call")
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        for entries in self.own.values():
+            for _, ph, _ in entries:
+                _LIVE.pop(id(ph), None)
+        self.own = {}
+        self.active = {}
+        self.pool = _Pool()
+
+
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _alone(buf: torch.Tensor) -> bool:
+    """Whether ``buf`` is the only tensor on its storage (the count includes the storage object
+    asked); unknown (no such function in this torch) is not alone."""
+    if _USE_COUNT is None:
+        return False
+    return bool(_USE_COUNT(buf.untyped_storage()._cdata) <= 2)
+
+
+def _eligible(p: torch.Tensor, device: torch.device) -> bool:
+    return (type(p) is torch.nn.Parameter and p.is_floating_point() and p.dtype != torch.float64
+            and p.device == device and p.layout == torch.strided and p.numel() > 0)
+
+
+def lazy_float64_copy(model: torch.nn.Module, device: torch.device,
+                      convert: Callable[[torch.nn.Module], None]) -> tuple[torch.nn.Module, LazyFloat64]:
+    """``copy.deepcopy(model)`` whose plain floating parameters on ``device`` are placeholders,
+    widened per call by the returned :class:`LazyFloat64` (installed by the caller once the copy
+    is final); ``convert(copy)`` makes the rest of the copy float64 (buffers, other parameters)."""
+    lazy = LazyFloat64()
+    memo: dict[int, Any] = {}
+    nan = torch.full((1,), float("nan"), dtype=torch.float64, device=device)
+    # recurrent modules keep their own list of weight tensors (``_flat_weights``) beside
+    # ``_parameters``: they get whole float64 parameters, as in a whole copy
+    rnn = {id(q) for m in model.modules() if isinstance(m, torch.nn.RNNBase) for q in m.parameters()}
+    for p in model.parameters():
+        if _eligible(p, device) and id(p) not in rnn:
+            ph = torch.nn.Parameter(nan.expand(p.shape), p.requires_grad)
+            memo[id(p)] = ph
+            lazy.nbytes += p.numel() * 8
+    placeholders: dict[int, torch.nn.Parameter] = {id(ph): ph for ph in memo.values()}
+    originals: dict[int, torch.Tensor] = {id(memo[id(p)]): p for p in model.parameters() if id(p) in memo}
+    shadow = copy.deepcopy(model, memo)
+    names: dict[int, str] = {}
+    for name, mod in shadow.named_modules():
+        names[id(mod)] = name
+        entries = [(k, placeholders[id(v)], originals[id(v)]) for k, v in mod._parameters.items()
+                   if v is not None and id(v) in placeholders]
+        if entries:
+            lazy.own[id(mod)] = entries
+    convert(shadow)
+    # the conversion must leave the placeholders in place (a module's own ``_apply`` might not)
+    if any(mod._parameters.get(k) is not ph for mod in shadow.modules() for k, ph, _ in lazy.own.get(id(mod), [])):
+        raise PlaceholderUsed("converting the copy replaced a placeholder parameter")
+    lazy.install(shadow, names)
+    return shadow, lazy
