@@ -454,3 +454,20 @@ def test_a_calibrated_record_of_a_model_with_a_float8_output(tmp_path: Path) -> 
         ch[0].weight.mul_(1.2)
     rep = ag.compare(ch, (x,), path=p, tolerance="calibrated")
     assert not rep.ok and rep.first_divergence is not None and rep.first_divergence.name == "0"
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=3), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]),
+       transpose=st.booleans(), spare=st.integers(0, 64))
+def test_the_golden_rms_in_a_reused_buffer_has_the_same_bits(shape: list[int], seed: int, dtype: torch.dtype,
+                                                              transpose: bool, spare: int) -> None:
+    """The judge squares each golden in one float64 buffer it keeps (the largest output's size),
+    not a fresh copy per output: the same values in the same order, so the same RMS bit for bit."""
+    from activation_guard.calibration.calibrate import _all_finite_rms
+
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+    if transpose and g.dim() > 1:
+        g = g.transpose(0, -1)
+    buf = torch.full((g.numel() + spare,), math.nan, dtype=torch.float64)[: g.numel()]
+    assert _all_finite_rms(g, buf) == _all_finite_rms(g)

@@ -120,6 +120,18 @@ class CalibratedJudge:
         self.fallbacks: list[str] = []
         self.explicit: dict[str, int] = {}  # tolerances pattern -> outputs it judged strictly
         self.judged = 0
+        self._rms: torch.Tensor | None = None  # the goldens' RMS: one float64 buffer, the largest output's
+
+    def _rms_buffer(self, golden: torch.Tensor) -> torch.Tensor | None:
+        """A float64 buffer of ``golden``'s size on its device, reused from output to output: a
+        fresh one per output cost its page faults (about the squaring's own time)."""
+        n = golden.numel()
+        if golden.is_complex() or n == 0:
+            return None
+        if self._rms is None or self._rms.numel() < n or self._rms.device != golden.device:
+            self._rms = None  # the old buffer goes before the larger one comes
+            self._rms = torch.empty(n, dtype=torch.float64, device=golden.device)
+        return self._rms[:n]
 
     def decide(self, ctx: LeafContext, live: LiveFloors | None, scale: Callable[[], float | None] | None = None, *,
                golden_floor: NoiseFloor | EllipsisType | None = ..., tally: bool = True) -> Decision:
@@ -181,7 +193,7 @@ class CalibratedJudge:
         fast: list[float | None] = [None]  # the golden's RMS, taken once for the scale and the absolute term
 
         def scale() -> float | None:
-            fast[0] = _all_finite_rms(golden)
+            fast[0] = _all_finite_rms(golden, self._rms_buffer(golden))
             return fast[0] if fast[0] is not None else _masked_rms(golden)
 
         d = self.decide(ctx, lambda gf: (gf, self.shadow.floor(ctx.name, ctx.call, ctx.path, live)), scale)
@@ -227,6 +239,7 @@ class CalibratedJudge:
         return out
 
     def close(self) -> None:
+        self._rms = None
         self.shadow.close()
 
 
@@ -301,15 +314,21 @@ def implausible_floor(golden: torch.Tensor, gf: NoiseFloor, lf: NoiseFloor, dtyp
     return None if rms is None else floor_beyond_rounding(rms, gf, lf, dtype)
 
 
-def _all_finite_rms(golden: torch.Tensor) -> float | None:
+def _all_finite_rms(golden: torch.Tensor, buf: torch.Tensor | None = None) -> float | None:
     """The RMS of a real tensor whose every square is finite, else None: then both masked
     definitions below (:func:`values_rms`, :func:`abs_term`) keep every element, and this is
     their value bit for bit (the same elements, in order, through the same reduction) without
-    their masks and copies."""
+    their masks and copies. ``buf``: a float64 tensor of ``golden``'s element count on its device
+    to square in (else a fresh copy): the reduction sees the same values in the same order."""
     g = golden.detach()
     if g.is_complex() or g.numel() == 0:
         return None
-    m = g.to(torch.float64, copy=True).square_().reshape(-1).mean()  # one float64 buffer, squared in place
+    if (buf is not None and buf.numel() == g.numel() and buf.device == g.device and buf.dtype == torch.float64
+            and buf.dim() == 1 and buf.is_contiguous()):
+        buf.view(g.shape).copy_(g)  # in the values' logical order, as reshape(-1) below has them
+        m = buf.square_().mean()
+    else:
+        m = g.to(torch.float64, copy=True).square_().reshape(-1).mean()  # one float64 buffer, squared in place
     return float(m.sqrt()) if bool(torch.isfinite(m)) else None
 
 
