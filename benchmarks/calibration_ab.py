@@ -383,6 +383,15 @@ def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 ABSENT = "<absent>"
+DECISIONS = {"ok", "status", "own_status", "inherited_status", "error", "computes_differently"}
+
+
+def is_decision(key: str) -> bool:
+    """A verdict, a first divergence, an origin, an error, a layer computing differently (not a number)."""
+    parts = key.split("/")
+    if "origin" in parts:  # which layer, which kind; its own error and its words are numbers and text
+        return parts[-1] not in ("own_error", "detail")
+    return bool(DECISIONS.intersection(parts)) or "first_divergence" in parts
 
 
 def diff(a_path: str, b_path: str, label_a: str = "old", label_b: str = "new") -> int:
@@ -399,8 +408,10 @@ def diff(a_path: str, b_path: str, label_a: str = "old", label_b: str = "new") -
     if not differ:
         print("IDENTICAL: every floor, verdict, tolerance, origin and note is the same")
         return 0
-    print(f"DIFFERENT: {len(differ)} of {len(keys)} keys differ; the first {min(SHOWN, len(differ))}:")
-    for k in differ[:SHOWN]:
+    decisive = [k for k in differ if is_decision(k)]
+    print(f"DIFFERENT: {len(differ)} of {len(keys)} keys differ, {len(decisive)} of them decisions (a verdict, "
+          f"a first divergence, an origin, an error); the first {min(SHOWN, len(differ))}, decisions first:")
+    for k in (decisive + [k for k in differ if k not in set(decisive)])[:SHOWN]:
         print(f"  {k}\n    {label_a}: {a.get(k, ABSENT)!r}\n    {label_b}: {b.get(k, ABSENT)!r}")
     models = sorted({k.split("/")[0] for k in differ})
     print(f"models with differences: {', '.join(models)}")
