@@ -240,13 +240,17 @@ def scaled(model: Any, eps: float) -> Any:
     return m
 
 
-def scrub(obj: Any, tmp: str) -> Any:
+def scrub(obj: Any, names: dict[str, str]) -> Any:
+    """``obj`` with each path in ``names`` written as its placeholder (the temporary directory,
+    the checkout: they differ between the two sides)."""
     if isinstance(obj, str):
-        return obj.replace(tmp, "<tmp>")
+        for path, placeholder in names.items():
+            obj = obj.replace(path, placeholder)
+        return obj
     if isinstance(obj, dict):
-        return {str(k): scrub(v, tmp) for k, v in obj.items()}
+        return {str(k): scrub(v, names) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [scrub(v, tmp) for v in obj]
+        return [scrub(v, names) for v in obj]
     return obj
 
 
@@ -289,16 +293,21 @@ def report_dict(rep: Any) -> dict[str, Any]:
     return d
 
 
-def battery(only: list[str] | None = None) -> dict[str, Any]:
+def battery(checkout: str, only: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     import activation_guard as ag
 
     torch.set_num_threads(1)
+    todo = cases()
+    unknown = sorted(set(only or []) - {c.name for c in todo})
+    if unknown:
+        raise SystemExit(f"--only: no model named {', '.join(map(repr, unknown))}; "
+                         f"the models: {', '.join(c.name for c in todo)}")
     tmp = tempfile.mkdtemp(prefix="ag-calab-")
     out: dict[str, Any] = {}
     try:
-        for case in cases():
+        for case in todo:
             if only and case.name not in only:
                 continue
             t0 = time.perf_counter()
@@ -344,7 +353,7 @@ def battery(only: list[str] | None = None) -> dict[str, Any]:
             print(f"  {case.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return scrub(out, tmp)
+    return scrub(out, {tmp: "<tmp>", os.path.realpath(checkout): "<checkout>", checkout: "<checkout>"})
 
 
 def canonical(obj: Any) -> str:
@@ -435,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         where = os.path.dirname(os.path.dirname(os.path.abspath(ag.__file__)))
         if os.path.realpath(where) != os.path.realpath(ns.battery):
             raise SystemExit(f"imported activation_guard from {where}, not from {ns.battery}")
-        data = battery(only)
+        data = battery(ns.battery, only)
         tmpname = ns.json + ".part"
         with open(tmpname, "w", encoding="utf-8") as f:
             f.write(canonical(data))
