@@ -395,6 +395,15 @@ ABSENT = "<absent>"
 DECISIONS = {"ok", "status", "own_status", "inherited_status", "error", "computes_differently"}
 
 
+def same(x: Any, y: Any) -> bool:
+    """Equal values of one type (0 and 0.0 differ); two NaNs are the same (``json`` reads NaN back)."""
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, float) and x != x and y != y:
+        return True
+    return bool(x == y)
+
+
 def is_decision(key: str) -> bool:
     """A verdict, a first divergence, an origin, an error, a layer computing differently (not a number)."""
     parts = key.split("/")
@@ -409,8 +418,7 @@ def diff(a_path: str, b_path: str, label_a: str = "old", label_b: str = "new") -
     with open(b_path, encoding="utf-8") as f:
         b = dict(flatten(json.load(f)))
     keys = sorted(set(a) | set(b))
-    differ = [k for k in keys if a.get(k, ABSENT) != b.get(k, ABSENT)
-              or type(a.get(k, ABSENT)) is not type(b.get(k, ABSENT))]
+    differ = [k for k in keys if not same(a.get(k, ABSENT), b.get(k, ABSENT))]
     n_gold = sum(1 for k in keys if k.count("/") >= 2 and k.split("/")[2] == "record" and k.endswith("layer_calls"))
     n_cmp = len({"/".join(k.split("/")[:4]) for k in keys if len(k.split("/")) > 3 and k.split("/")[2] == "compare"})
     print(f"{len(keys)} keys: {n_gold} goldens, {n_cmp} compares ({label_a}: {a_path}, {label_b}: {b_path})")
