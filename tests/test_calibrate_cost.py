@@ -6,10 +6,13 @@ give them and that the verdicts and goldens stay what they were.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import activation_guard as ag
+from activation_guard._core import native
 from activation_guard._core.kernel import CHUNK
 from activation_guard.store.floors import NoiseFloor, diff_stats
 
@@ -46,6 +50,14 @@ def masked_stats(x: torch.Tensor, ref: torch.Tensor) -> NoiseFloor:
 SPECIALS = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e38, -1e38]
 
 
+@contextlib.contextmanager
+def torch_passes() -> Iterator[None]:
+    """The torch path of the floors' arithmetic, as a process without the compiled library runs
+    it (the compiled pass sums in another order: its own tests are in tests/test_native.py)."""
+    with mock.patch.object(native, "available", lambda: None):
+        yield
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(0, 3000), seed=st.integers(0, 2**31 - 1), specials=st.lists(
     st.tuples(st.integers(0, 2999), st.sampled_from(SPECIALS), st.booleans()), max_size=6),
@@ -62,7 +74,8 @@ def test_diff_stats_is_the_masked_definition_bit_for_bit(n: int, seed: int, spec
             x[i] = v
             if both:
                 ref[i] = v
-    got, want = diff_stats(x, ref), masked_stats(x, ref)
+    with torch_passes():
+        got, want = diff_stats(x, ref), masked_stats(x, ref)
     assert np.array([got.max_abs, got.rms]).tobytes() == np.array([want.max_abs, want.rms]).tobytes()
 
 
@@ -84,8 +97,13 @@ def test_diff_stats_of_every_dtype_pair_is_the_masked_definition(n: int, seed: i
     for i, v in specials:
         if n:
             x[i % n] = v
-    got, want = diff_stats(x, ref), masked_stats(x, ref)
+    with torch_passes():
+        got, want = diff_stats(x, ref), masked_stats(x, ref)
     assert np.array([got.max_abs, got.rms]).tobytes() == np.array([want.max_abs, want.rms]).tobytes()
+    # the compiled pass: the same maximum, the sum in another order (eight fixed lanes)
+    fast = diff_stats(x, ref)
+    assert np.array([fast.max_abs]).tobytes() == np.array([want.max_abs]).tobytes()
+    assert fast.rms == pytest.approx(want.rms, rel=1e-12, abs=0) or (math.isnan(fast.rms) and math.isnan(want.rms))
 
 
 def test_diff_stats_over_several_chunks_with_a_late_nan() -> None:
@@ -350,12 +368,17 @@ def test_the_rms_taken_once_is_both_masked_definitions_bit_for_bit(shape: list[i
     def bits(v: float | None) -> bytes | None:
         return None if v is None else np.float64(v).tobytes()
 
-    fast = cal._all_finite_rms(g)
-    assert bits(cal.values_rms(g)) == bits(masked_rms(g))
-    assert bits(cal.abs_term(g)) == bits(masked_abs_term(g))
-    if fast is not None:
-        assert bits(fast) == bits(masked_rms(g))
-        assert bits(cal.abs_term(g, fast)) == bits(masked_abs_term(g))
+    with torch_passes():
+        fast = cal._all_finite_rms(g)
+        assert bits(cal.values_rms(g)) == bits(masked_rms(g))
+        assert bits(cal.abs_term(g)) == bits(masked_abs_term(g))
+        if fast is not None:
+            assert bits(fast) == bits(masked_rms(g))
+            assert bits(cal.abs_term(g, fast)) == bits(masked_abs_term(g))
+    compiled = cal._all_finite_rms(g)  # the compiled pass where it takes the tensor: another summation order
+    assert (compiled is None) == (fast is None)
+    if fast is not None and compiled is not None:
+        assert compiled == pytest.approx(fast, rel=1e-12, abs=0)
 
 
 def test_a_full_disk_under_the_scratch_file_names_the_layer_and_the_fix(tmp_path: Path,
@@ -470,4 +493,5 @@ def test_the_golden_rms_in_a_reused_buffer_has_the_same_bits(shape: list[int], s
     if transpose and g.dim() > 1:
         g = g.transpose(0, -1)
     buf = torch.full((g.numel() + spare,), math.nan, dtype=torch.float64)[: g.numel()]
-    assert _all_finite_rms(g, buf) == _all_finite_rms(g)
+    with torch_passes():
+        assert _all_finite_rms(g, buf) == _all_finite_rms(g)

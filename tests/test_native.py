@@ -8,6 +8,7 @@ Where no compiler is found the tests of the compiled pass skip, and the fallback
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -440,3 +441,50 @@ def test_the_workers_copy_puts_every_byte_in_place(copy_builds: list[native.Nati
         lib.copy_fn(dst.data_ptr() + 64 + dst_off, src.data_ptr() + src_off, n)
         assert torch.equal(dst[64 + dst_off : 64 + dst_off + n], src[src_off : src_off + n])
         assert bool((dst[: 64 + dst_off] == 0xA5).all()) and bool((dst[64 + dst_off + n :] == 0xA5).all())
+
+
+@needs_native
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 3000), seed=st.integers(0, 2**31), xf64=st.booleans(),
+       rkind=st.sampled_from(["f32", "f64", None]), scale=st.sampled_from([1e-30, 1.0, 1e30]))
+def test_the_compiled_noise_floor_sums_are_the_float64_definition(n: int, seed: int, xf64: bool, rkind: str | None,
+                                                                  scale: float) -> None:
+    """``Native.diff``: the largest |x - ref| exactly, and the sum of squares of the float64 differences
+    within the rounding of its order (eight lanes, in index order)."""
+    lib = native.get()
+    assert lib is not None
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, generator=g, dtype=torch.float64) * scale).to(torch.float64 if xf64 else torch.float32)
+    ref = None if rkind is None else (x.double() + 1e-3 * scale * torch.randn(n, generator=g, dtype=torch.float64)).to(
+        torch.float64 if rkind == "f64" else torch.float32)
+    got = lib.diff(x, ref)
+    assert got is not None
+    d = x.double() - (0.0 if ref is None else ref.double())
+    assert got[0] == float(d.abs().max())
+    exact = math.fsum(v * v for v in d.tolist())
+    assert got[1] == pytest.approx(exact, rel=1e-13, abs=0)
+
+
+@needs_native
+def test_the_compiled_noise_floor_refuses_what_it_does_not_take() -> None:
+    lib = native.get()
+    assert lib is not None
+    x = torch.randn(64)
+    assert lib.diff(x[::2], None) is None  # strided
+    assert lib.diff(x.half(), None) is None  # another dtype
+    assert lib.diff(x, torch.randn(63)) is None  # another size
+    assert lib.diff(x, x.double()) is not None
+
+
+@pytest.mark.slow
+@needs_native
+def test_every_build_computes_the_same_noise_floor_bits(every_build: list[native.Native]) -> None:
+    """The floors' sums in eight fixed lanes: the baseline and every vector width agree bit for bit,
+    so a golden's floors do not depend on the CPU the compiled pass runs on."""
+    g = torch.Generator().manual_seed(5)
+    n = 8 * 9000 + 5  # the scalar tail too
+    x = torch.randn(n, generator=g)
+    ref = x.double() + 1e-7 * torch.randn(n, generator=g, dtype=torch.float64)
+    for args in ((x, ref), (x, x + 1e-6), (ref, None), (x, None)):
+        outs = {lib.diff(*args) for lib in every_build}
+        assert len(outs) == 1, outs

@@ -24,6 +24,11 @@ It is an accelerator, never a requirement:
 
 The call goes through ctypes, which releases the GIL: the fingerprint worker thread then runs
 beside the forward on another core.
+
+The same library also has the calibrated noise floors' one pass (``ag_diff``: the largest
+``|x - ref|`` and the sum of squares, in fixed lanes, where torch takes four passes); the floors
+use it only where the library is at hand without a build (:func:`available`), and the torch path
+otherwise (the same maximum; the sum in torch's order, within the same rounding depth).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from . import switches
 from .nativebuild import FLAGS, PREBUILT_NAME, SOURCE, compile_library, compiler, source_sha
 from .nativebuild import BuildError as _BuildError
 
-VERSION = 7  # ag_version() of the source this module speaks to
+VERSION = 8  # ag_version() of the source this module speaks to
 ENV = "ACTIVATION_GUARD_NATIVE"
 PREBUILT = Path(__file__).with_name(PREBUILT_NAME)  # the library an install built (setup.py)
 _P = ctypes.c_void_p
@@ -67,6 +72,25 @@ class Native:
     # snapshot, on the forward's thread (fingerprint_worker.FingerprintWorker._copy says why)
     copy_fn: Callable[[int, int, int], None]
     lib: ctypes.CDLL  # keeps the library mapped for copy_fn, which holds only its address
+    diff_fn: Callable[..., None]  # ag_diff: a noise floor's max |x - ref| and sum of squares
+
+    def diff(self, x: torch.Tensor, ref: torch.Tensor | None) -> tuple[float, float] | None:
+        """``max |x - ref|`` and ``sum((x - ref) ** 2)`` in float64 in one pass (``ref`` None: of
+        ``x`` itself), or None where the C side does not take these tensors (not float32/float64,
+        not contiguous, not on the CPU, of other sizes): the caller's torch path then runs. A
+        non-finite result means a NaN, an infinity or an overflow somewhere: the caller's torch
+        path says which."""
+        ok = (x.device.type == "cpu" and x.dtype in _DIFF_DTYPES and x.is_contiguous() and not x.is_conj()
+              and not x.is_neg() and x.data_ptr() % x.element_size() == 0
+              and (ref is None or (ref.device.type == "cpu" and ref.dtype in _DIFF_DTYPES and ref.is_contiguous()
+                                   and ref.numel() == x.numel() and not ref.is_neg()
+                                   and ref.data_ptr() % ref.element_size() == 0)))
+        if not ok:
+            return None
+        out = (ctypes.c_double * 2)()
+        self.diff_fn(self.simd, int(x.dtype == torch.float64), int(ref is not None and ref.dtype == torch.float64),
+                     x.data_ptr(), 0 if ref is None else ref.data_ptr(), x.numel(), out)
+        return float(out[0]), float(out[1])
 
     def chunk(self, x: torch.Tensor, rows: int, buckets: int, w: torch.Tensor, route: torch.Tensor,
               routed: torch.Tensor, stats: torch.Tensor, scratch: torch.Tensor) -> None:
@@ -104,6 +128,9 @@ class Native:
         if not ok:
             raise ValueError("native fingerprint fold: arguments of the wrong dtype, device, shape or layout")
         self.fold_fn(rows, buckets, routed.data_ptr(), u.data_ptr(), total.data_ptr(), scratch.data_ptr())
+
+
+_DIFF_DTYPES = (torch.float32, torch.float64)
 
 
 def _scratch_ok(t: torch.Tensor, buckets: int) -> bool:
@@ -174,7 +201,10 @@ def _bind(dll: ctypes.CDLL) -> Native:
     if not address:
         raise AttributeError("ag_copy has no address")
     copy = ctypes.PYFUNCTYPE(None, _P, _P, _I)(address)
-    return Native(fns[0], fns[1], fold, leaf, simd, copy, dll)
+    diff = dll.ag_diff
+    diff.argtypes = [_I, _I, _I, _P, _P, _I, _P]
+    diff.restype = None
+    return Native(fns[0], fns[1], fold, leaf, simd, copy, dll, diff)
 
 
 def build(extra_flags: tuple[str, ...] = ()) -> tuple[Native | None, str]:
@@ -316,6 +346,21 @@ def start() -> bool:
             _builder.append(t)
             t.start()
     return ready()
+
+
+def available() -> Native | None:
+    """The library where having it costs no compiler run: loaded or built already in this process,
+    or the install's prebuilt one (loaded now: a millisecond). Never starts a build: for work that
+    takes the compiled pass when it is there anyway, as the calibrated floors do."""
+    if ready():
+        return built()
+    if not _lock.acquire(blocking=False):  # a build is running on another thread: not now
+        return None
+    try:
+        _settle_quickly()
+    finally:
+        _lock.release()
+    return built()
 
 
 def ready() -> bool:

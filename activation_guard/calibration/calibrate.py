@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._core import native
 from .._core.devices import golden_on, stats_device, to_device
 from .._core.kernel import CHUNK, compare_tensors
 from ..judges.strict import PRECISION, LeafContext, StrictJudge
@@ -323,6 +324,10 @@ def _all_finite_rms(golden: torch.Tensor, buf: torch.Tensor | None = None) -> fl
     g = golden.detach()
     if g.is_complex() or g.numel() == 0:
         return None
+    lib = native.available() if g.device.type == "cpu" else None
+    got = None if lib is None else lib.diff(g, None)  # the sum of squares in one read (fixed lanes)
+    if got is not None and math.isfinite(got[1]):
+        return math.sqrt(got[1] / g.numel())
     if (buf is not None and buf.numel() == g.numel() and buf.device == g.device and buf.dtype == torch.float64
             and buf.dim() == 1 and buf.is_contiguous()):
         buf.view(g.shape).copy_(g)  # in the values' logical order, as reshape(-1) below has them

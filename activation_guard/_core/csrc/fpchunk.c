@@ -289,6 +289,64 @@ void ag_leaf(int64_t simd, int64_t f64, const void *x, int64_t n, int64_t chunk,
     }
 }
 
+/* A noise floor's two numbers for x - ref (calibration): out[0] = max |x - ref|, out[1] = the sum of
+ * (x - ref)^2, both in float64 (x, ref: float32 or float64, as xf64/rf64 say; ref NULL: zeros, the
+ * sum of squares of x). One pass instead of torch's four (a float64 difference, its min and max,
+ * its square, its sum). Lane l sums the elements whose index is l mod 8, in index order, and the
+ * lanes are added 0..7 at the end: every build (baseline or AVX2) computes the same bits, another
+ * order than torch's sum (within the same rounding depth). A NaN or infinite difference, or a sum
+ * that overflows, shows as a non-finite out[0] or out[1]: the caller then takes torch's masked
+ * path, which defines those cases. */
+#define DEFINE_DIFF(NAME, ATTR)                                                                        \
+    ATTR static void NAME(int64_t xf64, int64_t rf64, const void *x, const void *ref, int64_t n,       \
+                          double *out) {                                                               \
+        double m[LANES] = {0}, s[LANES] = {0};                                                         \
+        const float *xs = x, *rs = ref;                                                                \
+        const double *xd = x, *rd = ref;                                                               \
+        int64_t i = 0;                                                                                 \
+        for (; i + LANES <= n; i += LANES) {                                                           \
+            for (int l = 0; l < LANES; l++) {                                                          \
+                double a = xf64 ? xd[i + l] : (double)xs[i + l];                                       \
+                double b = ref == 0 ? 0.0 : rf64 ? rd[i + l] : (double)rs[i + l];                      \
+                double d = a - b;                                                                      \
+                double ad = fabs(d);                                                                   \
+                m[l] = ad > m[l] ? ad : m[l];                                                          \
+                s[l] += d * d;                                                                         \
+            }                                                                                          \
+        }                                                                                              \
+        for (int l = 0; i < n; i++, l++) {                                                             \
+            double a = xf64 ? xd[i] : (double)xs[i];                                                   \
+            double b = ref == 0 ? 0.0 : rf64 ? rd[i] : (double)rs[i];                                  \
+            double d = a - b;                                                                          \
+            double ad = fabs(d);                                                                       \
+            m[l] = (ad > m[l] || ad != ad) ? ad : m[l];                                                \
+            s[l] += d * d;                                                                             \
+        }                                                                                              \
+        double mx = 0.0, ss = 0.0;                                                                     \
+        for (int l = 0; l < LANES; l++) {                                                              \
+            mx = (m[l] > mx || m[l] != m[l]) ? m[l] : mx;                                              \
+            ss += s[l];                                                                                \
+        }                                                                                              \
+        out[0] = mx;                                                                                   \
+        out[1] = ss;                                                                                   \
+    }
+
+DEFINE_DIFF(diff_baseline, )
+#if AG_AVX2
+DEFINE_DIFF(diff_avx2, AVX2_ATTR)
+#endif
+
+void ag_diff(int64_t simd, int64_t xf64, int64_t rf64, const void *x, const void *ref, int64_t n, double *out) {
+#if AG_AVX2
+    if (simd >= 1) {
+        diff_avx2(xf64, rf64, x, ref, n, out);
+        return;
+    }
+#endif
+    (void)simd;
+    diff_baseline(xf64, rf64, x, ref, n, out);
+}
+
 /* The widest vector functions this CPU runs and this build has: 2 AVX-512, 1 AVX2, 0 the baseline
  * (native.py picks them; all compute the same bits); -1: none (a build without the baseline on a
  * CPU without AVX2), which native.py refuses. */
@@ -340,7 +398,7 @@ void ag_copy(void *dst, const void *src, int64_t n) {
 }
 
 /* The build's interface version: native.py refuses a library whose number differs. */
-int ag_version(void) { return 7; }
+int ag_version(void) { return 8; }
 
 /* What the library was built from, as the build passed it (nativebuild.py): the SHA-256 of this
  * file and the compiler flags. native.py uses a library built at install time only while both
