@@ -340,6 +340,29 @@ def test_a_buffer_its_call_reassigns_is_replayed_from_the_calls_start(tmp_path: 
     _assert_as_after_one_forward(changed, plain)
 
 
+def _count_calls(mod: nn.Module, args: Any) -> None:
+    mod.calls.add_(1)
+
+
+def test_a_stubbed_childs_own_hook_writes_copies_of_its_buffers(tmp_path: Path) -> None:
+    """A child that returns the golden's output in its parent's replay does not run its forward,
+    but its own forward pre-hook does (as an old-style spectral norm's power iteration): what the
+    hook writes in its buffers is the replay's, not the model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Tanh(), nn.Linear(4, 2)))
+    model[1].register_buffer("calls", torch.zeros((), dtype=torch.int64))
+    model[1].register_forward_pre_hook(_count_calls)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
+    p = tmp_path / "g.h5"
+    ag.record(copy.deepcopy(model), x, path=p)
+    live, plain = copy.deepcopy(model), copy.deepcopy(model)
+    plain(x)
+    report = ag.compare(live, x, path=p, replay="all")
+    assert report.ok, str(report)
+    assert int(live[1].calls) == 1
+    _assert_as_after_one_forward(live, plain)
+
+
 # --------------------------------------------------------------------------- replay="all"
 
 

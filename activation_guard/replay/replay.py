@@ -550,7 +550,8 @@ def _numbers(layer: LayerResult) -> str:
 
 def _modules(module: torch.nn.Module, skip: set[int]) -> list[torch.nn.Module]:
     """The modules whose buffers a replay of ``module`` may change: its subtree but the children
-    that will not run (``skip``: their ids) and theirs."""
+    whose forward will not run (``skip``: their ids) and theirs; such a child itself still counts
+    when it has hooks of its own, which do run (an old-style spectral norm's power iteration)."""
     out = [module]
     stack = list(module.children())
     while stack:
@@ -558,7 +559,15 @@ def _modules(module: torch.nn.Module, skip: set[int]) -> list[torch.nn.Module]:
         if id(m) not in skip:
             out.append(m)
             stack.extend(m.children())
+        elif _own_hooks(m):
+            out.append(m)
     return out
+
+
+def _own_hooks(m: torch.nn.Module) -> bool:
+    """Whether ``m`` has forward (pre-)hooks other than the capture's, or any global pre-hook runs."""
+    return bool(torch.nn.modules.module._global_forward_pre_hooks) or any(
+        getattr(h, "_ag_token", None) is None for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()))
 
 
 def tensor_holders(args: Any, kwargs: Any) -> list[tuple[str, str]]:
