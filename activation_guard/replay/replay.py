@@ -53,8 +53,17 @@ from ..values.leaves import Leaf, UnsupportedTensorError, flatten, flatten_input
 from ..values.rebuild import clone_inputs, rebuild_inputs
 from .args import ArgsChanged, golden_inputs
 from .callstart import CallStart, modified_in_place, start_values
-from .children import (ChildCall, ChildHooks, GoldenCache, GoldenOutputs, buffers_aside, buffers_back, restore_buffers,
-                       saved_buffers, skeleton)
+from .children import (
+    ChildCall,
+    ChildHooks,
+    GoldenCache,
+    GoldenOutputs,
+    buffers_aside,
+    buffers_back,
+    restore_buffers,
+    saved_buffers,
+    skeleton,
+)
 from .hints import inexact_before, string_hint, unjudged_source
 
 
