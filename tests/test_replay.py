@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,8 @@ import h5py
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from models import (
     bert_mask,
     build_cnn,
@@ -338,6 +341,39 @@ def test_a_buffer_its_call_reassigns_is_replayed_from_the_calls_start(tmp_path: 
     assert report.first_divergence is not None and report.first_divergence.name == "steps"
     assert report.origin is not None and (report.origin.kind, report.origin.name) == ("layer", "steps")
     _assert_as_after_one_forward(changed, plain)
+
+
+_NORMS = {
+    "bn": lambda: nn.BatchNorm1d(6),
+    "bn_cumulative": lambda: nn.BatchNorm1d(6, momentum=None),
+    "bn_plain": lambda: nn.BatchNorm1d(6, affine=False),
+    "bn_no_stats": lambda: nn.BatchNorm1d(6, track_running_stats=False),
+    "steps": lambda: _Steps(0.5),
+}
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(sorted(_NORMS)), st.booleans()), min_size=1, max_size=3),
+       st.sampled_from(["first", "all"]), st.booleans(), st.integers(0, 2**16))
+def test_stateful_layers_replayed_pass_unchanged_and_keep_one_forwards_state(
+        norms: list[tuple[str, bool]], replay: str, backward: bool, seed: int) -> None:
+    """Any stack of normalizations that update their buffers (in place, or by reassigning them), each
+    in training or eval mode: recorded, then compared unchanged with replays (and gradients) passes,
+    and leaves the model as one plain forward does."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(6, 6)]
+    for kind, training in norms:
+        layers += [_NORMS[kind]().train(training), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(6, 2))
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(seed + 1))
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "g.h5"
+        ag.record(copy.deepcopy(model), x, path=p, backward=backward)
+        live, plain = copy.deepcopy(model), copy.deepcopy(model)
+        plain(x)
+        report = ag.compare(live, x, path=p, replay=replay)
+    assert report.ok, str(report)
+    _assert_as_after_one_forward(live, plain)
 
 
 def _count_calls(mod: nn.Module, args: Any) -> None:
