@@ -7,6 +7,7 @@ TF32 run with a real injected bug fails at exactly the layer that has the bug.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -245,6 +246,32 @@ def test_compare_models_calibrated(tmp_path: Path) -> None:
         _act(cand)
         report = ag.compare_models(ref, cand, x, tolerance="calibrated")
     assert report.first_divergence is not None and report.first_divergence.name == "blocks.1.act"
+
+
+@pytest.mark.parametrize("replay", ["first", "all"])
+def test_a_training_batchnorm_cnn_with_gradients_and_replays_calibrated(tmp_path: Path, replay: str) -> None:
+    """The calibrated battery's training-mode CNN: gradients recorded, the replays (live and
+    float64) run before the backward that needs the batch norms' saved running statistics, which
+    raised autograd's RuntimeError on the unchanged model."""
+    p = tmp_path / "cnn.h5"
+    x = cnn_input()
+    ag.record(build_cnn().train(), x, path=p, calibrate=True, backward=True)
+    for tf32_run in (False, True):
+        live, plain = build_cnn().train(), build_cnn().train()
+        with tf32.emulate_tf32() if tf32_run else contextlib.nullcontext():
+            plain(*x)
+            report = ag.compare(live, x, path=p, tolerance="calibrated", replay=replay)
+        assert report.ok and report.grad_count > 0, str(report)
+        after, want = live.state_dict(), plain.state_dict()
+        assert [k for k, v in want.items() if not torch.equal(after[k], v)] == []  # statistics updated once
+        assert live.training and all(q.grad is None for q in live.parameters())
+    bad = build_cnn().train()
+    with torch.no_grad():
+        bad.bn2.weight.mul_(1.01)
+    with tf32.emulate_tf32():
+        report = ag.compare(bad, x, path=p, tolerance="calibrated", replay=replay)
+    assert report.first_divergence is not None and report.first_divergence.name == "bn2"
+    assert report.origin is not None and (report.origin.kind, report.origin.name) == ("layer", "bn2")
 
 
 # --------------------------------------------------------------------------- errors and edge cases

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,8 @@ import h5py
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from models import (
     bert_mask,
     build_cnn,
@@ -222,6 +225,178 @@ def test_replay_restores_rng_buffers_and_leaves_the_live_results_alone(tmp_path:
     assert [{k: v for k, v in r.to_dict().items() if k not in strip} for r in with_replay.layers] == \
            [{k: v for k, v in r.to_dict().items() if k not in strip} for r in without.layers]
     assert torch.equal(with_replay.output, without.output)  # the dropout after it drew the same numbers
+
+
+# --------------------------------------------------------------------------- replays and the backward
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_as_after_one_forward(live: nn.Module, plain: nn.Module) -> None:
+    """The compared model's parameters and buffers are what one plain forward of ``plain`` (its
+    twin) left, its training flags unchanged and no ``.grad`` written."""
+    got, want = _state(live), _state(plain)
+    assert got.keys() == want.keys()
+    assert [k for k in got if not torch.equal(got[k], want[k])] == []
+    assert [m.training for m in live.modules()] == [m.training for m in plain.modules()]
+    assert all(q.grad is None for q in live.parameters())
+
+
+@pytest.mark.parametrize("changed", [None, "bn2", "conv2"])
+@pytest.mark.parametrize("replay", ["first", "all"])
+def test_a_training_batchnorm_replayed_before_the_backward(tmp_path: Path, replay: str, changed: str | None) -> None:
+    """A training-mode batch norm saves its running statistics for the backward; its replay wrote
+    them (the update, the rewind to the call's start, the values put back), their in-place
+    versions moved and the compare's backward raised autograd's RuntimeError."""
+    x = cnn_input()
+    p = tmp_path / "g.h5"
+    ag.record(build_cnn().train(), x, path=p, backward=True)
+    live = build_cnn().train()
+    if changed is not None:
+        scale_weight(live, changed, 1.01)
+    plain = copy.deepcopy(live)
+    plain(*x)
+    report = ag.compare(live, x, path=p, replay=replay)
+    assert report.grad_count > 0
+    if changed is None:
+        assert report.ok, str(report)
+    else:
+        assert report.first_divergence is not None and report.first_divergence.name == changed
+        assert report.origin is not None and (report.origin.kind, report.origin.name) == ("layer", changed)
+    _assert_as_after_one_forward(live, plain)
+
+
+def test_the_callers_backward_after_a_replayed_compare_in_grad_mode(tmp_path: Path) -> None:
+    """``grad=True`` hands back an output that requires grad: the caller's own backward through
+    the training-mode batch norms runs after the replays, as after a plain forward."""
+    x = cnn_input()
+    p = tmp_path / "g.h5"
+    ag.record(build_cnn().train(), x, path=p)
+    live, plain = build_cnn().train(), build_cnn().train()
+    report = ag.compare(live, x, path=p, replay="all", grad=True)
+    assert report.ok, str(report)
+    plain_out = plain(*x)
+    _assert_as_after_one_forward(live, plain)
+    report.output.sum().backward()
+    plain_out.sum().backward()
+    for (name, q), r in zip(live.named_parameters(), plain.parameters()):
+        assert q.grad is not None and r.grad is not None and torch.equal(q.grad, r.grad), name
+
+
+def test_a_child_run_in_its_parents_replay_leaves_the_backward_its_statistics(tmp_path: Path) -> None:
+    """A child whose output changed structure runs during its parent's replay (no golden to
+    return): its training-mode batch norm writes copies, and the compare's backward runs."""
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(7))
+    p = tmp_path / "g.h5"
+    ag.record(Trunk().train(), x, path=p, backward=True)
+    live = Trunk(extra=True).train()
+    plain = copy.deepcopy(live)
+    plain(x)
+    report = ag.compare(live, x, path=p, replay="all")
+    assert report.first_divergence is not None and report.first_divergence.name == "branch"
+    _assert_as_after_one_forward(live, plain)
+
+
+class _Steps(nn.Module):
+    """Counts its calls in a buffer it reassigns (not in place), and scales by the count."""
+
+    def __init__(self, step: float = 1.0) -> None:
+        super().__init__()
+        self.step = step
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count = self.count + self.step
+        return x * self.count
+
+
+class _Stepped(nn.Module):
+    def __init__(self, step: float = 1.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.steps, self.out = nn.Linear(4, 4), _Steps(step), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.steps(self.fc(x)))
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_buffer_its_call_reassigns_is_replayed_from_the_calls_start(tmp_path: Path, backward: bool) -> None:
+    """``self.count = self.count + 1``: the replay started from the count the live call left
+    (a false alarm under replay="all") and left the replay's tensor in the module (the count
+    advanced twice)."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
+    p = tmp_path / "g.h5"
+    ag.record(_Stepped(), x, path=p, backward=backward)
+    live, plain = _Stepped(), _Stepped()
+    plain(x)
+    report = ag.compare(live, x, path=p, replay="all")
+    assert report.ok, str(report)
+    _assert_as_after_one_forward(live, plain)
+    changed, plain = _Stepped(step=2.0), _Stepped(step=2.0)
+    plain(x)
+    report = ag.compare(changed, x, path=p, replay="all")
+    assert report.first_divergence is not None and report.first_divergence.name == "steps"
+    assert report.origin is not None and (report.origin.kind, report.origin.name) == ("layer", "steps")
+    _assert_as_after_one_forward(changed, plain)
+
+
+_NORMS = {
+    "bn": lambda: nn.BatchNorm1d(6),
+    "bn_cumulative": lambda: nn.BatchNorm1d(6, momentum=None),
+    "bn_plain": lambda: nn.BatchNorm1d(6, affine=False),
+    "bn_no_stats": lambda: nn.BatchNorm1d(6, track_running_stats=False),
+    "steps": lambda: _Steps(0.5),
+}
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(sorted(_NORMS)), st.booleans()), min_size=1, max_size=3),
+       st.sampled_from(["first", "all"]), st.booleans(), st.integers(0, 2**16))
+def test_stateful_layers_replayed_pass_unchanged_and_keep_one_forwards_state(
+        norms: list[tuple[str, bool]], replay: str, backward: bool, seed: int) -> None:
+    """Any stack of normalizations that update their buffers (in place, or by reassigning them), each
+    in training or eval mode: recorded, then compared unchanged with replays (and gradients) passes,
+    and leaves the model as one plain forward does."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(6, 6)]
+    for kind, training in norms:
+        layers += [_NORMS[kind]().train(training), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(6, 2))
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(seed + 1))
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "g.h5"
+        ag.record(copy.deepcopy(model), x, path=p, backward=backward)
+        live, plain = copy.deepcopy(model), copy.deepcopy(model)
+        plain(x)
+        report = ag.compare(live, x, path=p, replay=replay)
+    assert report.ok, str(report)
+    _assert_as_after_one_forward(live, plain)
+
+
+def _count_calls(mod: nn.Module, args: Any) -> None:
+    mod.calls.add_(1)
+
+
+def test_a_stubbed_childs_own_hook_writes_copies_of_its_buffers(tmp_path: Path) -> None:
+    """A child that returns the golden's output in its parent's replay does not run its forward,
+    but its own forward pre-hook does (as an old-style spectral norm's power iteration): what the
+    hook writes in its buffers is the replay's, not the model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Tanh(), nn.Linear(4, 2)))
+    model[1].register_buffer("calls", torch.zeros((), dtype=torch.int64))
+    model[1].register_forward_pre_hook(_count_calls)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
+    p = tmp_path / "g.h5"
+    ag.record(copy.deepcopy(model), x, path=p)
+    live, plain = copy.deepcopy(model), copy.deepcopy(model)
+    plain(x)
+    report = ag.compare(live, x, path=p, replay="all")
+    assert report.ok, str(report)
+    assert int(live[1].calls) == 1
+    _assert_as_after_one_forward(live, plain)
 
 
 # --------------------------------------------------------------------------- replay="all"

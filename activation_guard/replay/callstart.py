@@ -77,16 +77,17 @@ def remember_start(frame: Frame) -> None:
     frame.data = start
 
 
-def start_values(start: CallStart) -> list[tuple[str, torch.Tensor]] | str:
-    """The starting values of the buffers the call changed in place (by name), or why it cannot be
-    replayed from its starting state."""
+def start_values(start: CallStart, module: torch.nn.Module) -> list[tuple[str, torch.Tensor]] | str:
+    """The starting values of the buffers the call changed, in place or by assigning another tensor
+    (``self.count = self.count + 1``), by name; or why it cannot be replayed from its starting state."""
     out = []
     for name, b, version, snap in start.buffers:
-        changed = True if version is None else b._version != version
-        if not changed:
+        in_place = True if version is None else b._version != version
+        if not in_place and module._buffers.get(name) is b:
             continue
         if snap is None:
-            return (f"it changed its buffer {name!r} in place during the call (a running statistic?), and the "
+            how = "in place" if in_place else "by assigning another tensor"
+            return (f"it changed its buffer {name!r} {how} during the call (a running statistic?), and the "
                     f"buffer is too large to copy at every call's start, so a re-run would start from another state")
         out.append((name, snap))
     return out

@@ -23,7 +23,7 @@ golden's tensors (another structure or shape: the code took another branch) keep
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -260,11 +260,14 @@ class ChildHooks:
             # it runs after all (calls inside it are not its parent's); the replay did not plan to
             # restore its buffers, so this does
             self.active.append(None)
-            saved = saved_buffers(list(mod.buffers()))
+            mods = list(mod.modules())
+            saved = saved_buffers([b for m in mods for b in m._buffers.values() if b is not None])
+            aside = buffers_aside(mods)
             try:
                 return type(mod).forward(mod, *args, **kwargs)
             finally:
                 self.active.pop()
+                buffers_back(aside)
                 restore_buffers(saved)
         end = self.calls[i].rng_end
         if end is not None:
@@ -274,11 +277,52 @@ class ChildHooks:
                                    for p, (_, dt, dev) in sk.meta.items()})
 
 
+Aside = list[tuple[torch.nn.Module, dict[str, "torch.Tensor | None"]]]
+
+
+def buffers_aside(modules: Iterable[torch.nn.Module]) -> Aside:
+    """Each module's buffers replaced by copies while a replay runs (:func:`buffers_back` puts the
+    live tensors back). A replayed forward may write its buffers (BatchNorm's running statistics in
+    training mode), and so may the rewind to the values they had at the call's start; autograd may
+    have saved the live tensor for the backward (a training-mode batch norm saves its running
+    statistics), which raises if its in-place version moved, even when its value is put back after.
+    A buffer registered twice gets one copy; one that cannot be copied (an odd subclass) stays."""
+    out: Aside = []
+    copies: dict[int, torch.Tensor] = {}
+    for m in modules:
+        if not m._buffers:  # (most modules have none)
+            continue
+        live = dict(m._buffers)
+        for k, b in live.items():
+            if b is None:
+                continue
+            c = copies.get(id(b))
+            if c is None:
+                try:
+                    c = b.detach().clone().requires_grad_(b.requires_grad)
+                except (RuntimeError, TypeError, NotImplementedError):
+                    continue
+                copies[id(b)] = c
+            m._buffers[k] = c
+        out.append((m, live))
+    return out
+
+
+def buffers_back(aside: Aside) -> None:
+    """The live buffers back in their modules, as they were before :func:`buffers_aside` (a buffer
+    the replay assigned or registered anew is dropped with its copy)."""
+    for m, live in reversed(aside):
+        m._buffers.clear()
+        m._buffers.update(live)
+
+
 SavedBuffer = tuple[torch.Tensor, torch.Tensor, "int | None"]
 
 
 def saved_buffers(buffers: Sequence[torch.Tensor]) -> list[SavedBuffer]:
-    """Each buffer with a copy of its value and its in-place version, before a replay runs."""
+    """Each buffer with a copy of its value and its in-place version, before a replay runs: with
+    its copy set aside (:func:`buffers_aside`) the live tensor changes only through a reference
+    the modules' registries do not hold, and then its value is put back."""
     out = []
     for b in buffers:
         try:

@@ -53,7 +53,17 @@ from ..values.leaves import Leaf, UnsupportedTensorError, flatten, flatten_input
 from ..values.rebuild import clone_inputs, rebuild_inputs
 from .args import ArgsChanged, golden_inputs
 from .callstart import CallStart, modified_in_place, start_values
-from .children import ChildCall, ChildHooks, GoldenCache, GoldenOutputs, restore_buffers, saved_buffers, skeleton
+from .children import (
+    ChildCall,
+    ChildHooks,
+    GoldenCache,
+    GoldenOutputs,
+    buffers_aside,
+    buffers_back,
+    restore_buffers,
+    saved_buffers,
+    skeleton,
+)
 from .hints import inexact_before, string_hint, unjudged_source
 
 
@@ -119,13 +129,19 @@ class Replayer:
         """``rewind``: (name, value) of the module's own buffers to set before it runs (the values
         they had when the live call started); every buffer is restored to its live value after."""
         assert self.state is not None
-        saved = saved_buffers(_buffers(module, hooks.stubbed(modules or {}) if hooks else set()))
+        mods = _modules(module, hooks.stubbed(modules or {}) if hooks else set())
+        saved = saved_buffers([b for m in mods for b in m._buffers.values() if b is not None])
+        aside = buffers_aside(mods)  # the rewind and the run write copies: the live tensors keep their versions
         if rewind:
             with torch.no_grad():
                 for name, value in rewind:
                     b = module._buffers.get(name)
-                    if b is not None:
+                    if b is None:
+                        continue
+                    if b.shape == value.shape:
                         b.copy_(value.to(device=b.device, dtype=b.dtype))
+                    else:  # the call assigned a tensor of another shape: the one it started with, as a copy
+                        module._buffers[name] = value.to(device=b.device, dtype=b.dtype, copy=True)
         # every CUDA device's generator, not only the current one's: a model on cuda:1 draws from its own
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() and torch.cuda.is_initialized() \
             else []
@@ -138,6 +154,7 @@ class Replayer:
                 return call_as_captured(module, args, kwargs)
         finally:
             self.state.replaying = False
+            buffers_back(aside)
             restore_buffers(saved)
 
     def own(self, frame: Frame, entry: CallEntry, compare: CompareLeaves) -> OwnResult:
@@ -155,7 +172,7 @@ class Replayer:
         if any(v is None for v in start.objects.values()):
             return self._not_replayed("it takes an object that could not be copied when the call started, so a "
                                       "re-run would differ")
-        rewind = start_values(start)
+        rewind = start_values(start, frame.module)
         if isinstance(rewind, str):
             return self._not_replayed(rewind)
         if frame.rng is not None and rng_moved(frame.rng):
@@ -540,17 +557,26 @@ def _numbers(layer: LayerResult) -> str:
                                                       if layer.rtol is not None and layer.atol is not None else "")
 
 
-def _buffers(module: torch.nn.Module, skip: set[int]) -> list[torch.Tensor]:
-    """The buffers a replay of ``module`` may change: all in its subtree but those of children that
-    will not run (``skip``: their ids)."""
-    out = list(module.buffers(recurse=False))
+def _modules(module: torch.nn.Module, skip: set[int]) -> list[torch.nn.Module]:
+    """The modules whose buffers a replay of ``module`` may change: its subtree but the children
+    whose forward will not run (``skip``: their ids) and theirs; such a child itself still counts
+    when it has hooks of its own, which do run (an old-style spectral norm's power iteration)."""
+    out = [module]
     stack = list(module.children())
     while stack:
         m = stack.pop()
         if id(m) not in skip:
-            out.extend(m.buffers(recurse=False))
+            out.append(m)
             stack.extend(m.children())
+        elif _own_hooks(m):
+            out.append(m)
     return out
+
+
+def _own_hooks(m: torch.nn.Module) -> bool:
+    """Whether ``m`` has forward (pre-)hooks other than the capture's, or any global pre-hook runs."""
+    return bool(torch.nn.modules.module._global_forward_pre_hooks) or any(
+        getattr(h, "_ag_token", None) is None for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()))
 
 
 def tensor_holders(args: Any, kwargs: Any) -> list[tuple[str, str]]:
