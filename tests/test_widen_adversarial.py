@@ -1,0 +1,298 @@
+"""Odd but legitimate models against the per-call widened float64 copy.
+
+Each model runs with a whole float64 copy and with parameters widened per module call
+(:attr:`ShadowRun.widen_per_call`); the float64 references must be bit-identical, or the per-call
+copy must trip and fall back to the whole one. Every model is built afresh for each run: a model
+that writes its own parameters must not carry one run's writes into the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as checkpoint
+from torch import nn
+from torch.nn.utils import parametrizations, parametrize
+
+from activation_guard.calibration import shadow, widen
+from activation_guard.calibration.shadow import ShadowRun
+
+CPU = torch.device("cpu")
+
+
+def run(model: nn.Module, args: tuple[Any, ...], per_call: bool,
+        monkeypatch: pytest.MonkeyPatch) -> tuple[ShadowRun, list[str | None]]:
+    """The shadow run, and per attempt: None for a whole copy, else why it tripped ("ok": it did not)."""
+    seen: list[str | None] = []
+    orig = ShadowRun._attempt
+
+    def attempt(self: ShadowRun, *a: Any, lazy: bool, **k: Any) -> None:
+        try:
+            orig(self, *a, lazy=lazy, **k)
+        finally:
+            seen.append(None if not lazy or self.lazy is None else (self.lazy.tripped or "ok"))
+
+    with monkeypatch.context() as m:
+        m.setattr(ShadowRun, "widen_per_call", per_call)
+        m.setattr(ShadowRun, "_attempt", attempt)
+        return ShadowRun(model, args, {}, None, None, CPU), seen
+
+
+def check(build: Callable[[], nn.Module], inputs: Callable[[], tuple[Any, ...]],
+          monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """Both ways on fresh models; the references must be bit-identical. Returns the per-call attempts."""
+    torch.manual_seed(0)
+    whole, _ = run(build(), inputs(), False, monkeypatch)
+    torch.manual_seed(0)
+    per_call, seen = run(build(), inputs(), True, monkeypatch)
+    try:
+        assert whole.scratch is not None and per_call.scratch is not None
+        assert whole.scratch.entries.keys() == per_call.scratch.entries.keys()
+        for k in whole.scratch.entries:
+            w, p = whole.reference(*k), per_call.reference(*k)
+            assert w is not None and p is not None
+            assert torch.equal(w, p), (k, (w - p).abs().max().item(), seen)
+        assert whole.differs == per_call.differs
+    finally:
+        whole.close()
+        per_call.close()
+    assert not widen._LIVE
+    return seen
+
+
+# --------------------------------------------------------------------------- strided parameters
+
+
+class Transposed(nn.Module):
+    """A Linear-like weight stored transposed (a parameter made from ``w.t()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(32, 16).t())
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.linear(x, self.weight))
+
+
+def channels_last() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).eval().to(
+        memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("build, inputs", [
+    (lambda: Transposed().eval(), lambda: (torch.randn(4, 32),)),
+    (channels_last, lambda: (torch.randn(2, 3, 10, 10),)),
+], ids=["transposed weight", "channels_last conv"])
+def test_strided_parameters_are_widened_with_their_strides(build: Callable[[], nn.Module],
+                                                           inputs: Callable[[], tuple[Any, ...]],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel picks its summation order by the weight's strides: the whole copy keeps them."""
+    assert check(build, inputs, monkeypatch) == ["ok"]
+
+
+# --------------------------------------------------------------------------- writes a version counter misses
+
+
+class Twice(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.inner(x))
+
+
+class Replaces(nn.Module):
+    """Replaces its parameter by a new one during its call: the next call uses the new one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.weight
+        self.weight = nn.Parameter(self.weight.detach() * 0.5)
+        return out
+
+
+class AssignsData(nn.Module):
+    """Rebinds its parameter's data (``p.data = ...``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.weight
+        self.weight.data = self.weight.data * 0.5
+        return out
+
+
+class WritesData(nn.Module):
+    """Decays its parameter in place through ``.data``, which no version counter sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.weight.data.mul_(0.9)
+        return x @ self.weight
+
+
+_BY_ADDRESS: dict[int, torch.Tensor] = {}
+
+
+class AddressCache(nn.Module):
+    """Caches its transposed weight under the weight's address, as some fused kernels' wrappers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        key = self.weight.data_ptr()
+        if key not in _BY_ADDRESS:
+            _BY_ADDRESS[key] = self.weight.t().contiguous()
+        return x @ _BY_ADDRESS[key]
+
+
+def address_cache() -> nn.Module:
+    _BY_ADDRESS.clear()  # the live model's own addresses are distinct for as long as it lives
+    return nn.Sequential(AddressCache(), nn.Tanh(), AddressCache()).eval()
+
+
+@pytest.mark.parametrize("build", [
+    lambda: Twice(Replaces()).eval(), lambda: Twice(AssignsData()).eval(), lambda: Twice(WritesData()).eval(),
+    address_cache,
+], ids=["replaces its parameter", "assigns .data", "writes through .data", "cache keyed by address"])
+def test_a_parameter_changed_or_keyed_unseen_trips(build: Callable[[], nn.Module],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-call copy restores the placeholder after each call and hands the buffer to the next
+    module of its size: a parameter replaced or written where no version counter shows it, or a
+    cache keyed by the buffer's address, would silently differ from the whole copy."""
+    seen = check(build, lambda: (torch.randn(4, 8),), monkeypatch)
+    assert seen[0] not in ("ok", None) and seen[1:] == [None], seen
+    assert not widen._WIDE  # no parameter is left marked as widened after the trip
+
+
+# --------------------------------------------------------------------------- odd models that hold
+
+
+class Recursive(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+        y = self.inner(x) @ self.weight
+        return y if depth == 0 else self(y, depth - 1)
+
+
+class CachesView(nn.Module):
+    """Keeps a view of its widened weight on itself and uses it on later calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+        self.cached: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cached is None:
+            self.cached = self.weight.t()
+        return x @ self.cached
+
+
+class CachesViewTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = CachesView(), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(self.c(self.b(self.a(x))))
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(checkpoint.checkpoint(self.a, x, use_reentrant=False))
+
+
+class Symmetric(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.triu() + w.triu(1).transpose(-1, -2)
+
+
+class Lookups(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.bag = nn.Embedding(10, 8, padding_idx=0), nn.EmbeddingBag(10, 8, mode="max")
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids).sum(1) + self.bag(ids))
+
+
+def parametrized() -> nn.Module:
+    lin = nn.Linear(8, 8)
+    parametrize.register_parametrization(lin, "weight", Symmetric())
+    return nn.Sequential(nn.Linear(8, 8), lin, parametrizations.weight_norm(nn.Linear(8, 8)), nn.Linear(8, 8)).eval()
+
+
+def spectral_train() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 8), parametrizations.spectral_norm(nn.Linear(8, 8)),
+                         nn.utils.spectral_norm(nn.Linear(8, 8)), nn.Dropout(0.3), nn.Linear(8, 8)).train()
+
+
+HOLD: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]], bool]] = {
+    # name: (model, inputs, whether the per-call copy must trip)
+    "parametrizations": (parametrized, lambda: (torch.randn(4, 8),), False),
+    "spectral norm and dropout, training": (spectral_train, lambda: (torch.randn(4, 8),), False),
+    "embedding max_norm renormalizes in place": (
+        lambda: nn.Sequential(nn.Embedding(10, 8, max_norm=1.0), nn.Linear(8, 8)).eval(),
+        lambda: (torch.tensor([[1, 2, 1, 3]]),), True),
+    "embedding with padding_idx, embedding bag": (lambda: Lookups().eval(), lambda: (torch.tensor([[0, 2, 1, 3]]),),
+                                                  False),
+    "multi-head attention": (lambda: nn.MultiheadAttention(8, 2, batch_first=True).eval(),
+                             lambda: (torch.randn(2, 5, 8),) * 3, True),
+    "gru and lstm cell": (lambda: nn.Sequential(nn.GRU(8, 8, batch_first=True)).eval(),
+                          lambda: (torch.randn(2, 5, 8),), False),
+    "grouped conv, norms without affine, batch norm training": (
+        lambda: nn.Sequential(nn.Conv2d(4, 8, 3, groups=2), nn.BatchNorm2d(8, affine=False),
+                              nn.GroupNorm(2, 8, affine=False), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 1)).train(),
+        lambda: (torch.randn(2, 4, 6, 6),), False),
+    "recursive module": (lambda: Recursive().eval(), lambda: (torch.randn(4, 8),), True),
+    "a view of its weight cached on itself": (lambda: CachesViewTwice().eval(), lambda: (torch.randn(4, 8),), False),
+    "checkpoint": (lambda: Checkpointed().eval(), lambda: (torch.randn(4, 8),), False),
+    "bfloat16": (lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)).to(torch.bfloat16).eval(),
+                 lambda: (torch.randn(4, 8, dtype=torch.bfloat16),), False),
+}
+
+
+@pytest.mark.parametrize("case", list(HOLD))
+def test_odd_models_keep_the_whole_copys_references(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    build, inputs, trips = HOLD[case]
+    seen = check(build, inputs, monkeypatch)
+    assert (seen[0] != "ok") is trips, seen
+
+
+# --------------------------------------------------------------------------- where the outputs are kept
+
+
+def test_outputs_are_kept_in_memory_only_when_the_copy_is_in_host_memory() -> None:
+    """What the whole copy would have held on a GPU is device memory: kept outputs are host memory."""
+    lazy = widen.LazyFloat64()
+    lazy.nbytes = 1 << 20
+    cpu = shadow.held_budget(lazy, torch.device("cpu"))
+    assert cpu is not None and cpu() == 1 << 20
+    assert shadow.held_budget(lazy, torch.device("cuda", 0)) is None
+    assert shadow.held_budget(None, torch.device("cpu")) is None
