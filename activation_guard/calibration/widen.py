@@ -86,8 +86,8 @@ class LazyFloat64:
         self.pool = _Pool()
         self.tripped: str | None = None  # why a placeholder was used, if one was
         self.nbytes = 0  # what the whole copy's placeholders stand for, in bytes
-        # module of the copy -> [(key, placeholder, the model's own parameter)]
-        self.own: dict[int, list[tuple[str, torch.nn.Parameter, torch.Tensor]]] = {}
+        # module of the copy -> [(key, placeholder, the model's own parameter, the whole copy's strides)]
+        self.own: dict[int, list[tuple[str, torch.nn.Parameter, torch.Tensor, tuple[int, ...]]]] = {}
         # id(module) -> [(key, the parameter swapped in, its version then, its buffer)] while it runs
         self.active: dict[int, list[tuple[str, torch.nn.Parameter, int, torch.Tensor]]] = {}
         self.handles: list[Any] = []
@@ -104,7 +104,7 @@ class LazyFloat64:
                 continue
             self.handles.append(mod.register_forward_pre_hook(self._pre, prepend=True))
             self.handles.append(mod.register_forward_hook(self._post, always_call=True))
-            for key, ph, _ in entries:
+            for key, ph, _, _ in entries:
                 _LIVE[id(ph)] = (self, f"parameter {key!r} of {names.get(id(mod)) or '<root>'!r}")
 
     def widened(self, mod: torch.nn.Module, key: str, p: torch.Tensor) -> bool:
@@ -120,9 +120,11 @@ class LazyFloat64:
             self.trip("a module re-entered while running")
         swapped = []
         with torch.no_grad():
-            for key, ph, orig in self.own[id(mod)]:
+            for key, ph, orig, stride in self.own[id(mod)]:
                 buf = self.pool.take(ph.numel(), ph.device)
-                view = buf.view(ph.shape)
+                # the whole copy's strides (a transposed or channels_last weight keeps its layout):
+                # kernels pick their summation order by them
+                view = buf.as_strided(ph.shape, stride)
                 view.copy_(orig.detach())
                 # requires_grad as the whole copy's: matmul folds a strided input by it (other bits)
                 p = torch.nn.Parameter(view, requires_grad=ph.requires_grad)
@@ -134,7 +136,7 @@ class LazyFloat64:
         swapped = self.active.pop(id(mod), None)
         if swapped is None:
             return
-        phs = {key: ph for key, ph, _ in self.own[id(mod)]}
+        phs = {key: ph for key, ph, _, _ in self.own[id(mod)]}
         changed = None
         bufs = []
         for key, p, version, buf in swapped:
@@ -156,7 +158,7 @@ class LazyFloat64:
             h.remove()
         self.handles = []
         for entries in self.own.values():
-            for _, ph, _ in entries:
+            for _, ph, _, _ in entries:
                 _LIVE.pop(id(ph), None)
         self.own = {}
         self.active = {}
@@ -196,18 +198,22 @@ def lazy_float64_copy(model: torch.nn.Module, device: torch.device,
             memo[id(p)] = ph
             lazy.nbytes += p.numel() * 8
     placeholders: dict[int, torch.nn.Parameter] = {id(ph): ph for ph in memo.values()}
+    # what ``p.detach().to(torch.float64)`` gives (the whole copy): the same strides where ``p`` is
+    # dense and non-overlapping, else contiguous ones
+    strides = {id(memo[id(p)]): tuple(torch.empty_like(p, dtype=torch.float64, device="meta").stride())
+               for p in model.parameters() if id(p) in memo}
     originals: dict[int, torch.Tensor] = {id(memo[id(p)]): p for p in model.parameters() if id(p) in memo}
     shadow = copy.deepcopy(model, memo)
     names: dict[int, str] = {}
     for name, mod in shadow.named_modules():
         names[id(mod)] = name
-        entries = [(k, placeholders[id(v)], originals[id(v)]) for k, v in mod._parameters.items()
+        entries = [(k, placeholders[id(v)], originals[id(v)], strides[id(v)]) for k, v in mod._parameters.items()
                    if v is not None and id(v) in placeholders]
         if entries:
             lazy.own[id(mod)] = entries
     convert(shadow)
     # the conversion must leave the placeholders in place (a module's own ``_apply`` might not)
-    if any(mod._parameters.get(k) is not ph for mod in shadow.modules() for k, ph, _ in lazy.own.get(id(mod), [])):
+    if any(mod._parameters.get(k) is not ph for mod in shadow.modules() for k, ph, _, _ in lazy.own.get(id(mod), [])):
         raise PlaceholderUsed("converting the copy replaced a placeholder parameter")
     lazy.install(shadow, names)
     return shadow, lazy
