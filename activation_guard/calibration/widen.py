@@ -14,7 +14,10 @@ The copy's torch-function mode (:class:`.shadow.float32_random`) calls :func:`ch
 operation, and any operation on a placeholder's data (anything but reading its shape, dtype or
 device) trips the copy: it raises :class:`PlaceholderUsed` and records it, so that the caller runs
 the model again with a whole float64 copy (:func:`.shadow._float64_copy`). A module that writes
-into its own parameter during its call trips it too (the whole copy would keep that write). The
+into its own parameter during its call, or replaces it, trips it too (the whole copy would keep
+that write for the next call), and so does reading a widened parameter's ``.data`` (a write no
+version counter sees), address or storage (a cache keyed by them would meet the same buffer under
+the next module of its size). A widened parameter has the whole copy's strides. The
 placeholders' NaN makes any use the check could miss show up as a non-finite noise floor (judged
 strictly, never more leniently).
 """
@@ -46,12 +49,25 @@ _METADATA: frozenset[Any] = frozenset({
 # the copies whose placeholders are live in this process: id(placeholder) -> (copy, "module.name")
 _LIVE: dict[int, tuple[LazyFloat64, str]] = {}
 
+# the parameters widened for the module calls running now: id(parameter) -> (copy, "module.name")
+_WIDE: dict[int, tuple[LazyFloat64, str]] = {}
+
+# reading these of a widened parameter escapes what the copy can see: ``.data`` is written without
+# the version counter (a write the whole copy would keep for the next call), and an address or a
+# storage may key a cache, while the buffer behind it serves the next module of its size
+_UNTRACKED: dict[Any, str] = {
+    torch.Tensor.data.__get__: ".data", torch.Tensor.data.__set__: ".data =",  # type: ignore[attr-defined]
+    torch.Tensor.data_ptr: ".data_ptr()", torch.Tensor.untyped_storage: ".untyped_storage()",
+    torch.Tensor.storage: ".storage()", torch.Tensor._typed_storage: "._typed_storage()",
+}
+
 
 def check_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
     """Raise :class:`PlaceholderUsed` when ``func`` would read a placeholder's data. Called for
     every operation under the float64 copy's torch-function mode while a lazy copy is alive."""
     if not _LIVE or func in _METADATA:
         return
+    untracked = _UNTRACKED.get(func)
     for a in (*args, *(kwargs or {}).values()):
         found = _LIVE.get(id(a)) if isinstance(a, torch.Tensor) else None
         if found is None and isinstance(a, (list, tuple)):
@@ -59,6 +75,11 @@ def check_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) 
         if found is not None:
             owner, name = found
             owner.trip(f"{name} used outside its module's call ({getattr(func, '__name__', func)!s})")
+        wide = _WIDE.get(id(a)) if untracked and isinstance(a, torch.Tensor) else None
+        if wide is not None:
+            owner, name = wide
+            owner.trip(f"{name} read through {untracked} during its call (a write no version counter sees, or a "
+                       f"cache keyed by its address)")
 
 
 class _Pool:
@@ -130,6 +151,7 @@ class LazyFloat64:
                 p = torch.nn.Parameter(view, requires_grad=ph.requires_grad)
                 mod._parameters[key] = p
                 swapped.append((key, p, p._version, buf))
+                _WIDE[id(p)] = _LIVE[id(ph)]
         self.active[id(mod)] = swapped
 
     def _post(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
@@ -137,10 +159,13 @@ class LazyFloat64:
         if swapped is None:
             return
         phs = {key: ph for key, ph, _, _ in self.own[id(mod)]}
-        changed = None
+        changed = replaced = None
         bufs = []
         for key, p, version, buf in swapped:
-            if mod._parameters.get(key) is p and p._version != version:
+            _WIDE.pop(id(p), None)
+            if mod._parameters.get(key) is not p:  # the whole copy would keep the new one for the next call
+                replaced = key
+            elif p._version != version:
                 changed = key
             mod._parameters[key] = phs[key]
             bufs.append(buf)
@@ -150,6 +175,8 @@ class LazyFloat64:
             # cache of it on the module) is left to it, never handed to the next module
             if _alone(buf):
                 self.pool.give(buf)
+        if replaced is not None:
+            self.trip(f"a module replaced its own parameter {replaced!r} during its call")
         if changed is not None:
             self.trip(f"a module wrote into its own parameter {changed!r} during its call")
 
@@ -157,6 +184,9 @@ class LazyFloat64:
         for h in self.handles:
             h.remove()
         self.handles = []
+        for calls in self.active.values():  # calls an exception left unfinished
+            for _, p, _, _ in calls:
+                _WIDE.pop(id(p), None)
         for entries in self.own.values():
             for _, ph, _, _ in entries:
                 _LIVE.pop(id(ph), None)
