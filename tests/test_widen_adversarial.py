@@ -181,6 +181,34 @@ def test_a_parameter_changed_or_keyed_unseen_trips(build: Callable[[], nn.Module
     assert not widen._WIDE  # no parameter is left marked as widened after the trip
 
 
+# --------------------------------------------------------------------------- other weights put in place
+
+
+class Averaged(nn.Module):
+    """Runs its net with averaged weights too, kept as buffers, through ``torch.func.functional_call``."""
+
+    def __init__(self, as_parameters: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.as_parameters = as_parameters
+        for k, v in self.net.named_parameters():
+            self.register_buffer("avg_" + k.replace(".", "_"), v.detach() * 0.5 + 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wrap: Callable[[torch.Tensor], torch.Tensor] = nn.Parameter if self.as_parameters else (lambda t: t)
+        other = {k: wrap(getattr(self, "avg_" + k.replace(".", "_"))) for k, _ in self.net.named_parameters()}
+        return self.net(x) + torch.func.functional_call(self.net, other, (x,))
+
+
+@pytest.mark.parametrize("as_parameters", [False, True], ids=["tensors", "parameters"])
+def test_weights_functional_call_puts_in_place_are_the_ones_used(as_parameters: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``functional_call`` registers other tensors in the module for one call: widening the model's
+    own parameters over them computed the reference with the wrong weights (whose floors would
+    measure the difference between two sets of weights)."""
+    assert check(lambda: Averaged(as_parameters).eval(), lambda: (torch.randn(4, 8),), monkeypatch) == ["ok"]
+
+
 # --------------------------------------------------------------------------- odd models that hold
 
 
