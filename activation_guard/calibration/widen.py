@@ -142,6 +142,8 @@ class LazyFloat64:
         swapped = []
         with torch.no_grad():
             for key, ph, orig, stride in self.own[id(mod)]:
+                if mod._parameters.get(key) is not ph:  # other weights put in place for this call (functional_call)
+                    continue
                 buf = self.pool.take(ph.numel(), ph.device)
                 # the whole copy's strides (a transposed or channels_last weight keeps its layout):
                 # kernels pick their summation order by them
@@ -161,6 +163,7 @@ class LazyFloat64:
         phs = {key: ph for key, ph, _, _ in self.own[id(mod)]}
         changed = replaced = None
         bufs = []
+        p: torch.nn.Parameter | None = None  # bound even when no parameter was swapped in
         for key, p, version, buf in swapped:
             _WIDE.pop(id(p), None)
             if mod._parameters.get(key) is not p:  # the whole copy would keep the new one for the next call
