@@ -167,10 +167,41 @@ def address_cache() -> nn.Module:
     return nn.Sequential(AddressCache(), nn.Tanh(), AddressCache()).eval()
 
 
+class Table(nn.Module):
+    """Returns its parameter itself, or a transposed view of it."""
+
+    def __init__(self, transposed: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 4))
+        self.transposed = transposed
+
+    def forward(self) -> torch.Tensor:
+        return self.weight.t() if self.transposed else self.weight
+
+
+class AddsToWhatItGets(nn.Module):
+    """Adds in place to what the table returned (its parameter: the whole copy's changes with it),
+    then calls the table again."""
+
+    def __init__(self, transposed: bool = False) -> None:
+        super().__init__()
+        self.table = Table(transposed)
+        self.out = nn.Linear(8, 8)
+        self.transposed = transposed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.table()
+        a += 1.0
+        b = self.table()
+        a, b = (a, b) if self.transposed else (a.t(), b.t())
+        return self.out(x + (a + b).sum(0))
+
+
 @pytest.mark.parametrize("build", [
     lambda: Twice(Replaces()).eval(), lambda: Twice(AssignsData()).eval(), lambda: Twice(WritesData()).eval(),
-    address_cache,
-], ids=["replaces its parameter", "assigns .data", "writes through .data", "cache keyed by address"])
+    address_cache, lambda: AddsToWhatItGets().eval(), lambda: AddsToWhatItGets(transposed=True).eval(),
+], ids=["replaces its parameter", "assigns .data", "writes through .data", "cache keyed by address",
+        "a returned parameter written after the call", "a returned view written after the call"])
 def test_a_parameter_changed_or_keyed_unseen_trips(build: Callable[[], nn.Module],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-call copy restores the placeholder after each call and hands the buffer to the next
