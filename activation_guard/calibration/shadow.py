@@ -540,6 +540,8 @@ class ShadowRun:
                     with hooked(shadow, on_output, include, exclude,
                                 on_enter=None if grads is None else grads.on_enter) as state:
                         out = run_forward(shadow, a, kw, state, grad=self.grad or grads is not None)
+                    if self.lazy is not None:  # replays of the kept copy call its modules again
+                        self.lazy.check_lent()
                     if grads is not None and self.backward is not None:
                         grads.backward(shadow, out, self.backward, a, kw)
                 checks.recording = False  # replays of the kept copy re-check, but are not this run's calls

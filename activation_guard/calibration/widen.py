@@ -25,6 +25,7 @@ strictly, never more leniently).
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -111,6 +112,9 @@ class LazyFloat64:
         self.own: dict[int, list[tuple[str, torch.nn.Parameter, torch.Tensor, tuple[int, ...]]]] = {}
         # id(module) -> [(key, the parameter swapped in, its version then, its buffer)] while it runs
         self.active: dict[int, list[tuple[str, torch.nn.Parameter, int, torch.Tensor]]] = {}
+        # id(module) -> [(a parameter widened for an earlier call that something still holds (an
+        # output, a cache), its version then, its name)]: written since, the whole copy's would be too
+        self.lent: dict[int, list[tuple[weakref.ref[torch.nn.Parameter], int, str]]] = {}
         self.handles: list[Any] = []
 
     def trip(self, why: str) -> None:
@@ -139,6 +143,7 @@ class LazyFloat64:
     def _pre(self, mod: torch.nn.Module, args: Any) -> None:
         if id(mod) in self.active:  # re-entered (a module calling itself): its buffers are in place
             self.trip("a module re-entered while running")
+        self.check_lent(id(mod))
         swapped = []
         with torch.no_grad():
             for key, ph, orig, stride in self.own[id(mod)]:
@@ -171,17 +176,38 @@ class LazyFloat64:
             elif p._version != version:
                 changed = key
             mod._parameters[key] = phs[key]
-            bufs.append(buf)
+            bufs.append((buf, weakref.ref(p), p._version, _LIVE[id(phs[key])][1]))
         del swapped, p
-        for buf in bufs:
+        for buf, ref, version, name in bufs:
             # a buffer something still refers to (an output that is a view of the parameter, a
             # cache of it on the module) is left to it, never handed to the next module
             if _alone(buf):
                 self.pool.give(buf)
+            else:
+                self.lent.setdefault(id(mod), []).append((ref, version, name))
         if replaced is not None:
             self.trip(f"a module replaced its own parameter {replaced!r} during its call")
         if changed is not None:
             self.trip(f"a module wrote into its own parameter {changed!r} during its call")
+
+    def check_lent(self, module: int | None = None) -> None:
+        """Trip when a parameter an earlier call of ``module`` (None: of any module) left to what
+        still holds it was written since (``a = table(); a += 1``): the whole copy's parameter
+        would hold that write at the module's next call, or a replay's. A write through an alias
+        that is no view of the parameter (``.detach()``) once the parameter itself is gone is not seen."""
+        for mod in ([module] if module is not None else list(self.lent)):
+            alive = []
+            for ref, version, name in self.lent.get(mod, ()):
+                p = ref()
+                if p is None:
+                    continue
+                if p._version != version:
+                    self.trip(f"{name} was written after its module's call returned it")
+                alive.append((ref, version, name))
+            if alive:
+                self.lent[mod] = alive
+            else:
+                self.lent.pop(mod, None)
 
     def close(self) -> None:
         for h in self.handles:
@@ -195,6 +221,7 @@ class LazyFloat64:
                 _LIVE.pop(id(ph), None)
         self.own = {}
         self.active = {}
+        self.lent = {}
         self.pool = _Pool()
 
 
