@@ -68,7 +68,7 @@ def check_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) 
     every operation under the float64 copy's torch-function mode while a lazy copy is alive."""
     if not _LIVE or func in _METADATA:
         return
-    untracked = _UNTRACKED.get(func)
+    untracked = _UNTRACKED.get(func) if _WIDE else None
     for a in (*args, *(kwargs or {}).values()):
         found = _LIVE.get(id(a)) if isinstance(a, torch.Tensor) else None
         if found is None and isinstance(a, (list, tuple)):
@@ -176,7 +176,7 @@ class LazyFloat64:
             elif p._version != version:
                 changed = key
             mod._parameters[key] = phs[key]
-            bufs.append((buf, weakref.ref(p), p._version, _LIVE[id(phs[key])][1]))
+            bufs.append((buf, weakref.ref(p), version, _LIVE[id(phs[key])][1]))  # written: tripped below
         del swapped, p
         for buf, ref, version, name in bufs:
             # a buffer something still refers to (an output that is a view of the parameter, a
@@ -259,8 +259,9 @@ def lazy_float64_copy(model: torch.nn.Module, device: torch.device,
             lazy.nbytes += p.numel() * 8
     placeholders: dict[int, torch.nn.Parameter] = {id(ph): ph for ph in memo.values()}
     # what ``p.detach().to(torch.float64)`` gives (the whole copy): the same strides where ``p`` is
-    # dense and non-overlapping, else contiguous ones
-    strides = {id(memo[id(p)]): tuple(torch.empty_like(p, dtype=torch.float64, device="meta").stride())
+    # dense and non-overlapping (a contiguous one is), else contiguous ones
+    strides = {id(memo[id(p)]): tuple(p.stride() if p.is_contiguous() else
+                                      torch.empty_like(p, dtype=torch.float64, device="meta").stride())
                for p in model.parameters() if id(p) in memo}
     originals: dict[int, torch.Tensor] = {id(memo[id(p)]): p for p in model.parameters() if id(p) in memo}
     shadow = copy.deepcopy(model, memo)
