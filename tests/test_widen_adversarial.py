@@ -8,6 +8,7 @@ that writes its own parameters must not carry one run's writes into the other.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -355,6 +356,38 @@ def test_outputs_are_kept_in_memory_only_when_the_copy_is_in_host_memory() -> No
     assert cpu is not None and cpu() == 1 << 20
     assert shadow.held_budget(lazy, torch.device("cuda", 0)) is None
     assert shadow.held_budget(None, torch.device("cpu")) is None
+
+
+class OwnCopy(nn.Module):
+    """Deep-copies itself without the caller's memo: its copy's parameters are not placeholders."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OwnCopy:
+        new = OwnCopy.__new__(OwnCopy)
+        nn.Module.__init__(new)
+        new.lin = copy.deepcopy(self.lin)
+        return new
+
+
+def test_the_budget_counts_only_the_parameters_the_copy_widens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parameters a module's own ``__deepcopy__`` copies whole are held whole: counting them as
+    freed let kept outputs take their memory a second time."""
+    seen = check(lambda: nn.Sequential(nn.Linear(64, 64), OwnCopy()).eval(), lambda: (torch.randn(4, 64),),
+                 monkeypatch)
+    assert seen == ["ok"]
+    torch.manual_seed(0)
+    per_call, _ = run(nn.Sequential(nn.Linear(64, 64), OwnCopy()).eval(), (torch.randn(4, 64),), True, monkeypatch)
+    try:
+        assert per_call.lazy is not None
+        assert per_call.lazy.nbytes == (64 * 64 + 64) * 8  # the first Linear's: OwnCopy's are whole
+    finally:
+        per_call.close()
 
 
 # --------------------------------------------------------------------------- errors and state left behind
