@@ -256,7 +256,6 @@ def lazy_float64_copy(model: torch.nn.Module, device: torch.device,
         if _eligible(p, device) and id(p) not in rnn:
             ph = torch.nn.Parameter(nan.expand(p.shape), p.requires_grad)
             memo[id(p)] = ph
-            lazy.nbytes += p.numel() * 8
     placeholders: dict[int, torch.nn.Parameter] = {id(ph): ph for ph in memo.values()}
     # what ``p.detach().to(torch.float64)`` gives (the whole copy): the same strides where ``p`` is
     # dense and non-overlapping (a contiguous one is), else contiguous ones
@@ -272,6 +271,9 @@ def lazy_float64_copy(model: torch.nn.Module, device: torch.device,
                    if v is not None and id(v) in placeholders]
         if entries:
             lazy.own[id(mod)] = entries
+    # only the placeholders the copy holds (a module's own ``__deepcopy__`` may copy its parameters whole)
+    held = {id(ph): ph for entries in lazy.own.values() for _, ph, _, _ in entries}
+    lazy.nbytes = sum(ph.numel() * 8 for ph in held.values())
     convert(shadow)
     # the conversion must leave the placeholders in place (a module's own ``_apply`` might not)
     if any(mod._parameters.get(k) is not ph for mod in shadow.modules() for k, ph, _, _ in lazy.own.get(id(mod), [])):
