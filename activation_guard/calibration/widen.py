@@ -47,11 +47,13 @@ _METADATA: frozenset[Any] = frozenset({
     torch.Tensor.is_complex, torch.Tensor.nelement, torch.Tensor.get_device, torch.Tensor.__hash__,
 })
 
-# the copies whose placeholders are live in this process: id(placeholder) -> (copy, "module.name")
-_LIVE: dict[int, tuple[LazyFloat64, str]] = {}
+# the copies whose placeholders are live in this process: id(placeholder) -> (copy, "module.name");
+# the copy weakly, so that a run dropped without closing it keeps nothing (the model's own
+# parameters, the buffers) alive through this table, and its entries go when it is collected
+_LIVE: dict[int, tuple[weakref.ref[LazyFloat64], str]] = {}
 
 # the parameters widened for the module calls running now: id(parameter) -> (copy, "module.name")
-_WIDE: dict[int, tuple[LazyFloat64, str]] = {}
+_WIDE: dict[int, tuple[weakref.ref[LazyFloat64], str]] = {}
 
 # reading these of a widened parameter escapes what the copy can see: ``.data`` is written without
 # the version counter (a write the whole copy would keep for the next call), and an address or a
@@ -73,13 +75,13 @@ def check_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) 
         found = _LIVE.get(id(a)) if isinstance(a, torch.Tensor) else None
         if found is None and isinstance(a, (list, tuple)):
             found = next((_LIVE[id(x)] for x in a if isinstance(x, torch.Tensor) and id(x) in _LIVE), None)
-        if found is not None:
-            owner, name = found
-            owner.trip(f"{name} used outside its module's call ({getattr(func, '__name__', func)!s})")
+        owner = None if found is None else found[0]()
+        if owner is not None and found is not None:
+            owner.trip(f"{found[1]} used outside its module's call ({getattr(func, '__name__', func)!s})")
         wide = _WIDE.get(id(a)) if untracked and isinstance(a, torch.Tensor) else None
-        if wide is not None:
-            owner, name = wide
-            owner.trip(f"{name} read through {untracked} during its call (a write no version counter sees, or a "
+        owner = None if wide is None else wide[0]()
+        if owner is not None and wide is not None:
+            owner.trip(f"{wide[1]} read through {untracked} during its call (a write no version counter sees, or a "
                        f"cache keyed by its address)")
 
 
@@ -116,6 +118,7 @@ class LazyFloat64:
         # output, a cache), its version then, its name)]: written since, the whole copy's would be too
         self.lent: dict[int, list[tuple[weakref.ref[torch.nn.Parameter], int, str]]] = {}
         self.handles: list[Any] = []
+        self._forget: weakref.finalize[Any, Any] | None = None
 
     def trip(self, why: str) -> None:
         if self.tripped is None:
@@ -123,6 +126,7 @@ class LazyFloat64:
         raise PlaceholderUsed(f"the lazily widened float64 copy needs a whole copy: {why}")
 
     def install(self, shadow: torch.nn.Module, names: dict[int, str]) -> None:
+        me = weakref.ref(self)
         for mod in shadow.modules():
             entries = self.own.get(id(mod))
             if not entries:
@@ -130,7 +134,9 @@ class LazyFloat64:
             self.handles.append(mod.register_forward_pre_hook(self._pre, prepend=True))
             self.handles.append(mod.register_forward_hook(self._post, always_call=True))
             for key, ph, _, _ in entries:
-                _LIVE[id(ph)] = (self, f"parameter {key!r} of {names.get(id(mod)) or '<root>'!r}")
+                _LIVE[id(ph)] = (me, f"parameter {key!r} of {names.get(id(mod)) or '<root>'!r}")
+        # on close, or when collected unclosed; only this copy's entries (an id may be reused after)
+        self._forget = weakref.finalize(self, _forget, me, [id(ph) for e in self.own.values() for _, ph, _, _ in e])
 
     def widened(self, mod: torch.nn.Module, key: str, p: torch.Tensor) -> bool:
         """Whether ``p`` is parameter ``key`` of ``mod`` as widened for the call now running,
@@ -213,16 +219,21 @@ class LazyFloat64:
         for h in self.handles:
             h.remove()
         self.handles = []
-        for calls in self.active.values():  # calls an exception left unfinished
-            for _, p, _, _ in calls:
-                _WIDE.pop(id(p), None)
-        for entries in self.own.values():
-            for _, ph, _, _ in entries:
-                _LIVE.pop(id(ph), None)
+        if self._forget is not None:  # its placeholders, and what calls an exception left unfinished had widened
+            self._forget()
         self.own = {}
         self.active = {}
         self.lent = {}
         self.pool = _Pool()
+
+
+def _forget(owner: weakref.ref[LazyFloat64], ids: list[int]) -> None:
+    """Drop a copy's placeholders from the table (entries another copy took over since stay)."""
+    for i in ids:
+        if i in _LIVE and _LIVE[i][0] is owner:
+            del _LIVE[i]
+    for i in [i for i, (o, _) in _WIDE.items() if o is owner]:
+        del _WIDE[i]
 
 
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
