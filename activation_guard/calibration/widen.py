@@ -75,14 +75,15 @@ def check_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) 
         found = _LIVE.get(id(a)) if isinstance(a, torch.Tensor) else None
         if found is None and isinstance(a, (list, tuple)):
             found = next((_LIVE[id(x)] for x in a if isinstance(x, torch.Tensor) and id(x) in _LIVE), None)
-        owner = None if found is None else found[0]()
-        if owner is not None and found is not None:
-            owner.trip(f"{found[1]} used outside its module's call ({getattr(func, '__name__', func)!s})")
-        wide = _WIDE.get(id(a)) if untracked and isinstance(a, torch.Tensor) else None
-        owner = None if wide is None else wide[0]()
-        if owner is not None and wide is not None:
-            owner.trip(f"{wide[1]} read through {untracked} during its call (a write no version counter sees, or a "
-                       f"cache keyed by its address)")
+        if found is not None:
+            owner = found[0]()
+            if owner is not None:
+                owner.trip(f"{found[1]} used outside its module's call ({getattr(func, '__name__', func)!s})")
+        if untracked is not None and isinstance(a, torch.Tensor) and id(a) in _WIDE:
+            owner = _WIDE[id(a)][0]()
+            if owner is not None:
+                owner.trip(f"{_WIDE[id(a)][1]} read through {untracked} during its call (a write no version counter "
+                           f"sees, or a cache keyed by its address)")
 
 
 class _Pool:
