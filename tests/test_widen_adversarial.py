@@ -458,3 +458,33 @@ def test_same_bits_is_byte_equality() -> None:
     z = torch.randn(3, dtype=torch.complex64)
     assert not same(z, z.clone())  # not a real floating tensor: the judge weighs it
     assert not same(x, x.double()) and not same(x, x[:2])
+
+
+class Scaled(nn.Module):
+    """A leaf of the model's own code: the leaf checks run it again in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def test_the_leaf_check_of_a_widened_leaf_reads_the_models_own_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check's float32 run takes the model's own weight, not a conversion of the widened one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Scaled()).eval()
+    got: list[torch.Tensor | None] = []
+    real = shadow._Narrowed.get
+
+    def spy(self: Any, k: str, v: torch.Tensor) -> torch.Tensor | None:
+        got.append(real(self, k, v))
+        return got[-1]
+
+    monkeypatch.setattr(shadow._Narrowed, "get", spy)
+    per_call, seen = run(model, (torch.randn(4, 8),), True, monkeypatch)
+    per_call.close()
+    assert seen == ["ok"]
+    assert len(got) == 1 and got[0] is not None
+    assert got[0].data_ptr() == model[1].weight.data_ptr()
