@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
@@ -488,3 +490,17 @@ def test_the_leaf_check_of_a_widened_leaf_reads_the_models_own_parameter(monkeyp
     assert seen == ["ok"]
     assert len(got) == 1 and got[0] is not None
     assert got[0].data_ptr() == model[1].weight.data_ptr()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+       st.lists(st.integers(0, 255), min_size=8, max_size=64), st.integers(0, 63), st.integers(0, 7))
+def test_same_bits_is_true_exactly_when_every_byte_is(dtype: torch.dtype, raw: list[int], at: int, bit: int) -> None:
+    size = torch.empty((), dtype=dtype).element_size()
+    n = len(raw) // size * size
+    golden = torch.tensor(raw[:n], dtype=torch.uint8).view(dtype)
+    live = golden.clone()
+    flipped = live.view(torch.uint8)
+    flipped[at % n] ^= 1 << bit
+    assert calibrate._same_bits(golden, golden.clone())
+    assert not calibrate._same_bits(golden, live)
