@@ -9,10 +9,11 @@ created 0600 and unlinked at once): nobody else can open it, and it is gone even
 process dies. There is no checksum: the bytes never leave this process's own file, and a short
 read is an error.
 
-When the float64 copy's parameters are widened per call (:mod:`.widen`), most of the memory a
-whole copy would take is free: outputs are then kept in memory, as copies, while they and the
-copy's buffers stay within what the whole copy would have held (``budget``), and only the rest
-goes to the file (created on the first such output).
+When the float64 copy's parameters are widened per call (:mod:`.widen`) on the CPU, most of the
+memory a whole copy would take is free: outputs are then kept in memory, as copies, while they and
+the copy's buffers stay within what the whole copy would have held (``budget``), and only the rest
+goes to the file (created on the first such output). A copy on an accelerator held device memory,
+not host memory: there every output goes to the file.
 """
 
 from __future__ import annotations

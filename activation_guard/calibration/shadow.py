@@ -17,7 +17,7 @@ import math
 import os
 import random
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -427,6 +427,16 @@ def _float64_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Modu
     return copy.deepcopy(model, memo)
 
 
+def held_budget(lazy: LazyFloat64 | None, device: torch.device) -> Callable[[], int] | None:
+    """How many bytes of the shadow's outputs :class:`.scratch.Scratch` may keep in memory (copies on
+    the CPU): what the whole copy would have held beyond the per-call copy's buffers, where that is
+    host memory too; on an accelerator the whole copy's memory was the device's, so None (all to
+    the scratch file, as with a whole copy)."""
+    if lazy is None or device.type != "cpu":
+        return None
+    return lambda: lazy.nbytes - lazy.pool.nbytes
+
+
 class ShadowRun:
     """The float64 copy of a model, run once on the inputs; its outputs kept in a private scratch
     file so memory stays near one layer's worth, as for the real golden."""
@@ -506,10 +516,7 @@ class ShadowRun:
             checks.install(shadow, own, model, self.lazy)
             a = to_reference(args, self.device)
             kw = to_reference(kwargs, self.device)
-            lazy_copy = self.lazy
-            # outputs kept in memory within what the whole copy would have held beyond the copy's buffers
-            scratch = self.scratch = Scratch(None if lazy_copy is None else
-                                             lambda: lazy_copy.nbytes - lazy_copy.pool.nbytes)
+            scratch = self.scratch = Scratch(held_budget(self.lazy, self.device))
             # --- gradients: the float64 backward, with the golden's loss, into a temporary golden
             path: str | None = None
             writer: GoldenWriter | None = None
@@ -533,6 +540,8 @@ class ShadowRun:
                     with hooked(shadow, on_output, include, exclude,
                                 on_enter=None if grads is None else grads.on_enter) as state:
                         out = run_forward(shadow, a, kw, state, grad=self.grad or grads is not None)
+                    if self.lazy is not None:  # replays of the kept copy call its modules again
+                        self.lazy.check_lent()
                     if grads is not None and self.backward is not None:
                         grads.backward(shadow, out, self.backward, a, kw)
                 checks.recording = False  # replays of the kept copy re-check, but are not this run's calls
