@@ -503,3 +503,29 @@ def test_the_golden_rms_in_a_reused_buffer_has_the_same_bits(shape: list[int], s
     buf = torch.full((g.numel() + spare,), math.nan, dtype=torch.float64)[: g.numel()]
     with torch_passes():
         assert _all_finite_rms(g, buf) == _all_finite_rms(g)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3000), seed=st.integers(0, 2**31 - 1), gdt=st.sampled_from([torch.float32, torch.float64]),
+       special=st.sampled_from([None, math.nan, math.inf, 1e200]))
+def test_the_judges_one_pass_gives_what_each_alone_gives(n: int, seed: int, gdt: torch.dtype,
+                                                         special: float | None) -> None:
+    """The calibrated judge reads live and golden once for the error's statistics and the golden's
+    RMS: the very numbers diff_stats and the RMS alone give, or None where one is not finite."""
+    from activation_guard.calibration.calibrate import _all_finite_rms, _error_and_rms
+
+    g = torch.Generator().manual_seed(seed)
+    golden = torch.randn(n, generator=g, dtype=torch.float64).to(gdt)
+    live = (golden.double() + 1e-4 * torch.randn(n, generator=g, dtype=torch.float64)).float()
+    if special is not None:
+        golden[seed % n] = torch.tensor(special, dtype=torch.float64).to(gdt)  # 1e200: inf in float32
+    err, rms = _error_and_rms(golden, live)
+    if native.available() is None:
+        assert (err, rms) == (None, None)
+        return
+    if err is not None:
+        alone = diff_stats(live, golden)
+        assert (err.max_abs, err.rms) == (alone.max_abs, alone.rms)
+    else:
+        assert special is not None
+    assert rms == _all_finite_rms(golden)

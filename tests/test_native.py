@@ -488,3 +488,24 @@ def test_every_build_computes_the_same_noise_floor_bits(every_build: list[native
     for args in ((x, ref), (x, x + 1e-6), (ref, None), (x, None)):
         outs = {lib.diff(*args) for lib in every_build}
         assert len(outs) == 1, outs
+
+
+@needs_native
+def test_the_compiled_noise_floor_gives_the_same_bits_on_one_thread_or_two() -> None:
+    """Its sums go block by block in block order, whichever thread takes a block."""
+    lib = native.get()
+    assert lib is not None
+    g = torch.Generator().manual_seed(11)
+    n = 5 * native.DIFF_BLOCK + 77
+    x = torch.randn(n, generator=g)
+    ref = x.double() + 1e-7 * torch.randn(n, generator=g, dtype=torch.float64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lib.diff(x, ref)
+        torch.set_num_threads(2)
+        two = lib.diff(x, ref)
+    finally:
+        torch.set_num_threads(before)
+    assert one == two and one is not None
+    assert one[2] == pytest.approx(float((ref * ref).sum()), rel=1e-12)

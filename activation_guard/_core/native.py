@@ -33,6 +33,7 @@ otherwise (the same maximum; the sum in torch's order, within the same rounding 
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import ctypes.util
 import functools
@@ -74,12 +75,14 @@ class Native:
     lib: ctypes.CDLL  # keeps the library mapped for copy_fn, which holds only its address
     diff_fn: Callable[..., None]  # ag_diff: a noise floor's max |x - ref| and sum of squares
 
-    def diff(self, x: torch.Tensor, ref: torch.Tensor | None) -> tuple[float, float] | None:
-        """``max |x - ref|`` and ``sum((x - ref) ** 2)`` in float64 in one pass (``ref`` None: of
-        ``x`` itself), or None where the C side does not take these tensors (not float32/float64,
-        not contiguous, not on the CPU, of other sizes): the caller's torch path then runs. A
-        non-finite result means a NaN, an infinity or an overflow somewhere: the caller's torch
-        path says which."""
+    def diff(self, x: torch.Tensor, ref: torch.Tensor | None) -> tuple[float, float, float] | None:
+        """``max |x - ref|``, ``sum((x - ref) ** 2)`` and ``sum(ref ** 2)`` in float64 in one pass
+        (``ref`` None: of ``x`` itself, the last 0), or None where the C side does not take these
+        tensors (not float32/float64, not contiguous, not on the CPU, of other sizes): the caller's
+        torch path then runs. A non-finite result means a NaN, an infinity or an overflow somewhere:
+        the caller's torch path says which. The sums go block by block (:data:`DIFF_BLOCK` elements,
+        added in block order), the blocks shared with a second thread when torch has more than
+        one: the same bits with any number of threads."""
         ok = (x.device.type == "cpu" and x.dtype in _DIFF_DTYPES and x.is_contiguous() and not x.is_conj()
               and not x.is_neg() and x.data_ptr() % x.element_size() == 0
               and (ref is None or (ref.device.type == "cpu" and ref.dtype in _DIFF_DTYPES and ref.is_contiguous()
@@ -87,10 +90,36 @@ class Native:
                                    and ref.data_ptr() % ref.element_size() == 0)))
         if not ok:
             return None
-        out = (ctypes.c_double * 2)()
-        self.diff_fn(self.simd, int(x.dtype == torch.float64), int(ref is not None and ref.dtype == torch.float64),
-                     x.data_ptr(), 0 if ref is None else ref.data_ptr(), x.numel(), out)
-        return float(out[0]), float(out[1])
+        n = x.numel()
+        xf64, rf64 = int(x.dtype == torch.float64), int(ref is not None and ref.dtype == torch.float64)
+        xp, xs = x.data_ptr(), x.element_size()
+        rp, rs = (0, 0) if ref is None else (ref.data_ptr(), ref.element_size())
+        nb = max(1, -(-n // DIFF_BLOCK))
+        outs = (ctypes.c_double * (3 * nb))()
+        base = ctypes.addressof(outs)
+
+        def run(lo: int, hi: int) -> None:
+            for k in range(lo, hi):
+                i = k * DIFF_BLOCK
+                self.diff_fn(self.simd, xf64, rf64, xp + i * xs, rp + i * rs if rp else 0,
+                             min(DIFF_BLOCK, n - i), base + 24 * k)
+
+        half = nb // 2 if nb >= 4 and torch.get_num_threads() > 1 else 0
+        if half:
+            other = _diff_pool().submit(run, 0, half)
+            try:
+                run(half, nb)
+            finally:
+                other.result()
+        else:
+            run(0, nb)
+        mx, ss, qq = 0.0, 0.0, 0.0
+        for k in range(nb):
+            m = outs[3 * k]
+            mx = m if (m > mx or m != m) else mx
+            ss += outs[3 * k + 1]
+            qq += outs[3 * k + 2]
+        return mx, ss, qq
 
     def chunk(self, x: torch.Tensor, rows: int, buckets: int, w: torch.Tensor, route: torch.Tensor,
               routed: torch.Tensor, stats: torch.Tensor, scratch: torch.Tensor) -> None:
@@ -131,6 +160,15 @@ class Native:
 
 
 _DIFF_DTYPES = (torch.float32, torch.float64)
+DIFF_BLOCK = 1 << 20  # elements per call of ag_diff: the unit of its sums' order, and of its two threads' shares
+_diff_executor: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _diff_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """One thread beside the caller's for :meth:`Native.diff` (ctypes releases the GIL)."""
+    if not _diff_executor:
+        _diff_executor.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="activation_guard-diff"))
+    return _diff_executor[0]
 
 
 def _scratch_ok(t: torch.Tensor, buckets: int) -> bool:
@@ -386,6 +424,7 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
     _starting = threading.Lock()
     _builder.clear()  # (its thread did not come along)
+    _diff_executor.clear()  # (nor the diff's)
     if "why" not in _state:
         _state.clear()
 

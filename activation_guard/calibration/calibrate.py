@@ -191,17 +191,19 @@ class CalibratedJudge:
     def judge(self, ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor) -> LeafResult:
         if _same_bits(golden, live):  # no error to weigh: neither floor nor allowance is needed
             return self.identical(ctx, live)
-        fast: list[float | None] = [None]  # the golden's RMS, taken once for the scale and the absolute term
+        err, rms = _error_and_rms(golden, live)  # one compiled pass for both, where it takes them
+        fast: list[float | None] = [rms]  # the golden's RMS, taken once for the scale and the absolute term
 
         def scale() -> float | None:
-            fast[0] = _all_finite_rms(golden, self._rms_buffer(golden))
+            if fast[0] is None:
+                fast[0] = _all_finite_rms(golden, self._rms_buffer(golden))
             return fast[0] if fast[0] is not None else _masked_rms(golden)
 
         d = self.decide(ctx, lambda gf: (gf, self.shadow.floor(ctx.name, ctx.call, ctx.path, live)), scale)
         if not d.calibrated:
             return self.strict_verdict(ctx, golden, live, d)
         assert d.golden_floor is not None and d.live_floor is not None
-        return calibrated_verdict(ctx, golden, live, d.golden_floor, d.live_floor, fast[0])
+        return calibrated_verdict(ctx, golden, live, d.golden_floor, d.live_floor, fast[0], err)
 
     def identical_tolerance(self, name: str, dtype: str) -> None:
         return None  # it counts what it judged, in order, for its notes
@@ -387,10 +389,28 @@ def abs_term(golden: torch.Tensor, rms: float | None = None) -> float:
     return ABS_TERM * min(1.0, scale) if scale > 0 else ABS_TERM
 
 
+def _error_and_rms(golden: torch.Tensor, live: torch.Tensor) -> tuple[NoiseFloor | None, float | None]:
+    """``diff_stats(live, golden)`` and ``golden``'s :func:`_all_finite_rms`, from one read of both
+    by the compiled pass (the same numbers it gives each alone); (None, None) where it does not
+    take them, and None for either that is not finite (the torch paths then say what it is)."""
+    if golden.device.type != "cpu" or live.device.type != "cpu" or golden.numel() != live.numel() or not live.numel():
+        return None, None
+    lib = native.available()
+    got = None if lib is None else lib.diff(live.detach().reshape(-1), golden.detach().reshape(-1))
+    if got is None:
+        return None, None
+    n = live.numel()
+    mx, ss, gg = got
+    err = NoiseFloor(mx + 0.0, math.sqrt(ss / n)) if math.isfinite(mx) and math.isfinite(ss) else None
+    return err, (math.sqrt(gg / n) if math.isfinite(gg) else None)
+
+
 def calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor,
-                        gf: NoiseFloor, lf: NoiseFloor, rms: float | None = None) -> LeafResult:
+                        gf: NoiseFloor, lf: NoiseFloor, rms: float | None = None,
+                        err: NoiseFloor | None = None) -> LeafResult:
     """The calibrated rule's verdict on two tensors, given the floors :meth:`CalibratedJudge.decide` chose.
-    ``rms``: ``golden``'s :func:`_all_finite_rms` when the caller took it (None: taken here if needed)."""
+    ``rms``: ``golden``'s :func:`_all_finite_rms` when the caller took it (None: taken here if needed);
+    ``err``: ``diff_stats(live, golden)`` when the caller took it."""
     gdt, ldt = ctx.golden_dtype, ctx.live_dtype
     shape = tuple(int(s) for s in live.shape)
     dev = stats_device(live)
@@ -412,7 +432,8 @@ def calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tenso
         g, lv = g.to(torch.float64), lv.to(torch.float64)
     st = compare_tensors(g, lv, 0.0, allow_max)
     # equal values (NaN is never equal) subtract to zeros: the statistics diff_stats would give
-    err = NoiseFloor(0.0, 0.0) if g.dtype == lv.dtype and torch.equal(g, lv) else diff_stats(lv, g)
+    if err is None:
+        err = NoiseFloor(0.0, 0.0) if g.dtype == lv.dtype and torch.equal(g, lv) else diff_stats(lv, g)
     multiple = max(_ratio(err.max_abs, allow_max), _ratio(err.rms, allow_rms))
     res = leaf_from_stats(ctx.path, gdt, ldt, shape, st, 0.0, allow_max, rule_text(a.multiplier))
     res.error_multiple = multiple

@@ -289,18 +289,18 @@ void ag_leaf(int64_t simd, int64_t f64, const void *x, int64_t n, int64_t chunk,
     }
 }
 
-/* A noise floor's two numbers for x - ref (calibration): out[0] = max |x - ref|, out[1] = the sum of
- * (x - ref)^2, both in float64 (x, ref: float32 or float64, as xf64/rf64 say; ref NULL: zeros, the
- * sum of squares of x). One pass instead of torch's four (a float64 difference, its min and max,
- * its square, its sum). Lane l sums the elements whose index is l mod 8, in index order, and the
- * lanes are added 0..7 at the end: every build (baseline or AVX2) computes the same bits, another
- * order than torch's sum (within the same rounding depth). A NaN or infinite difference, or a sum
- * that overflows, shows as a non-finite out[0] or out[1]: the caller then takes torch's masked
- * path, which defines those cases. */
+/* A noise floor's numbers for x - ref (calibration): out[0] = max |x - ref|, out[1] = the sum of
+ * (x - ref)^2, out[2] = the sum of ref^2, all in float64 (x, ref: float32 or float64, as xf64/rf64
+ * say; ref NULL: zeros, out[1] the sum of squares of x). One pass instead of torch's four (a float64
+ * difference, its min and max, its square, its sum) and one more for the reference's RMS. Lane l
+ * sums the elements whose index is l mod 8, in index order, and the lanes are added 0..7 at the
+ * end: every build (baseline or AVX2) computes the same bits, another order than torch's sum
+ * (within the same rounding depth). A NaN or infinite difference, or a sum that overflows, shows
+ * as a non-finite result: the caller then takes torch's masked path, which defines those cases. */
 #define DEFINE_DIFF(NAME, ATTR)                                                                        \
     ATTR static void NAME(int64_t xf64, int64_t rf64, const void *x, const void *ref, int64_t n,       \
                           double *out) {                                                               \
-        double m[LANES] = {0}, s[LANES] = {0};                                                         \
+        double m[LANES] = {0}, s[LANES] = {0}, q[LANES] = {0};                                         \
         const float *xs = x, *rs = ref;                                                                \
         const double *xd = x, *rd = ref;                                                               \
         int64_t i = 0;                                                                                 \
@@ -312,6 +312,7 @@ void ag_leaf(int64_t simd, int64_t f64, const void *x, int64_t n, int64_t chunk,
                 double ad = fabs(d);                                                                   \
                 m[l] = ad > m[l] ? ad : m[l];                                                          \
                 s[l] += d * d;                                                                         \
+                q[l] += b * b;                                                                         \
             }                                                                                          \
         }                                                                                              \
         for (int l = 0; i < n; i++, l++) {                                                             \
@@ -321,14 +322,17 @@ void ag_leaf(int64_t simd, int64_t f64, const void *x, int64_t n, int64_t chunk,
             double ad = fabs(d);                                                                       \
             m[l] = (ad > m[l] || ad != ad) ? ad : m[l];                                                \
             s[l] += d * d;                                                                             \
+            q[l] += b * b;                                                                             \
         }                                                                                              \
-        double mx = 0.0, ss = 0.0;                                                                     \
+        double mx = 0.0, ss = 0.0, qq = 0.0;                                                           \
         for (int l = 0; l < LANES; l++) {                                                              \
             mx = (m[l] > mx || m[l] != m[l]) ? m[l] : mx;                                              \
             ss += s[l];                                                                                \
+            qq += q[l];                                                                                \
         }                                                                                              \
         out[0] = mx;                                                                                   \
         out[1] = ss;                                                                                   \
+        out[2] = qq;                                                                                   \
     }
 
 DEFINE_DIFF(diff_baseline, )
