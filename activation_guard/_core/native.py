@@ -160,7 +160,7 @@ class Native:
 
 
 _DIFF_DTYPES = (torch.float32, torch.float64)
-DIFF_BLOCK = 1 << 20  # elements per call of ag_diff: the unit of its sums' order, and of its two threads' shares
+DIFF_BLOCK = 1 << 16  # elements per call of ag_diff: the unit of its sums' order, and of its two threads' shares
 _diff_executor: list[concurrent.futures.ThreadPoolExecutor] = []
 
 
