@@ -140,18 +140,9 @@ def references(run: ShadowRun) -> dict[tuple[str, int, str], torch.Tensor]:
     return {k: run.reference(*k) for k in run.scratch.entries}  # type: ignore[misc]
 
 
-def shadow(model: nn.Module, args: tuple[Any, ...], per_call: bool, monkeypatch: pytest.MonkeyPatch,
-           **kw: Any) -> ShadowRun:
-    monkeypatch.setattr(ShadowRun, "widen_per_call", per_call)
-    return ShadowRun(model, args, {}, None, None, CPU, **kw)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_per_call_widening_gives_the_whole_copys_references(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    build, inputs, trips = CASES[case]
-    model, args = build(), inputs()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    whole = shadow(model, args, False, monkeypatch)
+def run(model: nn.Module, args: tuple[Any, ...], per_call: bool,
+        monkeypatch: pytest.MonkeyPatch) -> tuple[ShadowRun, list[str | None]]:
+    """The shadow run, and per attempt: None for a whole copy, else why it tripped ("ok": it did not)."""
     seen: list[str | None] = []
     orig = ShadowRun._attempt
 
@@ -161,8 +152,23 @@ def test_per_call_widening_gives_the_whole_copys_references(case: str, monkeypat
         finally:
             seen.append(None if not lazy or self.lazy is None else (self.lazy.tripped or "ok"))
 
-    monkeypatch.setattr(ShadowRun, "_attempt", attempt)
-    per_call = shadow(model, args, True, monkeypatch)
+    with monkeypatch.context() as m:
+        m.setattr(ShadowRun, "widen_per_call", per_call)
+        m.setattr(ShadowRun, "_attempt", attempt)
+        return ShadowRun(model, args, {}, None, None, CPU), seen
+
+
+def shadow(model: nn.Module, args: tuple[Any, ...], per_call: bool, monkeypatch: pytest.MonkeyPatch) -> ShadowRun:
+    return run(model, args, per_call, monkeypatch)[0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_per_call_widening_gives_the_whole_copys_references(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    build, inputs, trips = CASES[case]
+    model, args = build(), inputs()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    whole = shadow(model, args, False, monkeypatch)
+    per_call, seen = run(model, args, True, monkeypatch)
     try:
         assert (seen[0] != "ok") is trips, seen  # tripped (or raised) exactly where a parameter is used outside
         assert len(seen) == (2 if trips else 1)

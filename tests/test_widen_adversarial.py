@@ -24,27 +24,9 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 from activation_guard.calibration import calibrate, shadow, widen
-from activation_guard.calibration.shadow import ShadowRun
+from tests.test_widen import run
 
 CPU = torch.device("cpu")
-
-
-def run(model: nn.Module, args: tuple[Any, ...], per_call: bool,
-        monkeypatch: pytest.MonkeyPatch) -> tuple[ShadowRun, list[str | None]]:
-    """The shadow run, and per attempt: None for a whole copy, else why it tripped ("ok": it did not)."""
-    seen: list[str | None] = []
-    orig = ShadowRun._attempt
-
-    def attempt(self: ShadowRun, *a: Any, lazy: bool, **k: Any) -> None:
-        try:
-            orig(self, *a, lazy=lazy, **k)
-        finally:
-            seen.append(None if not lazy or self.lazy is None else (self.lazy.tripped or "ok"))
-
-    with monkeypatch.context() as m:
-        m.setattr(ShadowRun, "widen_per_call", per_call)
-        m.setattr(ShadowRun, "_attempt", attempt)
-        return ShadowRun(model, args, {}, None, None, CPU), seen
 
 
 def check(build: Callable[[], nn.Module], inputs: Callable[[], tuple[Any, ...]],
