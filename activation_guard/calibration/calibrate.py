@@ -55,6 +55,7 @@ from ..store.floors import (
     SMALL_NUMEL,
     FloorTable,
     NoiseFloor,
+    compiled_diff,
     diff_stats,
     multiplier,
     rule_text,
@@ -391,18 +392,10 @@ def abs_term(golden: torch.Tensor, rms: float | None = None) -> float:
 
 def _error_and_rms(golden: torch.Tensor, live: torch.Tensor) -> tuple[NoiseFloor | None, float | None]:
     """``diff_stats(live, golden)`` and ``golden``'s :func:`_all_finite_rms`, from one read of both
-    by the compiled pass (the same numbers it gives each alone); (None, None) where it does not
-    take them, and None for either that is not finite (the torch paths then say what it is)."""
-    if golden.device.type != "cpu" or live.device.type != "cpu" or golden.numel() != live.numel() or not live.numel():
+    by the compiled pass (the same numbers it gives each alone); None for either it does not give."""
+    if golden.numel() != live.numel():
         return None, None
-    lib = native.available()
-    got = None if lib is None else lib.diff(live.detach().reshape(-1), golden.detach().reshape(-1))
-    if got is None:
-        return None, None
-    n = live.numel()
-    mx, ss, gg = got
-    err = NoiseFloor(mx + 0.0, math.sqrt(ss / n)) if math.isfinite(mx) and math.isfinite(ss) else None
-    return err, (math.sqrt(gg / n) if math.isfinite(gg) else None)
+    return compiled_diff(live.detach().reshape(-1), golden.detach().reshape(-1))
 
 
 def calibrated_verdict(ctx: LeafContext, golden: torch.Tensor, live: torch.Tensor,

@@ -84,7 +84,7 @@ def diff_stats(x: torch.Tensor, ref: torch.Tensor) -> NoiseFloor:
         raise ValueError(f"diff_stats: {n} elements vs {rs.numel()}")
     if n == 0:
         return NoiseFloor(0.0, 0.0)
-    fast = _compiled(xs, rs)
+    fast, _ = compiled_diff(xs, rs)
     if fast is not None:
         return fast
     # Where every difference is finite, |a - b| is already the masked difference below (equal
@@ -124,18 +124,22 @@ def diff_stats(x: torch.Tensor, ref: torch.Tensor) -> NoiseFloor:
     return NoiseFloor(float(m) + 0.0, float(r))
 
 
-def _compiled(xs: torch.Tensor, rs: torch.Tensor) -> NoiseFloor | None:
-    """:func:`diff_stats` of two flat CPU float32/float64 tensors in the compiled pass's one read
-    (``native.Native.diff``: its sum in eight fixed lanes, another order than torch's, the same
-    maximum), where the library is at hand without a build and every difference is finite; else
-    None and the torch passes below run (they define the non-finite cases)."""
-    if xs.device.type != "cpu" or rs.device.type != "cpu":
-        return None
+def compiled_diff(xs: torch.Tensor, rs: torch.Tensor) -> tuple[NoiseFloor | None, float | None]:
+    """:func:`diff_stats` of two flat CPU float32/float64 tensors, and the RMS of ``rs``, from the
+    compiled pass's one read of both (``native.Native.diff``: its sums in eight fixed lanes,
+    another order than torch's, the same maximum), where the library is at hand without a build;
+    None for either that is not finite (the torch passes define those cases), or where the
+    compiled pass does not take these tensors."""
+    if xs.device.type != "cpu" or rs.device.type != "cpu" or xs.numel() == 0:
+        return None, None
     lib = native.available()
     got = None if lib is None else lib.diff(xs, rs)
-    if got is None or not (math.isfinite(got[0]) and math.isfinite(got[1])):
-        return None
-    return NoiseFloor(got[0] + 0.0, math.sqrt(got[1] / xs.numel()))
+    if got is None:
+        return None, None
+    n = xs.numel()
+    mx, ss, rr = got
+    floor = NoiseFloor(mx + 0.0, math.sqrt(ss / n)) if math.isfinite(mx) and math.isfinite(ss) else None
+    return floor, (math.sqrt(rr / n) if math.isfinite(rr) else None)
 
 
 # --------------------------------------------------------------------------- floor table
