@@ -1,10 +1,11 @@
 """The float64 shadow forward: the reference a run's noise floor is measured against.
 
-The model is deep-copied to float64 (on the CPU when the live device has no float64), run once on
-the same inputs with full-precision float32 switches and autocast off, with every RNG isolated so
-the real forward sees exactly the random numbers it would have seen. Its outputs go to a private
-scratch file (:mod:`.scratch`), so memory stays near one layer's worth as for the real golden; its
-gradients, when a backward runs, to a temporary golden.
+The model is deep-copied to float64 (on the CPU when the live device has no float64), its
+parameters widened per module call where the model allows it (:mod:`.widen`, else a whole float64
+copy), and run once on the same inputs with full-precision float32 switches and autocast off, with
+every RNG isolated so the real forward sees exactly the random numbers it would have seen. Its
+outputs are kept by :mod:`.scratch` (in memory within what a whole copy would have held, else in a
+private file); its gradients, when a backward runs, go to a temporary golden.
 
 Over the ~400 lines we aim for: the float64 copy's forward, its backward, and the leaf checks that
 find a copy computing another function (an epsilon from the dtype) share the copy's state.
@@ -438,8 +439,8 @@ def held_budget(lazy: LazyFloat64 | None, device: torch.device) -> Callable[[], 
 
 
 class ShadowRun:
-    """The float64 copy of a model, run once on the inputs; its outputs kept in a private scratch
-    file so memory stays near one layer's worth, as for the real golden."""
+    """The float64 copy of a model, run once on the inputs; its outputs kept for the floors (in
+    memory within what a whole float64 copy would have held, the rest in a private scratch file)."""
 
     widen_per_call = True  # False: always a whole float64 copy (tests compare the two)
 
