@@ -486,3 +486,23 @@ def test_same_bits_is_true_exactly_when_every_byte_is(dtype: torch.dtype, raw: l
     flipped[at % n] ^= 1 << bit
     assert calibrate._same_bits(golden, golden.clone())
     assert not calibrate._same_bits(golden, live)
+
+
+def test_a_rebound_parameter_is_never_taken_for_the_models_own() -> None:
+    """The leaf check reads the model's own parameter while the copy's is the one it was made from
+    (same object, version and address). ``p.data = ...`` keeps object and version, and once the
+    first storage is freed the allocator may hand its address to the new data: the check then
+    took the copy's halved weight for the model's and stood the model's result in (seen once in
+    a full suite run, "assigns .data" above). The first storage is kept alive for the comparison."""
+    torch.manual_seed(0)
+    model = Twice(AssignsData()).eval()
+    copied = copy.deepcopy(model).double()
+    narrowed = shadow._Narrowed(copied.inner, model.inner, torch.float32)
+    first = narrowed.same["weight"][2]
+    assert narrowed.get("weight", copied.inner.weight) is not None  # unchanged: the model's own is read
+    for _ in range(50):
+        copied.inner.weight.data = copied.inner.weight.data * 0.5
+        kept = narrowed.same["weight"][5]
+        assert kept.data_ptr() == first  # the first storage is alive: no new data can take its address
+        assert copied.inner.weight.data_ptr() != first
+        assert narrowed.get("weight", copied.inner.weight) is None

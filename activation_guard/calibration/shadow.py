@@ -324,7 +324,7 @@ class _Narrowed:
 
     def __init__(self, mod: torch.nn.Module, original: torch.nn.Module | None, dt: torch.dtype,
                  lazy: LazyFloat64 | None = None):
-        self.same: dict[str, tuple[torch.Tensor, int, int, torch.Tensor, int]] = {}
+        self.same: dict[str, tuple[torch.Tensor, int, int, torch.Tensor, int, torch.Tensor]] = {}
         self.mod = mod
         self.lazy = lazy  # a parameter widened per call holds the original's values while unchanged
         if original is None:
@@ -334,13 +334,15 @@ class _Narrowed:
             if (v is None or o is None or v.dtype != torch.float64 or o.dtype != dt or o.shape != v.shape
                     or o.device != v.device or type(o) is not type(v) or o.layout != torch.strided):
                 continue
-            self.same[k] = (v, v._version, v.data_ptr(), o, o._version)
+            # v.detach() keeps v's first storage alive: a `.data =` rebinding then always shows as
+            # another address (freed, its address could come back for the new data and pass)
+            self.same[k] = (v, v._version, v.data_ptr(), o, o._version, v.detach())
 
     def get(self, k: str, v: torch.Tensor) -> torch.Tensor | None:
         kept = self.same.get(k)
         if kept is None:
             return None
-        sv, sver, sptr, o, over = kept
+        sv, sver, sptr, o, over, _ = kept
         if self.lazy is not None and sv is not v and self.lazy.widened(self.mod, k, v) and o._version == over:
             return o.detach()
         if sv is not v or v._version != sver or v.data_ptr() != sptr or o._version != over:
