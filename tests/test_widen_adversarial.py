@@ -186,13 +186,7 @@ class AddsToWhatItGets(nn.Module):
 
 
 @pytest.mark.parametrize("build", [
-    lambda: Twice(Replaces()).eval(),
-    # once in a full suite run (never alone) the per-call run's fallback differed from the whole
-    # copy's at the second call, by a factor of 4: not understood yet (the leaf check's address
-    # test below covers the one cause found)
-    pytest.param(lambda: Twice(AssignsData()).eval(),
-                 marks=pytest.mark.xfail(strict=False, reason="once differed in a full suite run; cause not found")),
-    lambda: Twice(WritesData()).eval(),
+    lambda: Twice(Replaces()).eval(), lambda: Twice(AssignsData()).eval(), lambda: Twice(WritesData()).eval(),
     address_cache, lambda: AddsToWhatItGets().eval(), lambda: AddsToWhatItGets(transposed=True).eval(),
 ], ids=["replaces its parameter", "assigns .data", "writes through .data", "cache keyed by address",
         "a returned parameter written after the call", "a returned view written after the call"])
@@ -494,21 +488,28 @@ def test_same_bits_is_true_exactly_when_every_byte_is(dtype: torch.dtype, raw: l
     assert not calibrate._same_bits(golden, live)
 
 
-def test_a_rebound_parameter_is_never_taken_for_the_models_own() -> None:
+def test_a_rebound_parameter_is_never_taken_for_the_models_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """The leaf check reads the model's own parameter while the copy's is the one it was made from
     (same object, version and address). ``p.data = ...`` keeps object and version, and once the
     first storage is freed the allocator may hand its address to the new data: the check then
-    took the copy's halved weight for the model's and stood the model's result in (seen once in
-    a full suite run, "assigns .data" above). The first storage is kept alive for the comparison."""
-    torch.manual_seed(0)
-    model = Twice(AssignsData()).eval()
-    copied = copy.deepcopy(model).double()
-    narrowed = shadow._Narrowed(copied.inner, model.inner, torch.float32)
-    first = narrowed.same["weight"][2]
-    assert narrowed.get("weight", copied.inner.weight) is not None  # unchanged: the model's own is read
-    for _ in range(50):
-        copied.inner.weight.data = copied.inner.weight.data * 0.5
-        kept = narrowed.same["weight"][5]
-        assert kept.data_ptr() == first  # the first storage is alive: no new data can take its address
-        assert copied.inner.weight.data_ptr() != first
-        assert narrowed.get("weight", copied.inner.weight) is None
+    took the copy's halved weight for the model's own, found the call "computing differently" and
+    stood its result in (a factor of 4 at the second call, in about one run in ten). The first
+    storage is kept alive for the comparison, so every run gives the same references."""
+    junk: list[torch.Tensor] = []
+    first: dict[tuple[str, int, str], torch.Tensor] | None = None
+    for i in range(60):
+        junk.append(torch.empty((i % 7 + 1) * 16, dtype=torch.float64))  # the allocator's state varies
+        if len(junk) > 8:
+            junk.pop(i % len(junk))
+        torch.manual_seed(0)
+        run_, _ = run(Twice(AssignsData()).eval(), (torch.randn(4, 8),), False, monkeypatch)
+        try:
+            assert run_.scratch is not None
+            refs = {k: run_.reference(*k) for k in run_.scratch.entries}
+        finally:
+            run_.close()
+        if first is None:
+            first = refs
+        assert refs.keys() == first.keys()
+        for k, t in refs.items():
+            assert t is not None and torch.equal(t, first[k]), (i, k)
