@@ -320,10 +320,12 @@ def implausible_floor(golden: torch.Tensor, gf: NoiseFloor, lf: NoiseFloor, dtyp
 
 def _all_finite_rms(golden: torch.Tensor, buf: torch.Tensor | None = None) -> float | None:
     """The RMS of a real tensor whose every square is finite, else None: then both masked
-    definitions below (:func:`values_rms`, :func:`abs_term`) keep every element, and this is
-    their value bit for bit (the same elements, in order, through the same reduction) without
-    their masks and copies. ``buf``: a float64 tensor of ``golden``'s element count on its device
-    to square in (else a fresh copy): the reduction sees the same values in the same order."""
+    definitions below (:func:`values_rms`, :func:`abs_term`) keep every element. The compiled
+    pass's one read gives it where it takes the tensor (its sum in fixed lanes: the masked
+    definitions' value to the last bit or two); else the torch path, their value bit for bit (the
+    same elements, in order, through the same reduction) without their masks and copies. ``buf``:
+    a float64 tensor of ``golden``'s element count on its device for the torch path to square in
+    (else a fresh copy): the reduction sees the same values in the same order."""
     g = golden.detach()
     if g.is_complex() or g.numel() == 0:
         return None
