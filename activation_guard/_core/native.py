@@ -29,6 +29,10 @@ The same library also has the calibrated noise floors' one pass (``ag_diff``: th
 ``|x - ref|`` and the sum of squares, in fixed lanes, where torch takes four passes); the floors
 use it only where the library is at hand without a build (:func:`available`), and the torch path
 otherwise (the same maximum; the sum in torch's order, within the same rounding depth).
+
+About 440 lines, over the ~400 we aim for: finding, checking (source hash, flags, version) and
+loading a library, building one where none fits, and binding its entry points with the checks
+the C side trusts are one concern: which native code this process runs, and why.
 """
 
 from __future__ import annotations

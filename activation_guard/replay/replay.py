@@ -21,7 +21,7 @@ values at the call's start and get their live values back, and objects passed as
 are deep-copied before the module can mutate them (:mod:`activation_guard.replay.callstart` takes those
 snapshots).
 
-About 500 lines, over the ~400 we aim for: running a replay (as the capture saw the call, user
+About 630 lines, over the ~400 we aim for: running a replay (as the capture saw the call, user
 hooks included: :func:`call_as_captured`), judging the inputs a parent's code hands its children,
 and turning both into an origin are one sequence of decisions over the same call. The snapshot
 taken at each call's start (:mod:`.callstart`), the children standing in during a replay
